@@ -1,0 +1,263 @@
+"""The queues: priority order, key groups and TTL expiry (decisions 1-5).
+
+Pure and synchronous: no sockets, no trio, and no clock of its own. The owner passes a
+``clock()`` returning monotonic seconds (the server passes ``trio.current_time``, tests a fake)
+and calls ``expire()`` when ``next_deadline()`` comes; every read also expires what is due
+first, so an expired packet is never returned even if the owner's timer is late.
+
+Layout of one queue, chosen so that no operation touches packets it does not return:
+
+* ``levels[prio]``: the selectable packets (prio 1..255) of one priority, a dict from sequence
+  number to packet. Dicts keep insertion order and ``popitem()`` removes the newest entry, so
+  each level is a stack with O(1) removal from the middle as well.
+* ``mask``: bit ``p`` set while ``levels[p]`` is non-empty, so the best level is the lowest set
+  bit, found in O(1) whatever the number of levels.
+* ``groups[key]``: every packet with that key (prio 0 included), in push order.
+
+Across all queues, one heap of ``(deadline, seq, queue, key)`` orders packets with a TTL.
+Entries of packets that left by pop stay in the heap until they reach its top or until stale
+entries outnumber live ones, when the heap is rebuilt (trio's timer heap does the same).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from itertools import islice
+
+__all__ = ["DEFAULT_MAX_POP", "Clock", "QueueStore", "QueuedPacket"]
+
+Clock = Callable[[], float]
+
+#: Most packets one pop returns: a pop reply's count is a u16 (decision 3).
+DEFAULT_MAX_POP = 0xFFFF
+_NEVER = math.inf
+
+# (deadline, seq, queue, key): ordered by deadline, then push order; names the packet it stands for.
+_ExpiryEntry = tuple[float, int, bytes, bytes]
+
+
+class QueuedPacket:
+    """A packet held by the store. ``seq`` is store-wide push order; ``deadline`` is inf for
+    TTL 0."""
+
+    __slots__ = ("deadline", "key", "payload", "prio", "seq")
+
+    def __init__(self, key: bytes, payload: bytes, prio: int, seq: int, deadline: float) -> None:
+        self.key = key
+        self.payload = payload
+        self.prio = prio
+        self.seq = seq
+        self.deadline = deadline
+
+    def __repr__(self) -> str:
+        return f"QueuedPacket({self.key!r}, {self.payload!r}, prio={self.prio}, seq={self.seq})"
+
+
+class _Queue:
+    __slots__ = ("groups", "levels", "mask")
+
+    def __init__(self) -> None:
+        self.levels: dict[int, dict[int, QueuedPacket]] = {}
+        self.mask = 0
+        self.groups: dict[bytes, dict[int, QueuedPacket]] = {}
+
+    def best_prio(self) -> int:
+        """The lowest non-empty priority level; only valid while ``mask`` is non-zero."""
+        return (self.mask & -self.mask).bit_length() - 1
+
+
+class QueueStore:
+    """Named priority queues of packets, with key grouping and TTL expiry.
+
+    Costs, for a queue of depth n: ``push`` O(log t) where t is the number of packets with a
+    TTL (O(1) without one); ``pop`` O(g) for a reply of g packets, plus O(log t) for each packet
+    that expired since the last sweep. Neither depends on other queues or other keys.
+    """
+
+    def __init__(self, clock: Clock, *, max_pop: int = DEFAULT_MAX_POP) -> None:
+        self._clock = clock
+        self._max_pop = max_pop
+        self._queues: dict[bytes, _Queue] = {}
+        self._seq = 0
+        self._count = 0
+        self._expiry: list[_ExpiryEntry] = []
+        self._timed = 0  # live packets with a deadline, to tell when the heap is mostly stale
+
+    def __len__(self) -> int:
+        """Packets held, in all queues."""
+        return self._count
+
+    @property
+    def queue_count(self) -> int:
+        """Queues holding at least one packet; empty queues are forgotten (decision 5)."""
+        return len(self._queues)
+
+    def depth(self, queue: bytes) -> int:
+        """Packets held in one queue, selectable or not. O(number of keys in the queue)."""
+        q = self._queues.get(queue)
+        return sum(len(group) for group in q.groups.values()) if q else 0
+
+    def push(self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> float:
+        """Queue a packet; returns its deadline on the store's clock (inf for TTL 0)."""
+        self._seq += 1
+        seq = self._seq
+        deadline = self._clock() + ttl_ms / 1000 if ttl_ms else _NEVER
+        packet = QueuedPacket(key, payload, prio, seq, deadline)
+        q = self._queues.get(queue)
+        if q is None:
+            q = self._queues[queue] = _Queue()
+        group = q.groups.get(key)
+        if group is None:
+            q.groups[key] = {seq: packet}
+        else:
+            group[seq] = packet
+        if prio:
+            level = q.levels.get(prio)
+            if level is None:
+                q.levels[prio] = {seq: packet}
+                q.mask |= 1 << prio
+            else:
+                level[seq] = packet
+        if ttl_ms:
+            heapq.heappush(self._expiry, (deadline, seq, queue, key))
+            self._timed += 1
+        self._count += 1
+        return deadline
+
+    def pop(self, queue: bytes) -> list[QueuedPacket]:
+        """Remove and return the best packet with the rest of its key group (decision 3).
+
+        The best packet is the lowest prio among 1..255, the newest on ties; it comes first,
+        then its same-key siblings (any prio) oldest first, up to ``max_pop`` packets in all.
+        An empty list when the queue has no selectable packet (decision 4).
+        """
+        self.expire()
+        q = self._queues.get(queue)
+        if q is None or not q.mask:
+            return []
+        prio = q.best_prio()
+        level = q.levels[prio]
+        seq, selected = level.popitem()
+        if not level:
+            self._drop_level(q, prio)
+        group = q.groups[selected.key]
+        del group[seq]
+        if selected.deadline != _NEVER:
+            self._timed -= 1
+        reply = [selected]
+        if group:
+            reply.extend(islice(group.values(), self._max_pop - 1))
+            for sibling in islice(reply, 1, None):
+                self._unlink(q, sibling, group)
+        if not group:
+            del q.groups[selected.key]
+        self._count -= len(reply)
+        if not q.groups:
+            del self._queues[queue]
+        self._compact_expiry()
+        return reply
+
+    def peek_rank(self, queue: bytes) -> tuple[int, int] | None:
+        """How good the packet a pop of ``queue`` would select is: ``(prio, -seq)``, smaller is
+        better, comparable across queues (decision 6); ``None`` if nothing is selectable."""
+        self.expire()
+        q = self._queues.get(queue)
+        if q is None or not q.mask:
+            return None
+        prio = q.best_prio()
+        return (prio, -next(reversed(q.levels[prio])))
+
+    def next_deadline(self) -> float | None:
+        """When the earliest live packet expires, on the store's clock; ``None`` if none will."""
+        heap = self._expiry
+        while heap and self._live(heap[0]) is None:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def expire(self) -> int:
+        """Remove every packet whose deadline has come; returns how many were removed.
+
+        A packet expires when the clock reaches its deadline: with TTL t it is live for
+        ``now < push_time + t``.
+        """
+        heap = self._expiry
+        now = self._clock()
+        removed = 0
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            packet = self._live(entry)
+            if packet is None:
+                continue
+            _, _, queue, key = entry
+            q = self._queues[queue]
+            group = q.groups[key]
+            self._unlink(q, packet, group)
+            if not group:
+                del q.groups[key]
+                if not q.groups:
+                    del self._queues[queue]
+            removed += 1
+        self._count -= removed
+        return removed
+
+    def _unlink(self, q: _Queue, packet: QueuedPacket, group: dict[int, QueuedPacket]) -> None:
+        """Take a packet out of its level and its group; the caller fixes counts and empties."""
+        del group[packet.seq]
+        if packet.prio:
+            level = q.levels[packet.prio]
+            del level[packet.seq]
+            if not level:
+                self._drop_level(q, packet.prio)
+        if packet.deadline != _NEVER:
+            self._timed -= 1
+
+    @staticmethod
+    def _drop_level(q: _Queue, prio: int) -> None:
+        del q.levels[prio]
+        q.mask &= ~(1 << prio)
+
+    def _live(self, entry: _ExpiryEntry) -> QueuedPacket | None:
+        """The packet an expiry entry stands for, or ``None`` if it has left the store."""
+        _, seq, queue, key = entry
+        q = self._queues.get(queue)
+        if q is None:
+            return None
+        group = q.groups.get(key)
+        return group.get(seq) if group is not None else None
+
+    def _compact_expiry(self) -> None:
+        """Drop stale expiry entries once they outnumber live ones: memory stays O(live)."""
+        if len(self._expiry) > 2 * self._timed + 64:
+            self._expiry = [entry for entry in self._expiry if self._live(entry) is not None]
+            heapq.heapify(self._expiry)
+
+    def check_invariants(self) -> None:
+        """Assert the internal structures agree with each other. For tests; O(n log n)."""
+        count = timed = 0
+        for name, q in self._queues.items():
+            assert q.groups, f"queue {name!r} is empty but remembered"
+            selectable: dict[int, QueuedPacket] = {}
+            for key, group in q.groups.items():
+                assert group, f"empty group {key!r} in queue {name!r}"
+                assert list(group) == sorted(group), "group out of push order"
+                for seq, packet in group.items():
+                    assert packet.seq == seq, "packet filed under the wrong seq"
+                    assert packet.key == key, "packet filed under the wrong key"
+                    if packet.prio:
+                        selectable[seq] = packet
+                    if packet.deadline != _NEVER:
+                        timed += 1
+                count += len(group)
+            levels = {seq: p for level in q.levels.values() for seq, p in level.items()}
+            assert levels.keys() == selectable.keys(), "levels disagree with groups"
+            for prio, level in q.levels.items():
+                assert level, f"empty level {prio}"
+                assert all(p.prio == prio for p in level.values())
+                assert list(level) == sorted(level), "level out of push order"
+            assert q.mask == sum(1 << prio for prio in q.levels), "mask disagrees with levels"
+        assert count == self._count, f"count {self._count} but {count} packets held"
+        assert timed == self._timed, f"{self._timed} timed but {timed} held"
+        live_entries = [entry for entry in self._expiry if self._live(entry) is not None]
+        assert len(live_entries) == timed, "a timed packet has no expiry entry"

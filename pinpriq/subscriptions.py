@@ -1,0 +1,144 @@
+"""Who receives which packet: subscriptions and delivery credits (decisions 6 and 7).
+
+Pure and synchronous like the store it draws from: it knows connections only as ``Subscriber``
+handles with a ``deliver`` callback, and never touches a socket.
+
+Theory of operation. A subscriber *waits* while it has a credit and at least one subscription;
+it is stamped with a store-wide counter when it starts waiting, and restamped after each
+delivery, so a smaller stamp means it has waited longer. Invariant, true whenever no method is
+running: no waiting subscriber has a selectable packet in any queue it subscribes to. Each
+method restores it:
+
+* ``offer(queue)`` after a push: the longest-waiting subscriber of that queue gets one pop,
+  repeated while the queue still has something selectable and someone waits on it;
+* ``ready`` and ``subscribe`` may give one subscriber something to take: it takes the best
+  packet across its queues while it has credits. No one else can be waiting for those packets,
+  by the invariant, so first come, first served holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sortedcontainers import SortedDict
+
+from pinpriq.store import QueuedPacket, QueueStore
+
+__all__ = ["Subscriber", "Subscriptions"]
+
+Deliver = Callable[[list[QueuedPacket]], None]
+
+
+class Subscriber:
+    """One connection's subscriptions and credits."""
+
+    __slots__ = ("credits", "deliver", "queues", "stamp")
+
+    def __init__(self, deliver: Deliver) -> None:
+        self.deliver = deliver
+        self.queues: set[bytes] = set()
+        self.credits = 0
+        self.stamp = 0  # 0 while not waiting
+
+
+class Subscriptions:
+    """The subscribers of one store."""
+
+    def __init__(self, store: QueueStore) -> None:
+        self._store = store
+        # queue -> waiting subscribers of that queue, by stamp (longest waiting first).
+        self._waiting: dict[bytes, SortedDict] = {}
+        self._stamp = 0
+
+    def waiting(self, queue: bytes) -> list[Subscriber]:
+        """Subscribers waiting on a queue, longest waiting first."""
+        waiters = self._waiting.get(queue)
+        return list(waiters.values()) if waiters else []
+
+    def subscribe(self, sub: Subscriber, queue: bytes) -> None:
+        """Add a queue to a subscriber's set; delivers at once if it holds something."""
+        if queue in sub.queues:
+            return
+        sub.queues.add(queue)
+        if sub.stamp:
+            self._waiters(queue)[sub.stamp] = sub
+        self._settle(sub)
+
+    def unsubscribe(self, sub: Subscriber, queue: bytes) -> None:
+        """Drop a queue from a subscriber's set; its credits stay (decision 7)."""
+        if queue not in sub.queues:
+            return
+        sub.queues.remove(queue)
+        if sub.stamp:
+            self._leave(queue, sub.stamp)
+            if not sub.queues:
+                sub.stamp = 0
+
+    def ready(self, sub: Subscriber, credits: int = 1) -> None:
+        """Grant delivery credits (each 0x41 byte is one); delivers what is already there."""
+        sub.credits += credits
+        self._settle(sub)
+
+    def remove(self, sub: Subscriber) -> None:
+        """Forget a subscriber whose connection closed: its subscriptions and credits go."""
+        if sub.stamp:
+            for queue in sub.queues:
+                self._leave(queue, sub.stamp)
+        sub.queues.clear()
+        sub.credits = 0
+        sub.stamp = 0
+
+    def offer(self, queue: bytes) -> None:
+        """Serve a queue's waiters after a selectable packet was pushed to it."""
+        waiters = self._waiting.get(queue)
+        while waiters:
+            _, sub = waiters.peekitem(0)
+            if not self._settle(sub, once=True):
+                break
+
+    def _settle(self, sub: Subscriber, *, once: bool = False) -> bool:
+        """Deliver to ``sub`` while it has credit and something selectable, then file it as
+        waiting or not. Returns whether anything was delivered."""
+        served = False
+        while sub.credits and sub.queues and not (once and served):
+            queue = self._best_queue(sub.queues)
+            if queue is None:
+                break
+            packets = self._store.pop(queue)
+            if packets:  # empty only if the best packet expired between peek and pop
+                sub.credits -= 1
+                served = True
+                sub.deliver(packets)
+        waiting = bool(sub.credits and sub.queues)
+        if sub.stamp and (served or not waiting):
+            for q in sub.queues:
+                self._leave(q, sub.stamp)
+            sub.stamp = 0
+        if waiting and not sub.stamp:
+            self._stamp += 1
+            sub.stamp = self._stamp
+            for q in sub.queues:
+                self._waiters(q)[sub.stamp] = sub
+        return served
+
+    def _best_queue(self, queues: set[bytes]) -> bytes | None:
+        """The queue whose next pop is best (lowest prio, then newest); ``None`` if none."""
+        best_rank: tuple[int, int] | None = None
+        best_queue = None
+        for queue in queues:
+            rank = self._store.peek_rank(queue)
+            if rank is not None and (best_rank is None or rank < best_rank):
+                best_rank, best_queue = rank, queue
+        return best_queue
+
+    def _waiters(self, queue: bytes) -> SortedDict:
+        waiters = self._waiting.get(queue)
+        if waiters is None:
+            waiters = self._waiting[queue] = SortedDict()
+        return waiters
+
+    def _leave(self, queue: bytes, stamp: int) -> None:
+        waiters = self._waiting[queue]
+        del waiters[stamp]
+        if not waiters:
+            del self._waiting[queue]
