@@ -90,8 +90,9 @@ class Subscriptions:
 
     def offer(self, queue: bytes) -> None:
         """Serve a queue's waiters after a selectable packet was pushed to it."""
-        waiters = self._waiting.get(queue)
-        while waiters:
+        # Look the waiters up afresh each round: serving the last waiter deletes the queue's
+        # SortedDict and, if it still has credits, refiles it in a new one.
+        while waiters := self._waiting.get(queue):
             _, sub = waiters.peekitem(0)
             if not self._settle(sub, once=True):
                 break
