@@ -1,0 +1,85 @@
+"""Frames built by hand and a client connection that speaks raw bytes, for server tests.
+
+Built with ``struct`` from the protocol table rather than through ``pinpriq.wire``, so that a bug
+in the codec cannot hide the same bug in the server.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import trio
+
+Reply = list[tuple[bytes, bytes]]
+
+
+def push(queue: bytes, key: bytes, payload: bytes, ttl_ms: int = 0, prio: int = 1) -> bytes:
+    header = struct.pack(">BHHBHH", 0x70, len(queue), ttl_ms, prio, len(key), len(payload))
+    return header + key + payload + queue
+
+
+def pop(queue: bytes) -> bytes:
+    return b"\x50" + struct.pack(">H", len(queue)) + queue
+
+
+def subscribe(queue: bytes) -> bytes:
+    return b"\x73" + struct.pack(">H", len(queue)) + queue
+
+
+def unsubscribe(queue: bytes) -> bytes:
+    return b"\x75" + struct.pack(">H", len(queue)) + queue
+
+
+READY = b"\x41"
+
+
+class Peer:
+    """A client connection speaking raw bytes."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.buffer = bytearray()
+
+    async def send(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def receive_exactly(self, size: int) -> bytes:
+        while len(self.buffer) < size:
+            data = await self.stream.receive_some(1 << 20)
+            if not data:
+                raise EOFError(f"connection closed with {len(self.buffer)} of {size} bytes read")
+            self.buffer += data
+        out = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        return out
+
+    async def reply(self) -> Reply:
+        """Read one pop reply or delivery."""
+        (count,) = struct.unpack(">H", await self.receive_exactly(2))
+        packets = []
+        for _ in range(count):
+            key_len, payload_len = struct.unpack(">HH", await self.receive_exactly(4))
+            packets.append(
+                (await self.receive_exactly(key_len), await self.receive_exactly(payload_len))
+            )
+        return packets
+
+    async def request(self, data: bytes) -> Reply:
+        await self.send(data)
+        return await self.reply()
+
+    async def expect_silence(self, seconds: float = 0.05) -> None:
+        """Nothing arrives within ``seconds``."""
+        with trio.move_on_after(seconds):
+            data = await self.stream.receive_some(1 << 16)
+            pytest.fail(f"expected nothing, received {data!r}")
+        assert not self.buffer, f"expected nothing, had {bytes(self.buffer)!r} buffered"
+
+    async def expect_closed(self) -> None:
+        """The server closes the connection; nothing (more) arrives before it does."""
+        data = await self.stream.receive_some(1 << 16)
+        assert data == b"", f"expected the server to close, received {data!r}"
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
