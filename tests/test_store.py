@@ -1,0 +1,535 @@
+"""The queue store against decisions 1-5, with a fake clock (no real time, no sleeps).
+
+Clock readings and TTLs are chosen as multiples of 1/8 s (125 ms) where tests compare times,
+so the float arithmetic of deadlines is exact and "at the deadline" means exactly that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from pinpriq import wire
+from pinpriq.store import DEFAULT_MAX_POP, QueuedPacket, QueueStore
+
+YEAR = 365 * 24 * 3600.0
+
+
+class FakeClock:
+    """Monotonic seconds that move only when a test says so."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(1000.0)
+
+
+@pytest.fixture
+def store(clock: FakeClock) -> QueueStore:
+    return QueueStore(clock)
+
+
+def payloads(packets: list[QueuedPacket]) -> list[bytes]:
+    return [p.payload for p in packets]
+
+
+def push(
+    store: QueueStore,
+    payload: bytes,
+    *,
+    queue: bytes = b"q",
+    key: bytes | None = None,
+    prio: int = 1,
+    ttl_ms: int = 0,
+) -> float:
+    """Push a packet its payload names; the key defaults to the payload (a group of one)."""
+    return store.push(queue, payload if key is None else key, payload, ttl_ms, prio)
+
+
+# --- decision 1: TTL -----------------------------------------------------------------------------
+
+
+def test_ttl_is_in_milliseconds(store: QueueStore, clock: FakeClock) -> None:
+    push(store, b"a", ttl_ms=250)
+    clock.advance(0.125)
+    assert store.expire() == 0
+    assert store.peek_rank(b"q") is not None
+    clock.advance(0.125)
+    assert store.expire() == 1
+    assert store.pop(b"q") == []
+
+
+def test_push_returns_deadline_on_store_clock(store: QueueStore) -> None:
+    assert push(store, b"a", ttl_ms=1500) == 1001.5
+    assert push(store, b"b", ttl_ms=0) == float("inf")
+
+
+def test_ttl_zero_never_expires(store: QueueStore, clock: FakeClock) -> None:
+    push(store, b"forever", ttl_ms=0)
+    clock.advance(100 * YEAR)
+    assert store.expire() == 0
+    assert store.next_deadline() is None
+    assert payloads(store.pop(b"q")) == [b"forever"]
+
+
+def test_longest_ttl_lasts_65535_ms(store: QueueStore, clock: FakeClock) -> None:
+    push(store, b"a", ttl_ms=65535)
+    clock.advance(65.534)
+    assert store.expire() == 0
+    clock.advance(0.002)
+    assert store.expire() == 1
+
+
+def test_expired_packet_never_popped_even_without_expire(
+    store: QueueStore, clock: FakeClock
+) -> None:
+    push(store, b"short", prio=1, ttl_ms=125)
+    push(store, b"long", prio=2, ttl_ms=0)
+    clock.advance(0.125)
+    assert payloads(store.pop(b"q")) == [b"long"]
+    assert store.pop(b"q") == []
+
+
+def test_expired_packet_not_ranked_even_without_expire(store: QueueStore, clock: FakeClock) -> None:
+    push(store, b"short", ttl_ms=125)
+    clock.advance(0.125)
+    assert store.peek_rank(b"q") is None
+
+
+def test_packet_live_until_just_before_deadline(store: QueueStore, clock: FakeClock) -> None:
+    push(store, b"a", ttl_ms=500)
+    clock.advance(0.499_999)
+    assert payloads(store.pop(b"q")) == [b"a"]
+
+
+def test_packet_expired_exactly_at_deadline(store: QueueStore, clock: FakeClock) -> None:
+    push(store, b"a", ttl_ms=500)
+    clock.advance(0.5)
+    assert store.pop(b"q") == []
+
+
+def test_expire_releases_memory_without_pop(store: QueueStore, clock: FakeClock) -> None:
+    push(store, b"a", queue=b"q1", ttl_ms=125)
+    push(store, b"b", queue=b"q1", ttl_ms=250, prio=0)
+    push(store, b"c", queue=b"q2", ttl_ms=125)
+    push(store, b"d", queue=b"q3", ttl_ms=0)
+    assert (len(store), store.queue_count) == (4, 3)
+    clock.advance(0.125)
+    assert store.expire() == 2
+    assert (len(store), store.queue_count) == (2, 2)
+    assert (store.depth(b"q1"), store.depth(b"q2")) == (1, 0)
+    clock.advance(0.125)
+    assert store.expire() == 1
+    assert (len(store), store.queue_count) == (1, 1)
+    store.check_invariants()
+
+
+def test_next_deadline_moves_on_after_expiry(store: QueueStore, clock: FakeClock) -> None:
+    assert store.next_deadline() is None
+    push(store, b"late", ttl_ms=375)
+    push(store, b"soon", ttl_ms=125)
+    push(store, b"never", ttl_ms=0)
+    assert store.next_deadline() == 1000.125
+    clock.advance(0.125)
+    store.expire()
+    assert store.next_deadline() == 1000.375
+    clock.advance(0.25)
+    store.expire()
+    assert store.next_deadline() is None
+
+
+def test_next_deadline_skips_popped_packets(store: QueueStore) -> None:
+    push(store, b"popped", prio=1, ttl_ms=125)
+    push(store, b"kept", prio=2, ttl_ms=250)
+    assert payloads(store.pop(b"q")) == [b"popped"]
+    assert store.next_deadline() == 1000.25
+
+
+def test_next_deadline_reports_a_due_packet_not_yet_expired(
+    store: QueueStore, clock: FakeClock
+) -> None:
+    push(store, b"a", ttl_ms=125)
+    clock.advance(1.0)
+    assert store.next_deadline() == 1000.125  # due: the owner should call expire() now
+
+
+# --- decision 2: selection -----------------------------------------------------------------------
+
+
+def test_prio_one_before_two_even_when_older(store: QueueStore) -> None:
+    push(store, b"one", prio=1)
+    push(store, b"two", prio=2)
+    assert payloads(store.pop(b"q")) == [b"one"]
+    assert payloads(store.pop(b"q")) == [b"two"]
+
+
+def test_pops_in_priority_order_across_the_range(store: QueueStore) -> None:
+    for prio in (5, 255, 1, 3, 254, 2):
+        push(store, b"p%d" % prio, prio=prio)
+    popped = [store.pop(b"q") for _ in range(7)]
+    assert popped[-1] == []
+    assert [payloads(p) for p in popped[:-1]] == [
+        [b"p1"],
+        [b"p2"],
+        [b"p3"],
+        [b"p5"],
+        [b"p254"],
+        [b"p255"],
+    ]
+
+
+def test_newest_wins_among_equal_priorities(store: QueueStore) -> None:
+    for name in (b"old", b"mid", b"new"):
+        push(store, name, prio=2)
+    assert [payloads(store.pop(b"q")) for _ in range(3)] == [[b"new"], [b"mid"], [b"old"]]
+
+
+def test_newest_is_by_push_order_not_by_clock(store: QueueStore) -> None:
+    push(store, b"first", prio=2)
+    push(store, b"second", prio=2)  # same clock reading
+    assert payloads(store.pop(b"q")) == [b"second"]
+
+
+def test_prio_zero_never_selected(store: QueueStore) -> None:
+    push(store, b"a", prio=0)
+    push(store, b"b", prio=0)
+    assert store.pop(b"q") == []
+    assert store.depth(b"q") == 2
+    assert store.peek_rank(b"q") is None
+
+
+def test_prio_zero_left_behind_when_other_key_selected(store: QueueStore) -> None:
+    push(store, b"zero", prio=0)
+    push(store, b"one", prio=1)
+    assert payloads(store.pop(b"q")) == [b"one"]
+    assert store.pop(b"q") == []
+    assert store.depth(b"q") == 1
+
+
+# --- decision 3: key grouping --------------------------------------------------------------------
+
+
+def test_prio_zero_sibling_rides_along(store: QueueStore) -> None:
+    push(store, b"zero", key=b"k", prio=0)
+    push(store, b"one", key=b"k", prio=1)
+    assert payloads(store.pop(b"q")) == [b"one", b"zero"]
+    assert len(store) == 0
+
+
+def test_reply_is_selected_first_then_siblings_oldest_first(store: QueueStore) -> None:
+    push(store, b"k1", key=b"k", prio=3)
+    push(store, b"other", key=b"o", prio=1)
+    push(store, b"k2", key=b"k", prio=0)
+    push(store, b"k3", key=b"k", prio=1)  # newest prio 1: selected
+    push(store, b"k4", key=b"k", prio=5)
+    reply = store.pop(b"q")
+    assert payloads(reply) == [b"k3", b"k1", b"k2", b"k4"]
+    assert [p.key for p in reply] == [b"k"] * 4
+    assert payloads(store.pop(b"q")) == [b"other"]
+
+
+def test_same_key_in_another_queue_stays(store: QueueStore) -> None:
+    push(store, b"here", key=b"k", queue=b"a")
+    push(store, b"there", key=b"k", queue=b"b")
+    assert payloads(store.pop(b"a")) == [b"here"]
+    assert payloads(store.pop(b"b")) == [b"there"]
+
+
+def test_expired_sibling_left_out(store: QueueStore, clock: FakeClock) -> None:
+    push(store, b"gone", key=b"k", prio=0, ttl_ms=125)
+    push(store, b"kept", key=b"k", prio=2, ttl_ms=0)
+    push(store, b"sel", key=b"k", prio=1, ttl_ms=250)
+    clock.advance(0.125)
+    assert payloads(store.pop(b"q")) == [b"sel", b"kept"]
+    assert len(store) == 0
+
+
+def test_max_pop_leaves_further_siblings_queued(clock: FakeClock) -> None:
+    store = QueueStore(clock, max_pop=3)
+    for n in range(1, 6):
+        push(store, b"k%d" % n, key=b"k")
+    assert payloads(store.pop(b"q")) == [b"k5", b"k1", b"k2"]
+    assert store.depth(b"q") == 2
+    assert payloads(store.pop(b"q")) == [b"k4", b"k3"]
+    store.check_invariants()
+
+
+def test_max_pop_leftover_prio_zero_siblings_stay_unselectable(clock: FakeClock) -> None:
+    store = QueueStore(clock, max_pop=2)
+    push(store, b"z1", key=b"k", prio=0)
+    push(store, b"z2", key=b"k", prio=0)
+    push(store, b"sel", key=b"k", prio=1)
+    assert payloads(store.pop(b"q")) == [b"sel", b"z1"]
+    assert store.pop(b"q") == []
+    assert store.depth(b"q") == 1
+
+
+def test_default_max_pop_is_a_reply_count() -> None:
+    assert DEFAULT_MAX_POP == wire.MAX_REPLY_PACKETS == 65535
+
+
+def test_default_store_pops_at_most_65535_packets(store: QueueStore) -> None:
+    for n in range(65537):
+        store.push(b"q", b"k", b"%d" % n, 0, 0)
+    store.push(b"q", b"k", b"sel", 0, 1)
+    reply = store.pop(b"q")
+    assert len(reply) == 65535
+    assert (reply[0].payload, reply[1].payload, reply[-1].payload) == (b"sel", b"0", b"65533")
+    assert store.depth(b"q") == 3
+
+
+# --- decisions 4 and 5: empty results and queues -------------------------------------------------
+
+
+def test_missing_queue_pops_empty(store: QueueStore) -> None:
+    assert store.pop(b"nothing here") == []
+    assert store.queue_count == 0
+
+
+def test_emptied_queue_pops_empty_and_is_forgotten(store: QueueStore) -> None:
+    push(store, b"a")
+    store.pop(b"q")
+    assert store.pop(b"q") == []
+    assert (len(store), store.queue_count, store.depth(b"q")) == (0, 0, 0)
+    store.check_invariants()
+
+
+def test_empty_queue_name_and_key_work(store: QueueStore) -> None:
+    store.push(b"", b"", b"payload", 0, 1)
+    store.push(b"", b"", b"", 0, 0)
+    assert store.queue_count == 1
+    reply = store.pop(b"")
+    assert [(p.key, p.payload) for p in reply] == [(b"", b"payload"), (b"", b"")]
+    assert store.queue_count == 0
+
+
+def test_queues_are_independent(store: QueueStore) -> None:
+    push(store, b"a1", queue=b"a", prio=2)
+    push(store, b"b1", queue=b"b", prio=1)
+    push(store, b"a2", queue=b"a", prio=3)
+    assert payloads(store.pop(b"a")) == [b"a1"]
+    assert (store.depth(b"a"), store.depth(b"b"), store.queue_count) == (1, 1, 2)
+    assert payloads(store.pop(b"b")) == [b"b1"]
+    assert store.queue_count == 1
+
+
+def test_depth_counts_unselectable_packets(store: QueueStore) -> None:
+    push(store, b"a", prio=0)
+    push(store, b"b", prio=7)
+    assert store.depth(b"q") == 2
+    assert len(store) == 2
+
+
+# --- peek_rank ------------------------------------------------------------------------------------
+
+
+def test_peek_rank_none_for_missing_or_unselectable_queue(store: QueueStore) -> None:
+    assert store.peek_rank(b"q") is None
+    push(store, b"zero", prio=0)
+    assert store.peek_rank(b"q") is None
+
+
+def test_peek_rank_is_prio_then_newest_and_does_not_pop(store: QueueStore) -> None:
+    push(store, b"a", prio=4)
+    push(store, b"b", prio=2)
+    rank = store.peek_rank(b"q")
+    assert rank is not None
+    assert rank[0] == 2
+    assert store.depth(b"q") == 2
+    assert payloads(store.pop(b"q")) == [b"b"]
+    after = store.peek_rank(b"q")
+    assert after is not None
+    assert after[0] == 4
+
+
+def test_peek_rank_comparable_across_queues(store: QueueStore) -> None:
+    push(store, b"older", queue=b"a", prio=2)
+    push(store, b"newer", queue=b"b", prio=2)
+    push(store, b"worse", queue=b"c", prio=3)
+    push(store, b"best", queue=b"d", prio=1)
+    ranks: dict[bytes, tuple[int, int]] = {}
+    for queue in (b"a", b"b", b"c", b"d"):
+        rank = store.peek_rank(queue)
+        assert rank is not None
+        ranks[queue] = rank
+    assert sorted(ranks, key=ranks.__getitem__) == [b"d", b"b", b"a", b"c"]
+
+
+def test_peek_rank_changes_when_a_newer_equal_packet_arrives(store: QueueStore) -> None:
+    push(store, b"a", prio=2)
+    before = store.peek_rank(b"q")
+    push(store, b"b", prio=2)
+    after = store.peek_rank(b"q")
+    assert before is not None
+    assert after is not None
+    assert after < before
+
+
+# --- expiry heap stays bounded -------------------------------------------------------------------
+
+
+def test_popped_ttl_packets_do_not_grow_expiry_heap(store: QueueStore) -> None:
+    # A popped packet leaves a stale entry in the expiry heap; nothing public shows how many,
+    # so this test reads store._expiry to check that compaction bounds them by the live count.
+    longest = 0
+    for n in range(20_000):
+        push(store, b"%d" % n, ttl_ms=60_000)
+        if n >= 10:  # keep ten live TTL packets; every other one is popped
+            assert len(store.pop(b"q")) == 1
+        longest = max(longest, len(store._expiry))
+    assert len(store) == 10
+    assert longest < 200
+    for _ in range(10):
+        store.pop(b"q")
+    assert len(store._expiry) < 100
+    assert store.next_deadline() is None
+    store.check_invariants()
+
+
+# --- a stateful comparison against a naive model -------------------------------------------------
+
+
+@dataclass
+class ModelPacket:
+    queue: bytes
+    key: bytes
+    payload: bytes
+    prio: int
+    seq: int
+    deadline: float  # inf for TTL 0
+
+
+@dataclass
+class Model:
+    """Decisions 1-5 as plain list scans. Like the store, it sweeps expired packets on pop,
+    peek and expire, so its counts include due packets until one of those runs."""
+
+    max_pop: int
+    now: float = 0.0
+    packets: list[ModelPacket] = field(default_factory=list)  # push order
+    seq: int = 0
+
+    def push(self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> None:
+        self.seq += 1
+        deadline = self.now + ttl_ms / 1000 if ttl_ms else float("inf")
+        self.packets.append(ModelPacket(queue, key, payload, prio, self.seq, deadline))
+
+    def expire(self) -> int:
+        live = [p for p in self.packets if self.now < p.deadline]
+        removed = len(self.packets) - len(live)
+        self.packets = live
+        return removed
+
+    def best(self, queue: bytes) -> ModelPacket | None:
+        self.expire()
+        candidates = [p for p in self.packets if p.queue == queue and p.prio > 0]
+        return min(candidates, key=lambda p: (p.prio, -p.seq), default=None)
+
+    def pop(self, queue: bytes) -> list[ModelPacket]:
+        selected = self.best(queue)
+        if selected is None:
+            return []
+        siblings = [
+            p
+            for p in self.packets
+            if p.queue == queue and p.key == selected.key and p is not selected
+        ][: self.max_pop - 1]
+        reply = [selected, *siblings]
+        self.packets = [p for p in self.packets if all(p is not r for r in reply)]
+        return reply
+
+    def depth(self, queue: bytes) -> int:
+        return sum(p.queue == queue for p in self.packets)
+
+    def next_deadline(self) -> float | None:
+        return min((p.deadline for p in self.packets if p.deadline != float("inf")), default=None)
+
+
+QUEUES = (b"", b"a", b"b")
+KEYS = (b"", b"x", b"y")
+
+
+def described(packets: list[QueuedPacket] | list[ModelPacket]) -> list[tuple[bytes, bytes, int]]:
+    return [(p.key, p.payload, p.prio) for p in packets]
+
+
+class StoreVersusModel(RuleBasedStateMachine):
+    MAX_POP = 3
+
+    @initialize()
+    def start(self) -> None:
+        self.clock = FakeClock(0.0)
+        self.store = QueueStore(self.clock, max_pop=self.MAX_POP)
+        self.model = Model(max_pop=self.MAX_POP)
+        self.pushes = 0
+
+    @rule(
+        queue=st.sampled_from(QUEUES),
+        key=st.sampled_from(KEYS),
+        prio=st.sampled_from([0, 1, 2, 3, 255]),
+        ttl_ms=st.sampled_from([0, 0, 125, 250, 500]),
+    )
+    def push(self, queue: bytes, key: bytes, prio: int, ttl_ms: int) -> None:
+        self.pushes += 1
+        payload = b"%d" % self.pushes  # names the packet
+        self.store.push(queue, key, payload, ttl_ms, prio)
+        self.model.push(queue, key, payload, ttl_ms, prio)
+
+    @rule(queue=st.sampled_from(QUEUES))
+    def pop(self, queue: bytes) -> None:
+        assert described(self.store.pop(queue)) == described(self.model.pop(queue))
+
+    @rule(seconds=st.sampled_from([0.125, 0.25, 0.5]))
+    def advance(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        self.model.now += seconds
+
+    @rule()
+    def expire(self) -> None:
+        assert self.store.expire() == self.model.expire()
+
+    @rule()
+    def peek_all(self) -> None:
+        # Ranks must name the model's best packet's prio, and order queues as the model does.
+        store_ranks: dict[bytes, tuple[int, int]] = {}
+        model_ranks: dict[bytes, tuple[int, int]] = {}
+        for q in QUEUES:
+            rank, best = self.store.peek_rank(q), self.model.best(q)
+            assert (rank is None) == (best is None)
+            if rank is not None and best is not None:
+                assert rank[0] == best.prio
+                store_ranks[q], model_ranks[q] = rank, (best.prio, -best.seq)
+        assert sorted(store_ranks, key=store_ranks.__getitem__) == sorted(
+            model_ranks, key=model_ranks.__getitem__
+        )
+
+    @rule()
+    def next_deadline(self) -> None:
+        assert self.store.next_deadline() == self.model.next_deadline()
+
+    @invariant()
+    def same_counts(self) -> None:
+        self.store.check_invariants()
+        assert len(self.store) == len(self.model.packets)
+        assert self.store.queue_count == len({p.queue for p in self.model.packets})
+        for q in QUEUES:
+            assert self.store.depth(q) == self.model.depth(q)
+
+
+StoreVersusModel.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=40, deadline=None
+)
+test_store_matches_naive_model = StoreVersusModel.TestCase

@@ -1,0 +1,427 @@
+"""The wire codec against the protocol table (PROTOCOL-DECISIONS.md, docs/protocol.md).
+
+Expected bytes are written out by hand from the frame layouts, never produced by the encoder;
+the round-trip and chunking properties then lean on those pinned bytes.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from itertools import pairwise
+from types import FrameType
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pinpriq import wire
+from pinpriq.wire import (
+    READY,
+    ClientFrame,
+    FrameDecoder,
+    Packet,
+    Pop,
+    ProtocolError,
+    Push,
+    ReplyDecoder,
+    Subscribe,
+    Unsubscribe,
+    encode,
+    encode_reply,
+)
+
+OPCODES = {0x70, 0x50, 0x73, 0x75, 0x41}
+
+# (frame, its bytes as written from the layout table). Spaces separate the fields.
+PINNED_FRAMES: list[tuple[ClientFrame, str]] = [
+    # 70 | queue_len | ttl_ms | prio | key_len | payload_len | key | payload | queue
+    (
+        Push(queue=b"q1", key=b"k", payload=b"hey", ttl_ms=1500, prio=3),
+        "70 0002 05dc 03 0001 0003 6b 686579 7131",
+    ),
+    (Push(queue=b"", key=b"", payload=b"", ttl_ms=0, prio=0), "70 0000 0000 00 0000 0000"),
+    (
+        Push(queue=b"x", key=b"", payload=b"\x00\xff", ttl_ms=65535, prio=255),
+        "70 0001 ffff ff 0000 0002 00ff 78",
+    ),
+    (
+        Push(queue=b"jobs", key=b"id-7", payload=b"", ttl_ms=256, prio=1),
+        "70 0004 0100 01 0004 0000 69642d37 6a6f6273",
+    ),
+    (Pop(b"jobs"), "50 0004 6a6f6273"),
+    (Pop(b""), "50 0000"),
+    (Subscribe(b"jobs"), "73 0004 6a6f6273"),
+    (Subscribe(b""), "73 0000"),
+    (Unsubscribe(b"jobs"), "75 0004 6a6f6273"),
+    (Unsubscribe(b""), "75 0000"),
+    (READY, "41"),
+]
+
+MAX_PUSH = Push(queue=b"q" * 65535, key=b"k" * 65535, payload=b"p" * 65535, ttl_ms=65535, prio=255)
+MAX_PUSH_HEADER = bytes.fromhex("70 ffff ffff ff ffff ffff")
+
+
+def decode_frames(chunks: Iterable[bytes]) -> list[ClientFrame]:
+    """Feed chunks to one FrameDecoder, collecting every frame as soon as it completes."""
+    decoder = FrameDecoder()
+    frames: list[ClientFrame] = []
+    for chunk in chunks:
+        decoder.feed(chunk)
+        frames.extend(decoder)
+    return frames
+
+
+def decode_replies(chunks: Iterable[bytes]) -> list[list[Packet]]:
+    decoder = ReplyDecoder()
+    replies: list[list[Packet]] = []
+    for chunk in chunks:
+        decoder.feed(chunk)
+        replies.extend(decoder)
+    return replies
+
+
+def one_byte_at_a_time(data: bytes) -> list[bytes]:
+    return [data[i : i + 1] for i in range(len(data))]
+
+
+def split_at(data: bytes, cuts: Iterable[int]) -> list[bytes]:
+    points = [0, *sorted(cuts), len(data)]
+    return [data[a:b] for a, b in pairwise(points)]
+
+
+# --- pinned bytes ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("frame", "hex_bytes"), PINNED_FRAMES)
+def test_encode_gives_the_bytes_of_the_layout_table(frame: ClientFrame, hex_bytes: str) -> None:
+    assert encode(frame) == bytes.fromhex(hex_bytes)
+
+
+@pytest.mark.parametrize(("frame", "hex_bytes"), PINNED_FRAMES)
+def test_decoder_reads_the_layout_table_bytes(frame: ClientFrame, hex_bytes: str) -> None:
+    data = bytes.fromhex(hex_bytes)
+    assert decode_frames([data]) == [frame]
+    assert decode_frames(one_byte_at_a_time(data)) == [frame]
+
+
+@pytest.mark.parametrize(("frame", "hex_bytes"), PINNED_FRAMES)
+def test_decoder_leaves_trailing_partial_frame_pending(frame: ClientFrame, hex_bytes: str) -> None:
+    partial_push = bytes.fromhex("70 0001 0000 01 0000")  # header cut short
+    decoder = FrameDecoder()
+    decoder.feed(bytes.fromhex(hex_bytes) + partial_push)
+    assert list(decoder) == [frame]
+    assert decoder.pending == len(partial_push)
+
+
+def test_push_carries_packet_before_queue_name() -> None:
+    # Same lengths for queue and key, so only the order tells them apart.
+    data = bytes.fromhex("70 0003 0000 01 0003 0000") + b"KEY" + b"QUE"
+    assert decode_frames([data]) == [Push(queue=b"QUE", key=b"KEY", payload=b"", prio=1)]
+
+
+def test_push_defaults_are_no_ttl_and_prio_one() -> None:
+    assert encode(Push(b"q", b"k", b"v")) == bytes.fromhex("70 0001 0000 01 0001 0001 6b 76 71")
+
+
+def test_empty_reply_is_two_zero_bytes() -> None:
+    assert encode_reply([]) == bytes.fromhex("00 00")
+    assert decode_replies([bytes.fromhex("00 00")]) == [[]]
+
+
+def test_two_packet_reply_bytes() -> None:
+    packets = [Packet(b"k", b"ab"), Packet(b"", b"z")]
+    data = bytes.fromhex("0002 0001 0002 6b 6162 0000 0001 7a")
+    assert encode_reply(packets) == data
+    assert decode_replies([data]) == [packets]
+    assert decode_replies(one_byte_at_a_time(data)) == [packets]
+
+
+def test_encode_reply_accepts_any_key_payload_objects() -> None:
+    class Queued:
+        def __init__(self, key: bytes, payload: bytes) -> None:
+            self.key = key
+            self.payload = payload
+
+    assert encode_reply([Queued(b"kk", b"")]) == bytes.fromhex("0001 0002 0000 6b6b")
+
+
+def test_reply_decoder_separates_consecutive_replies() -> None:
+    data = bytes.fromhex("0000 0001 0000 0000 0000")
+    assert decode_replies([data]) == [[], [Packet(b"", b"")], []]
+
+
+# --- the largest frame -------------------------------------------------------------------------
+
+
+def test_max_size_push_is_196615_bytes_and_decodes_whole() -> None:
+    data = encode(MAX_PUSH)
+    assert len(data) == 196_615 == wire.MAX_FRAME
+    assert data[:10] == MAX_PUSH_HEADER
+    assert data[10:] == b"k" * 65535 + b"p" * 65535 + b"q" * 65535
+    assert decode_frames([data]) == [MAX_PUSH]
+
+
+@settings(max_examples=15, deadline=None)
+@given(cuts=st.lists(st.integers(0, wire.MAX_FRAME), max_size=30))
+def test_max_size_push_decodes_in_any_chunks(cuts: list[int]) -> None:
+    data = encode(MAX_PUSH) + encode(READY)
+    assert decode_frames(split_at(data, cuts)) == [MAX_PUSH, READY]
+
+
+def test_max_size_push_fed_one_byte_at_a_time_decodes_once_at_the_last_byte() -> None:
+    # Linear cost, bounded by count: 196,615 feeds, each answered "need more" until the last.
+    data = encode(MAX_PUSH)
+    decoder = FrameDecoder()
+    early = 0
+    for i in range(len(data) - 1):
+        decoder.feed(data[i : i + 1])
+        early += decoder.next_frame() is not None
+    assert early == 0
+    assert decoder.pending == len(data) - 1
+    decoder.feed(data[-1:])
+    assert decoder.next_frame() == MAX_PUSH
+    assert decoder.pending == 0
+    assert decoder.next_frame() is None
+
+
+def test_max_size_reply_packet_decodes_one_byte_at_a_time() -> None:
+    packet = Packet(b"k" * 65535, b"p" * 65535)
+    data = encode_reply([packet])
+    assert data[:6] == bytes.fromhex("0001 ffff ffff")
+    assert decode_replies(one_byte_at_a_time(data)) == [[packet]]
+
+
+def _wire_line_events(work: Callable[[], None]) -> int:
+    """How many lines of pinpriq/wire.py run during work(): a deterministic measure of cost."""
+    count = 0
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal count
+        if event == "line":
+            count += 1
+        return local
+
+    def global_(frame: FrameType, event: str, arg: Any) -> Any:
+        return local if frame.f_code.co_filename == wire.__file__ else None
+
+    previous = sys.gettrace()
+    sys.settrace(global_)
+    try:
+        work()
+    finally:
+        sys.settrace(previous)
+    return count
+
+
+def test_frame_decoding_cost_is_linear_in_bytes_fed_singly() -> None:
+    def decode_push_of(size: int) -> Callable[[], None]:
+        chunks = one_byte_at_a_time(encode(Push(b"q", b"k", b"p" * size)))
+
+        def work() -> None:
+            assert len(decode_frames(chunks)) == 1
+
+        return work
+
+    small = _wire_line_events(decode_push_of(2_000))
+    large = _wire_line_events(decode_push_of(8_000))
+    assert large <= 4.4 * small  # 4x the bytes: about 4x the work; quadratic would be ~16x
+
+
+def test_reply_decoding_cost_is_linear_in_bytes_fed_singly() -> None:
+    # A long reply must not be re-parsed from its start on every chunk.
+    def decode_reply_of(count: int) -> Callable[[], None]:
+        chunks = one_byte_at_a_time(encode_reply([Packet(b"k", b"v")] * count))
+
+        def work() -> None:
+            assert decode_replies(chunks) == [[Packet(b"k", b"v")] * count]
+
+        return work
+
+    small = _wire_line_events(decode_reply_of(300))
+    large = _wire_line_events(decode_reply_of(1_200))
+    assert large <= 4.4 * small
+
+
+# --- any chunking --------------------------------------------------------------------------------
+
+fields = st.binary(max_size=12)
+pushes = st.builds(
+    Push,
+    queue=fields,
+    key=fields,
+    payload=fields,
+    ttl_ms=st.integers(0, 65535),
+    prio=st.integers(0, 255),
+)
+client_frames: st.SearchStrategy[ClientFrame] = st.one_of(
+    pushes,
+    st.builds(Pop, fields),
+    st.builds(Subscribe, fields),
+    st.builds(Unsubscribe, fields),
+    st.just(READY),
+)
+packets = st.builds(Packet, fields, fields)
+replies = st.lists(packets, max_size=5)
+
+
+@st.composite
+def chunked(draw: st.DrawFn, data: bytes) -> list[bytes]:
+    cuts = draw(st.lists(st.integers(0, len(data)), max_size=max(1, len(data) // 2)))
+    return split_at(data, cuts)
+
+
+@settings(max_examples=150, deadline=None)
+@given(frames=st.lists(client_frames, max_size=12), data=st.data())
+def test_any_chunking_of_frames_decodes_to_the_same_frames(
+    frames: list[ClientFrame], data: st.DataObject
+) -> None:
+    stream = b"".join(encode(frame) for frame in frames)
+    assert decode_frames([stream]) == frames
+    assert decode_frames(one_byte_at_a_time(stream)) == frames
+    assert decode_frames(data.draw(chunked(stream))) == frames
+
+
+@settings(max_examples=150, deadline=None)
+@given(sent=st.lists(replies, max_size=8), data=st.data())
+def test_any_chunking_of_replies_decodes_to_the_same_replies(
+    sent: list[list[Packet]], data: st.DataObject
+) -> None:
+    stream = b"".join(encode_reply(reply) for reply in sent)
+    assert decode_replies([stream]) == sent
+    assert decode_replies(one_byte_at_a_time(stream)) == sent
+    assert decode_replies(data.draw(chunked(stream))) == sent
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+# Valid frames with junk spliced in, so errors land after real frames as well as at offset 0.
+streams = st.one_of(
+    st.binary(max_size=64),
+    st.lists(
+        st.one_of(client_frames.map(encode), st.binary(min_size=1, max_size=3)), max_size=10
+    ).map(b"".join),
+)
+
+
+def _expected_length(prefix: bytes) -> int | None:
+    """The full length of a valid frame starting with prefix, if its header is complete."""
+    opcode = prefix[0]
+    if opcode == 0x41:
+        return 1
+    if opcode == 0x70:
+        if len(prefix) < 10:
+            return None
+        queue_len = int.from_bytes(prefix[1:3], "big")
+        key_len = int.from_bytes(prefix[6:8], "big")
+        payload_len = int.from_bytes(prefix[8:10], "big")
+        return 10 + key_len + payload_len + queue_len
+    return 3 + int.from_bytes(prefix[1:3], "big") if len(prefix) >= 3 else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(stream=streams, data=st.data())
+def test_any_bytes_give_frames_then_at_most_a_protocol_error(
+    stream: bytes, data: st.DataObject
+) -> None:
+    decoder = FrameDecoder()
+    frames: list[ClientFrame] = []
+    error: ProtocolError | None = None
+    for chunk in data.draw(chunked(stream)):
+        decoder.feed(chunk)
+        try:
+            frames.extend(decoder)
+        except ProtocolError as exc:  # anything else fails the test
+            error = exc
+            break
+    decoded = b"".join(encode(frame) for frame in frames)
+    if error is not None:
+        # Every frame before the bad byte was yielded, and the error names that very byte.
+        assert stream[error.offset] == error.byte
+        assert error.byte not in OPCODES
+        assert decoded == stream[: error.offset]
+    else:
+        assert decoded == stream[: len(decoded)]
+        rest = stream[len(decoded) :]
+        assert decoder.pending == len(rest)
+        if rest:  # the start of a valid frame that has not fully arrived
+            assert rest[0] in OPCODES
+            needed = _expected_length(rest)
+            assert needed is None or needed > len(rest)
+
+
+def test_unknown_opcode_at_stream_start() -> None:
+    decoder = FrameDecoder()
+    decoder.feed(b"\x00")
+    with pytest.raises(ProtocolError) as info:
+        decoder.next_frame()
+    assert (info.value.offset, info.value.byte) == (0, 0x00)
+
+
+def test_unknown_opcode_offset_counts_from_stream_start_across_chunks() -> None:
+    decoder = FrameDecoder()
+    decoder.feed(bytes.fromhex("50 0002 6162 41"))  # pop "ab", ready: 6 bytes
+    assert list(decoder) == [Pop(b"ab"), READY]
+    decoder.feed(bytes.fromhex("41 ff"))
+    frames: list[ClientFrame] = []
+    with pytest.raises(ProtocolError) as info:
+        frames.extend(decoder)
+    assert frames == [READY]
+    assert (info.value.offset, info.value.byte) == (7, 0xFF)
+    assert "0xff" in str(info.value)
+
+
+def test_bytes_inside_a_frame_are_not_taken_for_opcodes() -> None:
+    # 0xff in the key and the payload is data, not an unknown opcode.
+    data = bytes.fromhex("70 0000 0000 01 0001 0001 ff ff")
+    assert decode_frames([data]) == [Push(b"", b"\xff", b"\xff", 0, 1)]
+
+
+def test_protocol_error_is_a_value_error() -> None:
+    assert issubclass(ProtocolError, ValueError)
+
+
+# --- limits --------------------------------------------------------------------------------------
+
+TOO_LONG = b"x" * 65536
+
+
+@pytest.mark.parametrize(
+    ("frame", "field"),
+    [
+        (Push(queue=TOO_LONG, key=b"", payload=b""), "queue"),
+        (Push(queue=b"", key=TOO_LONG, payload=b""), "key"),
+        (Push(queue=b"", key=b"", payload=TOO_LONG), "payload"),
+        (Push(queue=b"", key=b"", payload=b"", ttl_ms=-1), "ttl_ms"),
+        (Push(queue=b"", key=b"", payload=b"", ttl_ms=65536), "ttl_ms"),
+        (Push(queue=b"", key=b"", payload=b"", prio=-1), "prio"),
+        (Push(queue=b"", key=b"", payload=b"", prio=256), "prio"),
+        (Pop(TOO_LONG), "queue"),
+        (Subscribe(TOO_LONG), "queue"),
+        (Unsubscribe(TOO_LONG), "queue"),
+    ],
+)
+def test_encode_rejects_out_of_range_field_naming_it(frame: ClientFrame, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        encode(frame)
+
+
+@pytest.mark.parametrize("frame_type", [Pop, Subscribe, Unsubscribe])
+def test_encode_accepts_longest_queue_name(frame_type: type[Pop | Subscribe | Unsubscribe]) -> None:
+    data = encode(frame_type(b"n" * 65535))
+    assert data[1:3] == b"\xff\xff"
+    assert len(data) == 3 + 65535
+
+
+def test_encode_reply_rejects_more_than_65535_packets() -> None:
+    with pytest.raises(ValueError, match="65535"):
+        encode_reply([Packet(b"", b"")] * 65536)
+
+
+def test_encode_reply_accepts_65535_packets() -> None:
+    packets: Sequence[Packet] = [Packet(b"", b"")] * 65535
+    data = encode_reply(packets)
+    assert data[:2] == b"\xff\xff"
+    assert len(data) == 2 + 4 * 65535
+    assert decode_replies([data]) == [list(packets)]
