@@ -1,0 +1,561 @@
+"""Replays the language-neutral wire fixtures against any pinpriq server.
+
+Owns the fixture format (described for humans in wire-fixtures/README.md): its parser and a
+player that opens connections, sends bytes and compares what comes back, byte for byte. It must
+not know pinpriq's own codec or server: it never decodes a frame, so a fixture checks a server
+written in any language exactly as it checks ours, and a bug in ``pinpriq.wire`` cannot hide
+the same bug here.
+
+    python -m pinpriq.conformance HOST:PORT [--fixtures DIR] [--timeout SECONDS] [NAME ...]
+
+Exit status: 0 when every fixture passes, 1 when any fails, 2 when the suite cannot run (bad
+arguments, an unreadable fixture, or no server at the address).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+import attrs
+import trio
+
+__all__ = [
+    "DEFAULT_FIXTURES",
+    "Action",
+    "Fixture",
+    "FixtureError",
+    "Result",
+    "Step",
+    "load_fixtures",
+    "main",
+    "parse_fixture",
+    "run_fixture",
+    "run_suite",
+]
+
+#: The fixtures of the checkout this module was loaded from (an editable or in-tree install).
+DEFAULT_FIXTURES = Path(__file__).resolve().parent.parent / "wire-fixtures"
+#: Seconds an ``expect`` or ``expect-closed`` step (or opening a connection) may take.
+DEFAULT_TIMEOUT = 2.0
+#: Pause between the writes of ``send-bytewise``, so each byte normally reaches the server in
+#: a read of its own (TCP may still merge them, which only weakens the step, never fails it).
+BYTEWISE_PAUSE = 0.002
+RECEIVE_SIZE = 1 << 16
+#: Bytes shown on each side of a mismatch.
+EXCERPT = 12
+
+
+class FixtureError(ValueError):
+    """A fixture file that does not follow the format; names the file and line."""
+
+
+class Action(enum.Enum):
+    SEND = "send"
+    SEND_BYTEWISE = "send-bytewise"
+    EXPECT = "expect"
+    EXPECT_NOTHING = "expect-nothing"
+    EXPECT_CLOSED = "expect-closed"
+    CLOSE = "close"
+    WAIT = "wait"
+
+
+_BYTE_ACTIONS = {Action.SEND, Action.SEND_BYTEWISE, Action.EXPECT}
+_ENDING_ACTIONS = {Action.CLOSE, Action.EXPECT_CLOSED}
+
+
+@attrs.frozen
+class Step:
+    """One line of a fixture (with its continuation lines). ``conn`` is empty for ``wait``."""
+
+    line: int
+    action: Action
+    conn: str = ""
+    data: bytes = b""
+    ms: int = 0
+
+    def describe(self) -> str:
+        if self.action is Action.WAIT:
+            return f"wait {self.ms}ms"
+        if self.action in _BYTE_ACTIONS:
+            return f"{self.conn} {self.action.value} ({len(self.data)} bytes)"
+        if self.action is Action.EXPECT_NOTHING:
+            return f"{self.conn} expect-nothing {self.ms}ms"
+        return f"{self.conn} {self.action.value}"
+
+
+@attrs.frozen
+class Fixture:
+    name: str
+    description: str
+    steps: tuple[Step, ...]
+
+
+# -- the parser -------------------------------------------------------------------------------
+
+_CONN_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+_MS = re.compile(r"(\d+)ms")
+# One item of a byte list: hex digits or a string literal, optionally repeated with *N.
+# Strings hold printable ASCII other than space, '"', '#' and '\', so they need no escapes and
+# a comment can be cut at the first '#' without looking at quotes.
+_ITEM = re.compile(r'(?:"(?P<text>[!$-\[\]-~]*)"|(?P<hex>[0-9A-Fa-f]+))(?:\*(?P<count>\d+))?')
+_GROUP_END = re.compile(r"\)(?:\*(?P<count>\d+))?")
+
+
+def _parse_ms(text: str, line: int) -> int:
+    match = _MS.fullmatch(text)
+    if match is None:
+        raise FixtureError(f"line {line}: expected a duration like 100ms, not {text!r}")
+    return int(match.group(1))
+
+
+def _parse_item(token: str, line: int) -> tuple[bytes, int]:
+    match = _ITEM.fullmatch(token)
+    if match is None:
+        raise FixtureError(f'line {line}: {token!r} is neither hex bytes nor a "string"')
+    count = int(match["count"]) if match["count"] is not None else 1
+    if match["hex"] is not None:
+        if len(match["hex"]) % 2:
+            raise FixtureError(f"line {line}: odd number of hex digits in {token!r}")
+        return bytes.fromhex(match["hex"]), count
+    return match["text"].encode("ascii"), count
+
+
+def parse_bytes(tokens: Sequence[str], line: int) -> bytes:
+    """The bytes a list of tokens stands for: hex, "strings", X*N repeats and ( ... )*N groups."""
+    out = bytearray()
+    group: bytearray | None = None
+    for token in tokens:
+        if token == "(":
+            if group is not None:
+                raise FixtureError(f"line {line}: groups do not nest")
+            group = bytearray()
+            continue
+        end = _GROUP_END.fullmatch(token)
+        if end is not None:
+            if group is None:
+                raise FixtureError(f"line {line}: ')' without '('")
+            out += bytes(group) * int(end["count"] or 1)
+            group = None
+            continue
+        data, count = _parse_item(token, line)
+        (out if group is None else group).extend(data * count)
+    if group is not None:
+        raise FixtureError(f"line {line}: '(' is never closed")
+    return bytes(out)
+
+
+def _parse_step(tokens: list[str], line: int) -> Step:
+    """A step from the tokens of its line and continuation lines."""
+    if tokens[0] == "wait":
+        if len(tokens) != 2:
+            raise FixtureError(f"line {line}: expected 'wait <N>ms'")
+        return Step(line, Action.WAIT, ms=_parse_ms(tokens[1], line))
+    if len(tokens) < 2:
+        raise FixtureError(f"line {line}: expected '<connection> <action> ...'")
+    conn, verb, rest = tokens[0], tokens[1], tokens[2:]
+    if not _CONN_NAME.fullmatch(conn):
+        raise FixtureError(f"line {line}: bad connection name {conn!r}")
+    try:
+        action = Action(verb)
+    except ValueError:
+        raise FixtureError(f"line {line}: unknown action {verb!r}") from None
+    if action in _BYTE_ACTIONS:
+        data = parse_bytes(rest, line)
+        if not data:
+            raise FixtureError(f"line {line}: {verb} needs at least one byte")
+        return Step(line, action, conn, data=data)
+    if action is Action.EXPECT_NOTHING:
+        if len(rest) != 1:
+            raise FixtureError(f"line {line}: expected '{conn} expect-nothing <N>ms'")
+        return Step(line, action, conn, ms=_parse_ms(rest[0], line))
+    if rest:
+        raise FixtureError(f"line {line}: {verb} takes nothing after it")
+    return Step(line, action, conn)
+
+
+def _logical_lines(text: str) -> Iterable[tuple[int, list[str]]]:
+    """(line number, tokens) per step: an indented line continues the step before it; lines
+    holding only a comment or nothing are skipped."""
+    current: tuple[int, list[str]] | None = None
+    for number, raw in enumerate(text.splitlines(), start=1):
+        tokens = raw.partition("#")[0].split()
+        if not tokens:
+            continue
+        if raw[0] in " \t":
+            if current is None:
+                raise FixtureError(f"line {number}: an indented line continues nothing")
+            current[1].extend(tokens)
+            continue
+        if current is not None:
+            yield current
+        current = (number, tokens)
+    if current is not None:
+        yield current
+
+
+def _description(text: str) -> str:
+    """The comment lines before the first step, joined: what the fixture is about."""
+    words = []
+    for raw in text.splitlines():
+        code, _, comment = raw.partition("#")
+        if code.strip():
+            break
+        words.append(comment.strip())
+    return " ".join(word for word in words if word)
+
+
+def parse_fixture(text: str, name: str) -> Fixture:
+    """Parse one fixture file's text. Raises ``FixtureError`` for anything off the format."""
+    steps: list[Step] = []
+    ended: set[str] = set()
+    for line, tokens in _logical_lines(text):
+        step = _parse_step(tokens, line)
+        if step.conn in ended:
+            raise FixtureError(f"line {line}: connection {step.conn} was already closed")
+        if step.action in _ENDING_ACTIONS:
+            ended.add(step.conn)
+        steps.append(step)
+    if not steps:
+        raise FixtureError("the fixture has no steps")
+    return Fixture(name, _description(text), tuple(steps))
+
+
+def load_fixtures(directory: Path, names: Sequence[str] = ()) -> list[Fixture]:
+    """The fixtures of a directory (every ``*.txt``, by name), or only those named."""
+    paths = {path.stem: path for path in directory.glob("*.txt")}
+    if not paths:
+        raise FixtureError(f"no fixtures (*.txt) in {directory}")
+    missing = [name for name in names if name not in paths]
+    if missing:
+        raise FixtureError(f"no fixture named {', '.join(missing)} in {directory}")
+    fixtures = []
+    for name in names or sorted(paths):
+        try:
+            fixtures.append(parse_fixture(paths[name].read_text(encoding="ascii"), name))
+        except (FixtureError, UnicodeDecodeError) as error:
+            raise FixtureError(f"{paths[name]}: {error}") from None
+    return fixtures
+
+
+# -- the player -------------------------------------------------------------------------------
+
+
+class StepFailed(Exception):
+    """The server did not do what a step expects; the message says what happened instead."""
+
+
+@attrs.frozen
+class Result:
+    name: str
+    passed: bool
+    message: str
+    seconds: float
+
+    def line(self) -> str:
+        timing = f"({self.seconds * 1000:.0f} ms)"
+        if self.passed:
+            return f"PASS {self.name} {timing}"
+        return f"FAIL {self.name} {timing}: {self.message}"
+
+
+def _reason(error: OSError) -> str:
+    """The most specific words for a failed connect: trio wraps the per-address errors."""
+    causes = getattr(error.__cause__, "exceptions", ())
+    for cause in causes:
+        if isinstance(cause, OSError) and cause.errno:
+            return os.strerror(cause.errno)
+    return error.strerror or str(error)
+
+
+def _hex(data: bytes | bytearray, start: int, *, limit: int = EXCERPT) -> str:
+    """Up to ``limit`` bytes from ``start`` as spaced hex, with ellipses where cut."""
+    part = bytes(data[start : start + limit]).hex(" ")
+    before = "... " if start else ""
+    after = " ..." if start + limit < len(data) else ""
+    return f"{before}{part}{after}" if part else "(nothing)"
+
+
+class _Connection:
+    """One connection of a fixture, with the bytes received but not yet matched."""
+
+    def __init__(self, name: str, stream: trio.SocketStream) -> None:
+        self.name = name
+        self.stream = stream
+        self.buffer = bytearray()
+
+    async def receive(self) -> bytes:
+        """The next bytes from the server; ``b""`` once it has closed (a reset counts)."""
+        try:
+            return await self.stream.receive_some(RECEIVE_SIZE)
+        except trio.BrokenResourceError:
+            return b""
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await self.stream.send_all(data)
+        except trio.BrokenResourceError:
+            raise StepFailed("could not send: the server has closed the connection") from None
+
+    async def expect(self, expected: bytes, step_timeout: float) -> None:
+        checked = 0  # bytes of the buffer already matched against ``expected``
+        with trio.move_on_after(step_timeout):
+            while True:
+                have = min(len(self.buffer), len(expected))
+                if self.buffer[checked:have] != expected[checked:have]:
+                    offset = next(i for i in range(checked, have) if self.buffer[i] != expected[i])
+                    raise StepFailed(_mismatch(expected, self.buffer, offset))
+                checked = have
+                if have == len(expected):
+                    del self.buffer[:have]
+                    return
+                data = await self.receive()
+                if not data:
+                    raise StepFailed(
+                        f"the server closed the connection after {have} of {len(expected)} "
+                        f"bytes; next expected: {_hex(expected, have)}"
+                    )
+                self.buffer += data
+        raise StepFailed(
+            f"received {len(self.buffer)} of {len(expected)} bytes within {step_timeout:g} s; "
+            f"next expected: {_hex(expected, len(self.buffer))}"
+        )
+
+    async def expect_nothing(self, seconds: float) -> None:
+        if self.buffer:
+            raise StepFailed(f"expected nothing, received {_hex(self.buffer, 0)}")
+        with trio.move_on_after(seconds):
+            data = await self.receive()
+            if data:
+                raise StepFailed(f"expected nothing, received {_hex(data, 0)}")
+            raise StepFailed("expected nothing, but the server closed the connection")
+
+    async def expect_closed(self, step_timeout: float) -> None:
+        if self.buffer:
+            raise StepFailed(f"expected a close, received {_hex(self.buffer, 0)}")
+        with trio.move_on_after(step_timeout):
+            data = await self.receive()
+            if data:
+                raise StepFailed(f"expected a close, received {_hex(data, 0)}")
+            return
+        raise StepFailed(f"the connection is still open after {step_timeout:g} s")
+
+
+def _mismatch(expected: bytes, received: bytearray, offset: int) -> str:
+    start = max(0, offset - 4)
+    return (
+        f"differs at byte {offset} of {len(expected)}: expected {_hex(expected, start)}, "
+        f"received {_hex(received, start)}"
+    )
+
+
+class _Player:
+    """Carries out one fixture's steps, opening each connection when its name first appears."""
+
+    def __init__(self, host: str, port: int, step_timeout: float) -> None:
+        self.host = host
+        self.port = port
+        self.step_timeout = step_timeout
+        self.connections: dict[str, _Connection] = {}
+
+    async def connection(self, name: str) -> _Connection:
+        conn = self.connections.get(name)
+        if conn is None:
+            with trio.move_on_after(self.step_timeout):
+                try:
+                    stream = await trio.open_tcp_stream(self.host, self.port)
+                except OSError as error:
+                    raise StepFailed(f"cannot connect: {_reason(error)}") from None
+                conn = self.connections[name] = _Connection(name, stream)
+                return conn
+            raise StepFailed(f"cannot connect within {self.step_timeout:g} s")
+        return conn
+
+    async def play(self, step: Step) -> None:
+        if step.action is Action.WAIT:
+            await trio.sleep(step.ms / 1000)
+            return
+        conn = await self.connection(step.conn)
+        match step.action:
+            case Action.SEND:
+                await conn.send(step.data)
+            case Action.SEND_BYTEWISE:
+                for byte in step.data:
+                    await conn.send(bytes([byte]))
+                    await trio.sleep(BYTEWISE_PAUSE)
+            case Action.EXPECT:
+                await conn.expect(step.data, self.step_timeout)
+            case Action.EXPECT_NOTHING:
+                await conn.expect_nothing(step.ms / 1000)
+            case Action.EXPECT_CLOSED:
+                await conn.expect_closed(self.step_timeout)
+                await self.close(conn)
+            case Action.CLOSE:
+                await self.close(conn)
+
+    async def close(self, conn: _Connection) -> None:
+        del self.connections[conn.name]
+        await trio.aclose_forcefully(conn.stream)
+
+    def check_leftovers(self) -> None:
+        """Bytes already received but never expected fail the fixture."""
+        for conn in self.connections.values():
+            if conn.buffer:
+                raise StepFailed(
+                    f"{conn.name} received {len(conn.buffer)} bytes no step expected: "
+                    f"{_hex(conn.buffer, 0)}"
+                )
+
+    async def close_all(self) -> None:
+        for conn in list(self.connections.values()):
+            await self.close(conn)
+
+
+async def run_fixture(
+    fixture: Fixture, host: str, port: int, *, step_timeout: float = DEFAULT_TIMEOUT
+) -> Result:
+    """Play one fixture on fresh connections, and close them all whatever happens."""
+    player = _Player(host, port, step_timeout)
+    start = trio.current_time()
+    message = ""
+    try:
+        for step in fixture.steps:
+            try:
+                await player.play(step)
+            except StepFailed as failure:
+                message = f"line {step.line}, {step.describe()}: {failure}"
+                break
+        else:
+            try:
+                player.check_leftovers()
+            except StepFailed as failure:
+                message = f"at the end: {failure}"
+    finally:
+        await player.close_all()
+    return Result(fixture.name, not message, message, trio.current_time() - start)
+
+
+async def run_suite(
+    fixtures: Sequence[Fixture],
+    host: str,
+    port: int,
+    *,
+    step_timeout: float = DEFAULT_TIMEOUT,
+    report: Callable[[Result], None] | None = None,
+) -> list[Result]:
+    """Play fixtures one after another (they share the server, never a connection)."""
+    results = []
+    for fixture in fixtures:
+        result = await run_fixture(fixture, host, port, step_timeout=step_timeout)
+        if report is not None:
+            report(result)
+        results.append(result)
+    return results
+
+
+# -- the command line -------------------------------------------------------------------------
+
+PROG = "pinpriq-conformance"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets) as ``(host, port)``; ``ValueError`` if not."""
+    host, sep, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"bad address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:7000")
+    return host, int(port_text)
+
+
+def _argument_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Replay pinpriq's wire fixtures against a server and report each one.",
+        epilog="Exit status: 0 all passed, 1 some failed, 2 the suite could not run.",
+    )
+    parser.add_argument("address", help="the server, as HOST:PORT (e.g. 127.0.0.1:7000)")
+    parser.add_argument("names", nargs="*", metavar="NAME", help="fixtures to run (default: all)")
+    parser.add_argument(
+        "--fixtures",
+        type=Path,
+        default=DEFAULT_FIXTURES,
+        metavar="DIR",
+        help="directory of *.txt fixtures (default: the checkout's wire-fixtures/, %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout",
+        dest="step_timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help="how long one expect step may wait (default: %(default)s)",
+    )
+    return parser
+
+
+async def _check_reachable(host: str, port: int, step_timeout: float) -> str | None:
+    """Why the server cannot be reached, or ``None``: one clear line beats N failed fixtures."""
+    with trio.move_on_after(step_timeout):
+        try:
+            stream = await trio.open_tcp_stream(host, port)
+        except OSError as error:
+            return f"cannot connect to {host}:{port}: {_reason(error)}"
+        await trio.aclose_forcefully(stream)
+        return None
+    return f"cannot connect to {host}:{port}: no answer within {step_timeout:g} s"
+
+
+def _print(result: Result) -> None:
+    print(result.line(), flush=True)
+
+
+async def _main(fixtures: list[Fixture], host: str, port: int, step_timeout: float) -> int:
+    problem = await _check_reachable(host, port, step_timeout)
+    if problem:
+        print(f"{PROG}: {problem}", file=sys.stderr)
+        return 2
+    start = trio.current_time()
+    results = await run_suite(fixtures, host, port, step_timeout=step_timeout, report=_print)
+    failed = sum(not r.passed for r in results)
+    seconds = trio.current_time() - start
+    total = len(results)
+    noun = "fixture" if total == 1 else "fixtures"
+    print(f"{total} {noun}: {total - failed} passed, {failed} failed ({seconds:.2f} s)")
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``pinpriq-conformance`` and ``python -m pinpriq.conformance``."""
+    parser = _argument_parser()
+    args = parser.parse_args(argv)
+    try:
+        host, port = parse_address(args.address)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.step_timeout <= 0:
+        parser.error("--timeout must be positive")
+    try:
+        fixtures = load_fixtures(args.fixtures, args.names)
+    except (FixtureError, OSError) as error:
+        print(f"{PROG}: {error}", file=sys.stderr)
+        return 2
+    try:
+        return trio.run(_main, fixtures, host, port, args.step_timeout)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
