@@ -1,7 +1,7 @@
 """The Trio server: sockets in, frames applied to the store, replies out.
 
 A thin layer over ``wire`` (bytes <-> frames), ``store`` (the queues) and ``subscriptions``
-(who gets which packet). It owns only what needs an event loop:
+(who gets which packet). It owns only what needs an event loop or a limit:
 
 * one reader and one writer task per connection. The reader decodes every complete frame of a
   received chunk, applies them in order, and appends their replies to the connection's output
@@ -11,6 +11,12 @@ A thin layer over ``wire`` (bytes <-> frames), ``store`` (the queues) and ``subs
   own writer, never the pusher or the server.
 * one expiry task that sleeps until the store's earliest TTL deadline; a push with an earlier
   deadline moves the sleep's deadline forward instead of starting a timer of its own.
+* limits, each of which makes one connection wait rather than dropping anything: a memory cap
+  (a connection whose next frame is a push waits while the store is full), an output bound (a
+  connection that does not read its replies is not read from), and a connection limit.
+
+Memory held per connection is bounded: the decoder holds at most one frame plus one read, since
+the reader decodes everything it has before reading again, and stops reading while it waits.
 """
 
 from __future__ import annotations
@@ -34,7 +40,12 @@ from pinpriq.wire import (
     encode_reply,
 )
 
-__all__ = ["PinpriqServer", "serve"]
+__all__ = [
+    "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_MEMORY",
+    "PinpriqServer",
+    "serve",
+]
 
 log = logging.getLogger("pinpriq.server")
 
@@ -44,7 +55,13 @@ RECEIVE_SIZE = 65536
 #: (a client pipelining pops without reading its replies must not grow the server's memory).
 OUTPUT_HIGH_WATER = 4 * 1024 * 1024
 #: How long a closing connection may take to flush replies it was already owed.
-CLOSE_FLUSH_SECONDS = 2.0
+CLOSE_FLUSH_SECONDS = 1.0
+#: Default cap on ``QueueStore.bytes_held``.
+DEFAULT_MAX_MEMORY = 1024**3
+#: Pushes resume once usage falls below this fraction of the cap, so a full server does not
+#: flap between full and not full on every pop.
+LOW_WATER_FRACTION = 0.9
+DEFAULT_MAX_CONNECTIONS = 4096
 
 
 def _peer_name(stream: trio.SocketStream) -> str:
@@ -66,6 +83,7 @@ class _Connection:
         self.output = bytearray()
         self.unsent = 0  # bytes the writer has taken but not finished sending
         self.subscriber = Subscriber(self.deliver)
+        self.reading = trio.CancelScope()  # cancelled to stop reading, as at shutdown
         self._output_ready = trio.Event()
         self._output_drained = trio.Event()
 
@@ -74,11 +92,13 @@ class _Connection:
         self._output_ready.set()
 
     async def run(self) -> None:
-        """Serve until the client closes, sends garbage, or the socket breaks."""
+        """Serve until the client closes, sends garbage, the socket breaks, or the server
+        stops reading; then flush what the client is owed, briefly, and return."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._write_loop)
             try:
-                await self._read_loop()
+                with self.reading:
+                    await self._read_loop()
             finally:
                 # No deliveries to a connection that is going away (decision 7).
                 self.server.subscriptions.remove(self.subscriber)
@@ -87,22 +107,27 @@ class _Connection:
             nursery.cancel_scope.cancel()
 
     async def _read_loop(self) -> None:
+        server = self.server
         while True:
-            while len(self.output) + self.unsent > OUTPUT_HIGH_WATER:
-                await self._drain()
             data = await self.stream.receive_some(RECEIVE_SIZE)
             if not data:
                 return  # EOF; a frame cut short stays in the decoder and is dropped
             self.decoder.feed(data)
             try:
                 for frame in self.decoder:
-                    self.server.apply(self, frame)
+                    if len(self.output) + self.unsent > OUTPUT_HIGH_WATER:
+                        await self._drain()
+                    if server.memory_full and type(frame) is Push:
+                        self._output_ready.set()  # replies so far go out while we wait
+                        await server.wait_for_memory()
+                    server.apply(self, frame)
             except ProtocolError as error:
                 log.warning("closing %s: %s", self.peer, error)
                 return
             finally:
                 if self.output:
                     self._output_ready.set()
+                server.check_memory()
 
     async def _write_loop(self) -> None:
         while True:
@@ -120,18 +145,39 @@ class _Connection:
 
     async def _drain(self) -> None:
         """Wait until everything owed to the client has been handed to the kernel."""
+        self._output_ready.set()
         while self.output or self.unsent:
             await self._output_drained.wait()
 
 
 class PinpriqServer:
-    """A store, its subscriptions and the connections that use them."""
+    """A store, its subscriptions, the connections that use them, and their limits."""
 
-    def __init__(self, store: QueueStore | None = None) -> None:
+    def __init__(
+        self,
+        store: QueueStore | None = None,
+        *,
+        max_memory: int = DEFAULT_MAX_MEMORY,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    ) -> None:
+        """``max_memory`` caps ``store.bytes_held`` (0 for no cap); ``max_connections`` caps
+        concurrent connections (further ones are accepted and closed at once)."""
         self.store = store if store is not None else QueueStore(trio.current_time)
         self.subscriptions = Subscriptions(self.store)
-        self.connections = 0
+        self.max_memory = max_memory or math.inf
+        self.max_connections = max_connections
+        self.memory_full = False
+        self._low_water = self.max_memory * LOW_WATER_FRACTION
+        self._memory_freed = trio.Event()
+        self._connections: set[_Connection] = set()
+        self._all_closed = trio.Event()  # set when the last connection closes after shutdown
         self._expiry_scope = trio.CancelScope()
+        self._accepting = trio.CancelScope()
+
+    @property
+    def connections(self) -> int:
+        """Connections being served now."""
+        return len(self._connections)
 
     def apply(self, conn: _Connection, frame: ClientFrame) -> None:
         """Carry out one frame for a connection; replies go to its output buffer."""
@@ -142,6 +188,8 @@ class PinpriqServer:
                     self._expiry_scope.deadline = deadline
                 if prio:
                     self.subscriptions.offer(queue)
+                if self.store.bytes_held >= self.max_memory:
+                    self.check_memory()
             case Pop(queue):
                 conn.output += encode_reply(self.store.pop(queue))
             case Ready():
@@ -151,6 +199,28 @@ class PinpriqServer:
             case Unsubscribe(queue):
                 self.subscriptions.unsubscribe(conn.subscriber, queue)
 
+    def check_memory(self) -> None:
+        """Enter or leave the full state after usage changed; logs each change once."""
+        held = self.store.bytes_held
+        if not self.memory_full and held >= self.max_memory:
+            self.memory_full = True
+            log.warning(
+                "memory cap reached: %d bytes held, cap %d; pushes wait until usage falls below %d",
+                held,
+                self.max_memory,
+                self._low_water,
+            )
+        elif self.memory_full and held < self._low_water:
+            self.memory_full = False
+            log.warning("memory below the low-water mark (%d bytes held); pushes resume", held)
+            self._memory_freed.set()
+            self._memory_freed = trio.Event()
+
+    async def wait_for_memory(self) -> None:
+        """Return once the store is below its low-water mark."""
+        while self.memory_full:
+            await self._memory_freed.wait()
+
     async def serve(
         self,
         port: int,
@@ -158,7 +228,8 @@ class PinpriqServer:
         host: str = "127.0.0.1",
         task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Listen on ``host:port`` (port 0 picks a free one) and serve until cancelled.
+        """Listen on ``host:port`` (port 0 picks a free one) and serve until cancelled or
+        until ``shutdown()`` has closed every connection.
 
         Reports the listeners through ``task_status``, so ``await nursery.start(server.serve,
         0)`` returns once connections are accepted.
@@ -170,11 +241,39 @@ class PinpriqServer:
                 address = listener.socket.getsockname()
                 log.info("pinpriq listening on %s port %d", address[0], address[1])
             task_status.started(listeners)
-            await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
+            with self._accepting:
+                # serve_listeners closes the listeners when cancelled, and outlives a lack of
+                # file descriptors by pausing accepts rather than failing.
+                await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
+            if self._connections:
+                await self._all_closed.wait()
+            nursery.cancel_scope.cancel()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether ``shutdown()`` has been called."""
+        return self._accepting.cancel_called
+
+    def shutdown(self) -> None:
+        """Stop gracefully: close the listeners, stop reading every connection, let each flush
+        the replies it is owed (at most ``CLOSE_FLUSH_SECONDS``), close it; then ``serve``
+        returns."""
+        log.info("shutting down: %d connections to flush", len(self._connections))
+        self._accepting.cancel()
+        for conn in self._connections:
+            conn.reading.cancel()
 
     async def _handle(self, stream: trio.SocketStream) -> None:
+        if len(self._connections) >= self.max_connections or self.stopping:
+            log.warning(
+                "refusing a connection from %s: %d connections, the most allowed",
+                _peer_name(stream),
+                len(self._connections),
+            )
+            await trio.aclose_forcefully(stream)
+            return
         conn = _Connection(self, stream)
-        self.connections += 1
+        self._connections.add(conn)
         log.debug("connection from %s", conn.peer)
         try:
             await conn.run()
@@ -184,8 +283,11 @@ class PinpriqServer:
             # A bug in handling one connection must not take the others down.
             log.exception("error serving %s; closing its connection", conn.peer)
         finally:
-            self.connections -= 1
+            self._connections.discard(conn)
+            self.subscriptions.remove(conn.subscriber)
             await trio.aclose_forcefully(stream)
+            if not self._connections and self.stopping:
+                self._all_closed.set()
 
     async def _expire_loop(self) -> None:
         """Sweep expired packets at the earliest deadline, and only then (decision 1)."""
@@ -196,6 +298,7 @@ class PinpriqServer:
             ) as self._expiry_scope:
                 await trio.sleep_forever()
             self.store.expire()
+            self.check_memory()
 
 
 async def serve(

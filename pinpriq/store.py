@@ -26,13 +26,18 @@ import math
 from collections.abc import Callable
 from itertools import islice
 
-__all__ = ["DEFAULT_MAX_POP", "Clock", "QueueStore", "QueuedPacket"]
+__all__ = ["DEFAULT_MAX_POP", "PACKET_OVERHEAD", "Clock", "QueueStore", "QueuedPacket"]
 
 Clock = Callable[[], float]
 
 #: Most packets one pop returns: a pop reply's count is a u16 (decision 3).
 DEFAULT_MAX_POP = 0xFFFF
 _NEVER = math.inf
+
+#: Estimated bytes of bookkeeping per queued packet beyond its key and payload bytes: the packet
+#: object, its bytes objects' headers, its entries in a level, a key group and the expiry heap.
+#: Measured with tracemalloc by benchmarks/packet_memory.py; see docs/performance.md.
+PACKET_OVERHEAD = 400
 
 # (deadline, seq, queue, key): ordered by deadline, then push order; names the packet it stands for.
 _ExpiryEntry = tuple[float, int, bytes, bytes]
@@ -55,10 +60,17 @@ class QueuedPacket:
         return f"QueuedPacket({self.key!r}, {self.payload!r}, prio={self.prio}, seq={self.seq})"
 
 
-class _Queue:
-    __slots__ = ("groups", "levels", "mask")
+def _held(packets: list[QueuedPacket]) -> int:
+    """The bytes ``bytes_held`` counts for these packets."""
+    return sum(len(p.key) + len(p.payload) for p in packets) + PACKET_OVERHEAD * len(packets)
 
-    def __init__(self) -> None:
+
+class _Queue:
+    __slots__ = ("groups", "levels", "mask", "name")
+
+    def __init__(self, name: bytes) -> None:
+        # Expiry entries refer to this one name object, not to each push's copy of it.
+        self.name = name
         self.levels: dict[int, dict[int, QueuedPacket]] = {}
         self.mask = 0
         self.groups: dict[bytes, dict[int, QueuedPacket]] = {}
@@ -77,8 +89,13 @@ class QueueStore:
     """
 
     def __init__(self, clock: Clock, *, max_pop: int = DEFAULT_MAX_POP) -> None:
+        if max_pop < 1:
+            raise ValueError(f"max_pop must be at least 1, not {max_pop}")
         self._clock = clock
         self._max_pop = max_pop
+        #: Estimated memory held by queued packets: key and payload bytes plus
+        #: ``PACKET_OVERHEAD`` each. What the server's memory cap compares against.
+        self.bytes_held = 0
         self._queues: dict[bytes, _Queue] = {}
         self._seq = 0
         self._count = 0
@@ -107,7 +124,7 @@ class QueueStore:
         packet = QueuedPacket(key, payload, prio, seq, deadline)
         q = self._queues.get(queue)
         if q is None:
-            q = self._queues[queue] = _Queue()
+            q = self._queues[queue] = _Queue(queue)
         group = q.groups.get(key)
         if group is None:
             q.groups[key] = {seq: packet}
@@ -121,9 +138,10 @@ class QueueStore:
             else:
                 level[seq] = packet
         if ttl_ms:
-            heapq.heappush(self._expiry, (deadline, seq, queue, key))
+            heapq.heappush(self._expiry, (deadline, seq, q.name, key))
             self._timed += 1
         self._count += 1
+        self.bytes_held += len(key) + len(payload) + PACKET_OVERHEAD
         return deadline
 
     def pop(self, queue: bytes) -> list[QueuedPacket]:
@@ -154,6 +172,7 @@ class QueueStore:
         if not group:
             del q.groups[selected.key]
         self._count -= len(reply)
+        self.bytes_held -= _held(reply)
         if not q.groups:
             del self._queues[queue]
         self._compact_expiry()
@@ -184,7 +203,7 @@ class QueueStore:
         """
         heap = self._expiry
         now = self._clock()
-        removed = 0
+        removed: list[QueuedPacket] = []
         while heap and heap[0][0] <= now:
             entry = heapq.heappop(heap)
             packet = self._live(entry)
@@ -198,9 +217,10 @@ class QueueStore:
                 del q.groups[key]
                 if not q.groups:
                     del self._queues[queue]
-            removed += 1
-        self._count -= removed
-        return removed
+            removed.append(packet)
+        self._count -= len(removed)
+        self.bytes_held -= _held(removed)
+        return len(removed)
 
     def _unlink(self, q: _Queue, packet: QueuedPacket, group: dict[int, QueuedPacket]) -> None:
         """Take a packet out of its level and its group; the caller fixes counts and empties."""
@@ -238,6 +258,7 @@ class QueueStore:
         count = timed = 0
         for name, q in self._queues.items():
             assert q.groups, f"queue {name!r} is empty but remembered"
+            assert q.name == name, f"queue {name!r} filed under {q.name!r}"
             selectable: dict[int, QueuedPacket] = {}
             for key, group in q.groups.items():
                 assert group, f"empty group {key!r} in queue {name!r}"
@@ -258,6 +279,10 @@ class QueueStore:
                 assert list(level) == sorted(level), "level out of push order"
             assert q.mask == sum(1 << prio for prio in q.levels), "mask disagrees with levels"
         assert count == self._count, f"count {self._count} but {count} packets held"
+        held = _held(
+            [p for q in self._queues.values() for g in q.groups.values() for p in g.values()]
+        )
+        assert held == self.bytes_held, f"bytes_held {self.bytes_held} but {held} held"
         assert timed == self._timed, f"{self._timed} timed but {timed} held"
         live_entries = [entry for entry in self._expiry if self._live(entry) is not None]
         assert len(live_entries) == timed, "a timed packet has no expiry entry"
