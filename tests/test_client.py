@@ -1,0 +1,416 @@
+"""``PinpriqClient`` (Trio) against the real server over TCP, and against a scripted fake server
+where a test needs to control exactly what the server says and when.
+
+The fake server's replies are built by hand with ``struct`` (``reply()`` below) rather than with
+``pinpriq.wire``, so a codec bug cannot agree with itself.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+
+import pytest
+import trio
+import trio.testing
+
+from pinpriq import Packet, PinpriqClient, PinpriqConnectionError
+from tests.conftest import LiveServer
+from tests.rawpeer import READY, Peer, pop, push, subscribe
+
+TIMEOUT = 10
+
+
+def reply(*packets: tuple[bytes, bytes]) -> bytes:
+    """A pop reply or delivery, by hand."""
+    parts = [struct.pack(">H", len(packets))]
+    for key, payload in packets:
+        parts.append(struct.pack(">HH", len(key), len(payload)) + key + payload)
+    return b"".join(parts)
+
+
+class FakeServer:
+    """A listening socket whose connections the test accepts and speaks for, byte by byte."""
+
+    def __init__(self, listener: trio.SocketListener) -> None:
+        self.listener = listener
+        self.port: int = listener.socket.getsockname()[1]
+        self.peers: list[Peer] = []
+
+    async def accept(self) -> Peer:
+        peer = Peer(await self.listener.accept())
+        self.peers.append(peer)
+        return peer
+
+
+async def read_to_eof(peer: Peer) -> bytes:
+    """Everything the client sent on this connection, once it has closed it."""
+    data = bytes(peer.buffer)
+    while chunk := await peer.stream.receive_some(65536):
+        data += chunk
+    return data
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeServer]:
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    server = FakeServer(listener)
+    yield server
+    for peer in server.peers:
+        await trio.aclose_forcefully(peer.stream)
+    await listener.aclose()
+
+
+def connect(
+    port: int, timeout: float | None = TIMEOUT
+) -> AbstractAsyncContextManager[PinpriqClient]:
+    return PinpriqClient.connect("127.0.0.1", port, timeout=timeout)
+
+
+@pytest.fixture(autouse=True)
+def _deadline(nursery: trio.Nursery) -> None:
+    """No test here may hang: each fails after TIMEOUT seconds (virtual under ``mock_clock``)."""
+
+    async def watchdog() -> None:
+        await trio.sleep(TIMEOUT * 2)
+        pytest.fail(f"test still running after {TIMEOUT * 2} s")
+
+    nursery.start_soon(watchdog)
+
+
+# -- push and pop against the real server -----------------------------------------------------
+
+
+async def test_push_then_pop_round_trip(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        await client.push("jobs", "job-1", "resize cat.jpg")
+        assert await client.pop("jobs") == [Packet(b"job-1", b"resize cat.jpg")]
+        assert await client.pop("jobs") == []
+
+
+async def test_bytes_and_str_mean_the_same_utf8(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        await client.push("caf\u00e9", b"k\xff", bytearray(b"\x00\x01"))
+        await client.push(b"caf\xc3\xa9", memoryview(b"k2"), "\u20ac")
+        assert await client.pop(b"caf\xc3\xa9") == [Packet(b"k2", "\u20ac".encode())]
+        assert await client.pop("caf\u00e9") == [Packet(b"k\xff", b"\x00\x01")]
+
+
+async def test_prio_and_key_grouping_come_back_as_on_the_wire(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        await client.push("q", "K", "a", prio=9)
+        await client.push("q", "other", "x", prio=1)
+        await client.push("q", "K", "b", prio=0)
+        await client.push("q", "K", "c", prio=2)
+        assert await client.pop("q") == [Packet(b"other", b"x")]
+        assert await client.pop("q") == [
+            Packet(b"K", b"c"),
+            Packet(b"K", b"a"),
+            Packet(b"K", b"b"),
+        ]
+
+
+async def test_prio_0_alone_pops_nothing(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        await client.push("q", "k", "hidden", prio=0)
+        assert await client.pop("q") == []
+        assert len(live.store) == 1
+
+
+async def test_ttl_ms_expires_on_the_servers_clock(
+    live: LiveServer, mock_clock: trio.testing.MockClock
+) -> None:
+    async with connect(live.port) as client:
+        await client.push("q", "short", "", ttl_ms=100)
+        await client.push("q", "forever", "", ttl_ms=0, prio=2)
+        await trio.sleep(0.2)  # virtual time
+        assert await client.pop("q") == [Packet(b"forever", b"")]
+        assert await client.pop("q") == []
+
+
+async def test_largest_fields_round_trip(live: LiveServer) -> None:
+    big = bytes(range(256)) * 255 + b"\x00" * 255  # 65,535 bytes
+    async with connect(live.port) as client:
+        await client.push(big, big, big)
+        assert await client.pop(big) == [Packet(big, big)]
+
+
+async def test_fifty_concurrent_pops_each_get_their_own_reply(live: LiveServer) -> None:
+    # Task i pops queue i, which holds i % 3 packets of key i, so every reply is different
+    # (empty, one packet, a group of two) and a reply given to the wrong task shows.
+    expected: dict[int, list[Packet]] = {}
+    async with connect(live.port) as client:
+        for i in range(50):
+            payloads = [b"%d-%d" % (i, n) * (1 + 1000 * (i == 7)) for n in range(i % 3)]
+            for payload in payloads:
+                await client.push(f"q{i}", f"k{i}", payload, prio=1)
+            expected[i] = [Packet(b"k%d" % i, p) for p in payloads[::-1][:1] + payloads[:-1]]
+        got: dict[int, list[Packet]] = {}
+
+        async def pop_one(i: int) -> None:
+            got[i] = await client.pop(f"q{i}")
+
+        async with trio.open_nursery() as nursery:
+            for i in range(50):
+                nursery.start_soon(pop_one, i)
+    assert got == expected
+
+
+async def test_concurrent_pushes_never_interleave(live: LiveServer) -> None:
+    payload = b"x" * 60000  # big enough that a send may not finish in one go
+    async with connect(live.port) as client, trio.open_nursery() as nursery:
+        for i in range(20):
+            nursery.start_soon(lambda i=i: client.push("q", f"k{i}", payload))
+    async with connect(live.port) as client:
+        popped = [await client.pop("q") for _ in range(21)]
+    assert sorted(p[0].key for p in popped[:20]) == sorted(b"k%d" % i for i in range(20))
+    assert all(p[0].payload == payload for p in popped[:20])
+    assert popped[20] == []
+
+
+# -- subscriptions against the real server ----------------------------------------------------
+
+
+async def test_subscribe_delivers_pushes_in_selection_order(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        await client.push("a", "a1", "1", prio=5)
+        async with client.subscribe("a", "b") as deliveries:
+            assert await anext(deliveries) == [Packet(b"a1", b"1")]
+            await client.push("b", "b1", "2")  # pushed while the subscriber waits
+            assert await anext(deliveries) == [Packet(b"b1", b"2")]
+            await client.push("a", "k", "x", prio=3)
+            await client.push("a", "k", "y", prio=0)
+            assert await anext(deliveries) == [Packet(b"k", b"x"), Packet(b"k", b"y")]
+
+
+async def test_subscription_uses_its_own_connection(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        await client.push("q", "k1", "")
+        async with client.subscribe("q") as deliveries:
+            assert await anext(deliveries) == [Packet(b"k1", b"")]
+            # A pop on the client still gets its own reply, not a delivery.
+            await client.push("other", "o", "")
+            assert await client.pop("other") == [Packet(b"o", b"")]
+
+
+async def test_limit_ends_iteration_and_takes_no_more(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        for i in range(5):
+            await client.push("q", f"k{i}", "")
+        async with client.subscribe("q", prefetch=4, limit=2) as deliveries:
+            got = [packets async for packets in deliveries]
+        assert got == [[Packet(b"k4", b"")], [Packet(b"k3", b"")]]
+        # Only two credits were ever granted, so the rest stayed queued.
+        assert [await client.pop("q") for _ in range(3)] == [
+            [Packet(b"k2", b"")],
+            [Packet(b"k1", b"")],
+            [Packet(b"k0", b"")],
+        ]
+
+
+async def test_prefetch_3_holds_at_most_3_and_leaves_the_rest(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        for i in range(10):
+            await client.push("q", f"k{i}", "")
+        async with client.subscribe("q", prefetch=3) as deliveries:
+            first = await anext(deliveries)  # a slow consumer: it asks for nothing more
+            # Let the server read everything the subscriber has sent so far.
+            await trio.testing.wait_all_tasks_blocked()
+            others = []
+            for _ in range(11):
+                packets = await client.pop("q")
+                if not packets:
+                    break
+                others += packets
+            assert len(others) == 7, "the subscriber took more than its 3 credits"
+            await client.push("q", "late", "")  # no credit left: it waits in the queue
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(live.store) == 1
+            rest = [await anext(deliveries) for _ in range(3)]
+    keys = [packets[0].key for packets in [first, *rest]]
+    assert keys == [b"k9", b"k8", b"k7", b"late"]
+    assert sorted(p.key for p in others) == [b"k%d" % i for i in range(7)]
+
+
+async def test_leaving_the_block_closes_the_subscription(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        await client.push("q", "k1", "")
+        async with client.subscribe("q", prefetch=1) as deliveries:
+            await anext(deliveries)
+        await client.push("q", "k2", "")  # no credit was returned, so nobody takes this
+        assert await client.pop("q") == [Packet(b"k2", b"")]
+
+
+# -- credits and reply matching, byte for byte against a fake server --------------------------
+
+
+async def test_credits_return_when_the_caller_asks_for_the_next(fake: FakeServer) -> None:
+    async with connect(fake.port) as client:
+        await fake.accept()
+        async with client.subscribe("q", prefetch=3) as deliveries:
+            sub = await fake.accept()
+            assert await sub.receive_exactly(7) == subscribe(b"q") + READY * 3
+            await sub.send(reply((b"1", b"")) + reply((b"2", b"")) + reply((b"3", b"")))
+            assert await anext(deliveries) == [Packet(b"1", b"")]
+            assert await anext(deliveries) == [Packet(b"2", b"")]  # the first is finished
+            assert await sub.receive_exactly(1) == READY
+        # Leaving with the second in hand returns no credit for it.
+        assert await read_to_eof(sub) == b""
+
+
+async def test_limit_caps_the_credits_granted(fake: FakeServer) -> None:
+    async with connect(fake.port) as client:
+        await fake.accept()
+        async with client.subscribe("a", "b", prefetch=5, limit=2) as deliveries:
+            sub = await fake.accept()
+            await sub.send(reply((b"1", b"")) + reply((b"2", b"")))
+            assert len([packets async for packets in deliveries]) == 2
+        assert await read_to_eof(sub) == subscribe(b"a") + subscribe(b"b") + READY * 2
+
+
+async def test_a_cancelled_pop_leaves_the_connection_in_step(fake: FakeServer) -> None:
+    async with connect(fake.port) as client:
+        server = await fake.accept()
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.pop, "a")
+                assert await server.receive_exactly(4) == pop(b"a")
+                scope.cancel()
+        await server.send(reply((b"for-a", b"")))  # the cancelled pop's reply arrives late
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.send, reply((b"for-b", b"")))
+            assert await client.pop("b") == [Packet(b"for-b", b"")]
+
+
+async def test_a_pop_times_out_and_the_next_gets_its_own_reply(
+    fake: FakeServer, mock_clock: trio.testing.MockClock
+) -> None:
+    async with connect(fake.port, timeout=5) as client:
+        server = await fake.accept()
+        with pytest.raises(TimeoutError, match=rf"pop from 127\.0\.0\.1:{fake.port}.* 5 s"):
+            await client.pop("a")
+        await server.send(reply((b"for-a", b"")) + reply((b"for-b", b"")))
+        assert await client.pop("b") == [Packet(b"for-b", b"")]
+
+
+async def test_a_push_that_cannot_be_sent_times_out_and_closes(
+    fake: FakeServer, mock_clock: trio.testing.MockClock
+) -> None:
+    # The fake never reads, so the socket buffers fill up and a send blocks.
+    async with connect(fake.port, timeout=5) as client:
+        await fake.accept()
+        with pytest.raises(TimeoutError, match="push to"):  # noqa: PT012
+            for _ in range(10000):
+                await client.push("q", "k", b"x" * 65535)
+        # Part of a frame may have gone out, so the connection cannot be used again.
+        with pytest.raises(PinpriqConnectionError, match="lost during a send"):
+            await client.pop("q")
+
+
+# -- arguments and connection errors ----------------------------------------------------------
+
+TOO_LONG = b"x" * 65536
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"queue": TOO_LONG}, "queue"),
+        ({"key": TOO_LONG}, "key"),
+        ({"payload": "\u00e9" * 32768}, "payload"),  # 65,536 bytes of UTF-8
+        ({"ttl_ms": 65536}, "ttl_ms"),
+        ({"ttl_ms": -1}, "ttl_ms"),
+        ({"prio": 256}, "prio"),
+        ({"prio": -1}, "prio"),
+        ({"key": "\udcff"}, "key"),  # a lone surrogate has no UTF-8
+    ],
+)
+async def test_bad_push_arguments_raise_before_sending(
+    fake: FakeServer, kwargs: dict[str, object], field: str
+) -> None:
+    args: dict[str, object] = {"queue": "q", "key": "k", "payload": "p", **kwargs}
+    async with connect(fake.port) as client:
+        server = await fake.accept()
+        with pytest.raises(ValueError, match=rf"^{field}\b"):
+            await client.push(**args)  # type: ignore[arg-type]
+        await client.push("q", "k", "p")
+        assert await server.receive_exactly(13) == push(b"q", b"k", b"p")
+
+
+async def test_bad_pop_and_subscribe_arguments_raise_before_sending(fake: FakeServer) -> None:
+    async with connect(fake.port) as client:
+        server = await fake.accept()
+        with pytest.raises(ValueError, match=r"^queue"):
+            await client.pop(TOO_LONG)
+        with pytest.raises(TypeError, match=r"^queue must be bytes or str, not int"):
+            await client.pop(7)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"^queue"):
+            client.subscribe("ok", TOO_LONG)
+        with pytest.raises(ValueError, match="at least one queue"):
+            client.subscribe()
+        with pytest.raises(ValueError, match=r"^prefetch"):
+            client.subscribe("q", prefetch=0)
+        with pytest.raises(ValueError, match=r"^limit"):
+            client.subscribe("q", limit=0)
+        await client.push("q", "k", "p")
+        assert await server.receive_exactly(13) == push(b"q", b"k", b"p")
+
+
+async def test_refused_connection_names_the_address() -> None:
+    with trio.socket.socket() as placeholder:  # bound, never listening: connecting is refused
+        await placeholder.bind(("127.0.0.1", 0))
+        port = placeholder.getsockname()[1]
+        with pytest.raises(PinpriqConnectionError, match=rf"127\.0\.0\.1:{port}") as info:
+            async with connect(port):
+                pass  # pragma: no cover
+    assert isinstance(info.value, ConnectionError)
+    assert (info.value.host, info.value.port) == ("127.0.0.1", port)
+
+
+@pytest.mark.parametrize("seconds", [0, -1.0])
+async def test_timeout_must_be_positive(seconds: float) -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        async with connect(1, timeout=seconds):
+            pass  # pragma: no cover
+
+
+async def test_dropped_connection_fails_every_waiting_pop(fake: FakeServer) -> None:
+    errors: list[Exception] = []
+
+    async def pop_and_record(queue: str) -> None:
+        try:
+            await client.pop(queue)
+        except PinpriqConnectionError as error:
+            errors.append(error)
+
+    async with connect(fake.port) as client:
+        server = await fake.accept()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pop_and_record, "a")
+            nursery.start_soon(pop_and_record, "b")
+            await server.receive_exactly(8)
+            await server.aclose()
+        assert [str(e) for e in errors] == [
+            f"connection to 127.0.0.1:{fake.port} was closed by the server"
+        ] * 2
+        with pytest.raises(PinpriqConnectionError, match="closed by the server"):
+            await client.push("q", "k", "")
+
+
+async def test_subscription_reports_a_closed_server(fake: FakeServer) -> None:
+    async with connect(fake.port) as client:
+        await fake.accept()
+        async with client.subscribe("q") as deliveries:
+            sub = await fake.accept()
+            await sub.receive_exactly(5)  # unread bytes would make the close a reset
+            await sub.aclose()
+            with pytest.raises(PinpriqConnectionError, match="closed by the server"):
+                await anext(deliveries)
+
+
+async def test_calls_after_close_raise(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        pass
+    with pytest.raises(PinpriqConnectionError, match="is closed"):
+        await client.pop("q")
