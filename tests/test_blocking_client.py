@@ -1,0 +1,282 @@
+"""``BlockingPinpriqClient`` against the real server over TCP, and against a scripted fake.
+
+The real server runs in a thread of its own (``ThreadServer``), so these tests are plain
+synchronous functions, written the way a user of the blocking client writes code. The fake
+server is a listening socket the test speaks for byte by byte.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import TypeVar
+
+import pytest
+import trio
+import trio.testing
+
+from pinpriq import BlockingPinpriqClient, Packet, PinpriqConnectionError
+from pinpriq.server import PinpriqServer
+from tests.rawpeer import READY, pop, push, subscribe
+
+T = TypeVar("T")
+TIMEOUT = 10
+
+
+def reply(*packets: tuple[bytes, bytes]) -> bytes:
+    """A pop reply or delivery, by hand."""
+    parts = [struct.pack(">H", len(packets))]
+    for key, payload in packets:
+        parts.append(struct.pack(">HH", len(key), len(payload)) + key + payload)
+    return b"".join(parts)
+
+
+class ThreadServer:
+    """A pinpriq server on 127.0.0.1 and an ephemeral port, in a Trio loop on its own thread."""
+
+    def __init__(self) -> None:
+        self.server = PinpriqServer()
+        started: queue.Queue[tuple[int, trio.lowlevel.TrioToken, trio.CancelScope]] = queue.Queue()
+        self._thread = threading.Thread(target=trio.run, args=(self._main, started))
+        self._thread.start()
+        self.port, self._token, self._scope = started.get(timeout=TIMEOUT)
+
+    async def _main(self, started: queue.Queue[object]) -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(partial(self.server.serve, 0, host="127.0.0.1"))
+            port = listeners[0].socket.getsockname()[1]
+            started.put((port, trio.lowlevel.current_trio_token(), nursery.cancel_scope))
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in the server's thread, where its state may be read safely."""
+        return trio.from_thread.run_sync(fn, trio_token=self._token)
+
+    def settle(self) -> None:
+        """Return once the server has handled every byte that has reached it."""
+        trio.from_thread.run(trio.testing.wait_all_tasks_blocked, trio_token=self._token)
+
+    def stop(self) -> None:
+        trio.from_thread.run_sync(self._scope.cancel, trio_token=self._token)
+        self._thread.join(TIMEOUT)
+
+
+@pytest.fixture
+def live() -> Iterator[ThreadServer]:
+    server = ThreadServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fake() -> Iterator[socket.socket]:
+    """A listening socket; the client connects, the test accepts and speaks for the server."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(TIMEOUT)
+        yield listener
+
+
+def accept(listener: socket.socket) -> socket.socket:
+    conn, _ = listener.accept()
+    conn.settimeout(TIMEOUT)
+    return conn
+
+
+def receive_exactly(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        assert chunk, f"connection closed with {len(data)} of {size} bytes read"
+        data += chunk
+    return data
+
+
+def read_to_eof(conn: socket.socket) -> bytes:
+    data = b""
+    while chunk := conn.recv(65536):
+        data += chunk
+    return data
+
+
+def connect(port: int, timeout: float | None = TIMEOUT) -> BlockingPinpriqClient:
+    return BlockingPinpriqClient.connect("127.0.0.1", port, timeout=timeout)
+
+
+def port_of(listener: socket.socket) -> int:
+    port: int = listener.getsockname()[1]
+    return port
+
+
+# -- push and pop against the real server -----------------------------------------------------
+
+
+def test_push_then_pop_round_trip(live: ThreadServer) -> None:
+    with connect(live.port) as client:
+        client.push("jobs", "job-1", "resize cat.jpg")
+        assert client.pop("jobs") == [Packet(b"job-1", b"resize cat.jpg")]
+        assert client.pop("jobs") == []
+
+
+def test_bytes_str_prio_and_grouping(live: ThreadServer) -> None:
+    with connect(live.port) as client:
+        client.push(b"q", "K", b"a", prio=9)
+        client.push("q", b"other", "\u20ac", prio=1)
+        client.push("q", "K", bytearray(b"b"), prio=0)
+        assert client.pop("q") == [Packet(b"other", "\u20ac".encode())]
+        assert client.pop(b"q") == [Packet(b"K", b"a"), Packet(b"K", b"b")]
+        client.push("q", "k", "hidden", prio=0)
+        assert client.pop("q") == []
+
+
+def test_ttl_ms_reaches_the_server(live: ThreadServer) -> None:
+    with connect(live.port) as client:
+        client.push("q", "k", "v", ttl_ms=65535)
+        client.pop("missing")  # a round trip: the push before it has been applied
+        deadlines = live.call(lambda: live.server.store.next_deadline())
+        assert deadlines is not None
+
+
+def test_threads_sharing_a_client_each_get_their_own_reply(live: ThreadServer) -> None:
+    with connect(live.port) as client:
+        for i in range(50):
+            for n in range(i % 3):
+                client.push(f"q{i}", f"k{i}", f"{n}")
+        with ThreadPoolExecutor(max_workers=50) as pool:
+            got = list(pool.map(lambda i: client.pop(f"q{i}"), range(50)))
+    for i, packets in enumerate(got):
+        assert [p.key for p in packets] == [b"k%d" % i] * (i % 3)
+
+
+# -- subscriptions against the real server ----------------------------------------------------
+
+
+def test_subscribe_delivers_pushes(live: ThreadServer) -> None:
+    with connect(live.port) as client:
+        client.push("a", "a1", "1")
+        with client.subscribe("a", "b") as deliveries:
+            assert next(deliveries) == [Packet(b"a1", b"1")]
+            client.push("b", "b1", "2")
+            assert next(deliveries) == [Packet(b"b1", b"2")]
+
+
+def test_subscribe_is_a_plain_iterator_with_a_limit(live: ThreadServer) -> None:
+    with connect(live.port) as client:
+        for i in range(4):
+            client.push("q", f"k{i}", "")
+        with client.subscribe("q", prefetch=3, limit=2) as deliveries:
+            got = list(deliveries)
+        assert got == [[Packet(b"k3", b"")], [Packet(b"k2", b"")]]
+        assert client.pop("q") == [Packet(b"k1", b"")]
+
+
+def test_prefetch_3_holds_at_most_3_and_leaves_the_rest(live: ThreadServer) -> None:
+    with connect(live.port) as client:
+        for i in range(10):
+            client.push("q", f"k{i}", "")
+        with client.subscribe("q", prefetch=3) as deliveries:
+            first = next(deliveries)  # a slow consumer: it asks for nothing more
+            live.settle()
+            others = []
+            for _ in range(11):
+                packets = client.pop("q")
+                if not packets:
+                    break
+                others += packets
+            assert len(others) == 7, "the subscriber took more than its 3 credits"
+            client.push("q", "late", "")
+            rest = [next(deliveries) for _ in range(3)]
+    assert [packets[0].key for packets in [first, *rest]] == [b"k9", b"k8", b"k7", b"late"]
+
+
+def test_closing_the_subscription_ends_iteration(live: ThreadServer) -> None:
+    with connect(live.port) as client:
+        client.push("q", "k1", "")
+        deliveries = client.subscribe("q")
+        assert next(deliveries) == [Packet(b"k1", b"")]
+        deliveries.close()
+        assert list(deliveries) == []
+        client.push("q", "k2", "")  # the closed subscriber returned no credit
+        assert client.pop("q") == [Packet(b"k2", b"")]
+
+
+# -- credits and reply matching, byte for byte against a fake server --------------------------
+
+
+def test_credits_return_when_the_caller_asks_for_the_next(fake: socket.socket) -> None:
+    with (
+        connect(port_of(fake)) as client,
+        accept(fake),
+        client.subscribe("q", prefetch=3) as deliveries,
+        accept(fake) as sub,
+    ):
+        assert receive_exactly(sub, 7) == subscribe(b"q") + READY * 3
+        sub.sendall(reply((b"1", b"")) + reply((b"2", b"")) + reply((b"3", b"")))
+        assert next(deliveries) == [Packet(b"1", b"")]
+        assert next(deliveries) == [Packet(b"2", b"")]
+        assert receive_exactly(sub, 1) == READY
+        deliveries.close()
+        assert read_to_eof(sub) == b""  # no credit for the delivery still in hand
+
+
+def test_a_pop_times_out_and_the_next_gets_its_own_reply(fake: socket.socket) -> None:
+    with connect(port_of(fake), timeout=0.05) as client, accept(fake) as server:
+        with pytest.raises(TimeoutError, match=rf"pop from 127\.0\.0\.1:{port_of(fake)}"):
+            client.pop("a")
+        assert receive_exactly(server, 4) == pop(b"a")
+        server.sendall(reply((b"for-a", b"")) + reply((b"for-b", b"")))
+        assert client.pop("b") == [Packet(b"for-b", b"")]
+
+
+def test_dropped_connection_raises_and_stays_closed(fake: socket.socket) -> None:
+    with connect(port_of(fake)) as client:
+        with accept(fake) as server:
+            client.push("q", "k", "")
+            assert receive_exactly(server, 12) == push(b"q", b"k", b"")
+        with pytest.raises(PinpriqConnectionError, match=f"127.0.0.1:{port_of(fake)} was closed"):
+            client.pop("q")
+        with pytest.raises(PinpriqConnectionError, match="is closed"):
+            client.pop("q")
+
+
+# -- arguments and connection errors ----------------------------------------------------------
+
+TOO_LONG = b"x" * 65536
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"queue": TOO_LONG}, "queue"),
+        ({"key": TOO_LONG}, "key"),
+        ({"payload": TOO_LONG}, "payload"),
+        ({"ttl_ms": 65536}, "ttl_ms"),
+        ({"prio": 256}, "prio"),
+        ({"prio": -1}, "prio"),
+    ],
+)
+def test_bad_arguments_raise_before_sending(
+    fake: socket.socket, kwargs: dict[str, object], field: str
+) -> None:
+    args: dict[str, object] = {"queue": "q", "key": "k", "payload": "p", **kwargs}
+    with connect(port_of(fake)) as client, accept(fake) as server:
+        with pytest.raises(ValueError, match=rf"^{field}\b"):
+            client.push(**args)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"^queue"):
+            client.pop(TOO_LONG)
+        with pytest.raises(ValueError, match=r"^prefetch"):
+            client.subscribe("q", prefetch=0)
+        client.push("q", "k", "p")
+        assert receive_exactly(server, 13) == push(b"q", b"k", b"p")
+
+
+def test_refused_connection_names_the_address() -> None:
+    with socket.socket() as placeholder:  # bound, never listening: connecting is refused
+        placeholder.bind(("127.0.0.1", 0))
+        port = placeholder.getsockname()[1]
+        with pytest.raises(PinpriqConnectionError, match=rf"127\.0\.0\.1:{port}: ") as info:
+            connect(port)
+    assert isinstance(info.value, ConnectionError)
