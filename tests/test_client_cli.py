@@ -1,0 +1,217 @@
+"""The ``pinpriq`` command as a user runs it: subprocesses against a ``pinpriq-server``
+subprocess on an ephemeral loopback port."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+BIN = Path(sys.executable).parent
+PINPRIQ = str(BIN / "pinpriq")
+TIMEOUT = 20
+
+
+def read_line(stream: IO[bytes], deadline: float) -> bytes:
+    """One line from a subprocess pipe, failing the test if none comes before ``deadline``."""
+    line = b""
+    while not line.endswith(b"\n"):
+        ready, _, _ = select.select([stream], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            pytest.fail(f"no complete line within the deadline; have {line!r}")
+        byte = os.read(stream.fileno(), 1)
+        if not byte:
+            pytest.fail(f"pipe closed; have {line!r}")
+        line += byte
+    return line
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    """A ``pinpriq-server --port 0`` subprocess; the port is parsed from its log line."""
+    server = subprocess.Popen(
+        [str(BIN / "pinpriq-server"), "--host", "127.0.0.1", "--port", "0"],
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    assert server.stderr is not None
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while b"listening on" not in (line := read_line(server.stderr, deadline)):
+            pass
+        yield int(line.split()[-1])
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(TIMEOUT)
+        finally:
+            server.kill()
+            server.stderr.close()
+
+
+def env(**extra: str) -> dict[str, str]:
+    environment = {k: v for k, v in os.environ.items() if k != "PINPRIQ_URL"}
+    return environment | extra
+
+
+def pinpriq(
+    port: int | None, *args: str | bytes, **environ: str
+) -> subprocess.CompletedProcess[str]:
+    argv = [PINPRIQ, *(["--port", str(port)] if port is not None else []), *args]
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=TIMEOUT, env=env(**environ), check=False
+    )
+
+
+def ok(port: int, *args: str | bytes) -> str:
+    """stdout of a command that must succeed quietly."""
+    done = pinpriq(port, *args)
+    assert (done.returncode, done.stderr) == (0, ""), done
+    return done.stdout
+
+
+def test_push_then_pop_prints_key_tab_payload(port: int) -> None:
+    assert ok(port, "push", "jobs", "job-1", "resize cat.jpg", "--prio", "2") == ""
+    assert ok(port, "pop", "jobs") == "job-1\tresize cat.jpg\n"
+
+
+def test_options_go_before_or_after_the_command(port: int) -> None:
+    ok(port, "push", "opts", "k", "v")
+    done = subprocess.run(
+        [PINPRIQ, "--json", "pop", "--port", str(port), "opts"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env(),
+        check=False,
+    )
+    assert json.loads(done.stdout) == {"key": "k", "payload": "v"}
+
+
+def test_unprintable_bytes_are_escaped_one_line_per_packet(port: int) -> None:
+    ok(port, "push", "esc", "k\t1", "caf\u00e9 a\x01b\\c\nd")
+    ok(port, "push", "esc", "k\t1", b"\xff\xfe", "--prio", "0")
+    assert ok(port, "pop", "esc").splitlines() == [
+        "k\\t1\tcaf\u00e9 a\\x01b\\\\c\\nd",
+        "k\\t1\t\\xff\\xfe",
+    ]
+
+
+def test_json_output_parses_and_marks_base64(port: int) -> None:
+    ok(port, "push", "js", "k", "caf\u00e9", "--ttl", "60000")
+    ok(port, "push", "js", "k", b"\xff\xfe", "--prio", "0")
+    lines = ok(port, "--json", "pop", "js").splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"key": "k", "payload": "caf\u00e9"},
+        {"key": "k", "payload": {"base64": "//4="}},
+    ]
+
+
+def test_pop_of_an_empty_queue_prints_nothing(port: int) -> None:
+    assert ok(port, "pop", "nothing-here") == ""
+
+
+def test_subscribe_count_prints_that_many_and_takes_no_more(port: int) -> None:
+    for i in range(4):
+        ok(port, "push", "sub", f"k{i}", f"p{i}")
+    assert ok(port, "subscribe", "sub", "--count", "2", "--prefetch", "5") == "k3\tp3\nk2\tp2\n"
+    assert ok(port, "pop", "sub") == "k1\tp1\n"
+
+
+def test_subscribe_prints_packets_as_they_are_pushed(port: int) -> None:
+    with subprocess.Popen(
+        [PINPRIQ, "--port", str(port), "--json", "subscribe", "live-a", "live-b", "--count", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env(),
+    ) as subscriber:
+        assert subscriber.stdout is not None
+        deadline = time.monotonic() + TIMEOUT
+        ok(port, "push", "live-b", "first", "1")
+        assert json.loads(read_line(subscriber.stdout, deadline)) == {
+            "key": "first",
+            "payload": "1",
+        }
+        ok(port, "push", "live-a", "second", "2")
+        assert json.loads(read_line(subscriber.stdout, deadline)) == {
+            "key": "second",
+            "payload": "2",
+        }
+        assert subscriber.wait(TIMEOUT) == 0
+
+
+def test_ctrl_c_in_subscribe_exits_130_quietly(port: int) -> None:
+    with subprocess.Popen(
+        [PINPRIQ, "--port", str(port), "subscribe", "ctrl-c"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env(),
+    ) as subscriber:
+        assert subscriber.stdout is not None
+        assert subscriber.stderr is not None
+        ok(port, "push", "ctrl-c", "k", "v")
+        assert read_line(subscriber.stdout, time.monotonic() + TIMEOUT) == b"k\tv\n"
+        subscriber.send_signal(signal.SIGINT)
+        assert subscriber.wait(TIMEOUT) == 130
+        assert subscriber.stderr.read() == b""
+
+
+def test_pinpriq_url_names_the_server_and_options_override_it(port: int) -> None:
+    url = f"pinpriq://127.0.0.1:{port}"
+    assert pinpriq(None, "push", "url", "k", "v", PINPRIQ_URL=url).returncode == 0
+    done = pinpriq(None, "--port", str(port), "pop", "url", PINPRIQ_URL="pinpriq://127.0.0.1:1")
+    assert (done.returncode, done.stdout) == (0, "k\tv\n")
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:7000", "pinpriq://h:99999", "pinpriq://h/x"])
+def test_a_bad_pinpriq_url_is_one_line(url: str) -> None:
+    done = pinpriq(None, "pop", "q", PINPRIQ_URL=url)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1
+    assert "PINPRIQ_URL must look like pinpriq://HOST:PORT" in done.stderr
+
+
+def test_refused_connection_is_one_line_and_exit_1() -> None:
+    with socket.socket() as placeholder:  # bound, never listening
+        placeholder.bind(("127.0.0.1", 0))
+        port = placeholder.getsockname()[1]
+        done = pinpriq(port, "pop", "q")
+    assert done.returncode == 1
+    assert done.stderr == f"pinpriq: cannot connect to 127.0.0.1:{port}: Connection refused\n"
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["push", "q", "k", "v", "--prio", "256"], "argument --prio: 256 is not in 0..255"),
+        (["push", "q", "k", "v", "--ttl", "-1"], "argument --ttl: -1 is not in 0..65535"),
+        (["subscribe", "q", "--prefetch", "0"], "argument --prefetch: 0 is not in 1..65535"),
+        (["subscribe"], "the following arguments are required: QUEUE"),
+        (["pop", "q", "--timeout", "0"], "argument --timeout: 0 is not a positive number"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(args: list[str], message: str) -> None:
+    done = pinpriq(1, *args)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1
+    assert message in done.stderr
+
+
+def test_a_field_too_long_is_one_line_and_exit_2(port: int) -> None:
+    done = pinpriq(port, "push", "q", "k", "x" * 65536)
+    assert (done.returncode, done.stderr) == (
+        2,
+        "pinpriq: error: payload is 65536 bytes; the most is 65535\n",
+    )
