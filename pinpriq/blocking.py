@@ -11,6 +11,7 @@ repaired).
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -105,15 +106,22 @@ class _SocketLink:
         except TimeoutError:
             raise self._timeout(what) from None
         except OSError as error:
-            self.close()
-            raise self.error(f"connection to {self.address} broke: {error}") from None
+            raise self._lost(f"broke: {error}") from None
         if not data:
-            self.close()
-            raise self.error(f"connection to {self.address} was closed by the server")
+            raise self._lost("was closed by the server")
         return data
 
+    def _lost(self, how: str) -> PinpriqConnectionError:
+        # Closed by another thread while this one waited: say so, not what recv saw.
+        how = "is closed" if self.closed else how
+        self.close()
+        return self.error(f"connection to {self.address} {how}")
+
     def close(self) -> None:
+        """Close the socket; a thread blocked reading it wakes up (shutdown does that)."""
         self.closed = True
+        with contextlib.suppress(OSError):  # not connected any more, or closed already
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
 
 
@@ -152,8 +160,9 @@ class BlockingPinpriqClient:
         return self._link.address
 
     def close(self) -> None:
-        with self._lock:
-            self._link.close()
+        """Close the connection. Safe from any thread: a call waiting for a reply in another
+        thread raises ``PinpriqConnectionError``."""
+        self._link.close()  # without the lock, which a waiting pop holds
 
     def __enter__(self) -> BlockingPinpriqClient:
         return self
@@ -227,6 +236,7 @@ class BlockingSubscription:
         self._limit = limit
         self._received = 0
         self._unfinished = False  # a delivery was handed out and its credit not yet returned
+        self._closed = False  # by close(), as opposed to by the server or a broken socket
 
     @property
     def address(self) -> str:
@@ -236,7 +246,7 @@ class BlockingSubscription:
         return self
 
     def __next__(self) -> list[Packet]:
-        if self._received == self._limit or self._link.closed:
+        if self._received == self._limit or self._closed:
             raise StopIteration
         if self._unfinished:
             # The caller is back for more, so the last delivery is finished: return its credit.
@@ -246,13 +256,21 @@ class BlockingSubscription:
                 self._granted += 1
             self._unfinished = False
         while (reply := self._decoder.next_reply()) is None:
-            self._decoder.feed(self._link.receive(None, "subscription at"))
+            try:
+                data = self._link.receive(None, "subscription at")
+            except PinpriqConnectionError:
+                if self._closed:
+                    raise StopIteration from None  # close() from another thread ends the loop
+                raise
+            self._decoder.feed(data)
         self._received += 1
         self._unfinished = True
         return reply
 
     def close(self) -> None:
-        """Close the connection; deliveries not yet handed out are lost."""
+        """Close the connection and end iteration, also when another thread is waiting in
+        ``next()``; deliveries not yet handed out are lost."""
+        self._closed = True
         self._link.close()
 
     def __enter__(self) -> BlockingSubscription:

@@ -11,6 +11,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -240,6 +241,39 @@ def test_dropped_connection_raises_and_stays_closed(fake: socket.socket) -> None
             client.pop("q")
         with pytest.raises(PinpriqConnectionError, match="is closed"):
             client.pop("q")
+
+
+def test_close_from_another_thread_wakes_a_waiting_pop(fake: socket.socket) -> None:
+    errors: list[Exception] = []
+    with connect(port_of(fake), timeout=None) as client, accept(fake) as server:
+
+        def pop_and_record() -> None:
+            try:
+                client.pop("q")
+            except PinpriqConnectionError as error:
+                errors.append(error)
+
+        waiter = threading.Thread(target=pop_and_record)
+        waiter.start()
+        assert receive_exactly(server, 4) == pop(b"q")  # the pop is out: its thread waits
+        client.close()
+        waiter.join(TIMEOUT)
+    assert [str(e) for e in errors] == [f"connection to 127.0.0.1:{port_of(fake)} is closed"]
+
+
+def test_close_from_another_thread_ends_a_subscription(live: ThreadServer) -> None:
+    got: list[list[Packet]] = []
+    with connect(live.port) as client, client.subscribe("q") as deliveries:
+        consumer = threading.Thread(target=lambda: got.extend(deliveries))
+        consumer.start()
+        client.push("q", "k", "v")
+        deadline = time.monotonic() + TIMEOUT
+        while not got and time.monotonic() < deadline:
+            consumer.join(0.01)
+        deliveries.close()
+        consumer.join(TIMEOUT)
+        assert not consumer.is_alive()
+    assert got == [[Packet(b"k", b"v")]]
 
 
 # -- arguments and connection errors ----------------------------------------------------------
