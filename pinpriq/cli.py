@@ -129,15 +129,17 @@ prints nothing and exits 0. Exit status: 0 done, 1 server unreachable or connect
 2 bad arguments, {INTERRUPTED} interrupted (Ctrl-C)."""
 
 
-def int_in(low: int, high: int) -> Callable[[str], int]:
-    """An argparse type: an integer in ``low..high``."""
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``low..high`` (no upper bound if ``high`` is None)."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-        if not low <= value <= high:
+        if high is None and value < low:
+            raise argparse.ArgumentTypeError(f"{value} is less than {low}")
+        if high is not None and not low <= value <= high:
             raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
         return value
 
@@ -227,7 +229,7 @@ def client_parser() -> argparse.ArgumentParser:
     subscribe.add_argument("queues", nargs="+", metavar="QUEUE")
     subscribe.add_argument(
         "--count",
-        type=int_in(1, sys.maxsize),
+        type=int_in(1),
         metavar="N",
         help="exit after N deliveries, taking no more than that from the server",
     )
