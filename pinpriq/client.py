@@ -11,8 +11,8 @@ unanswered pops, sends its frame and releases the lock, so frames never interlea
 is in request order, which is the reply order (decision 8). A caller then takes the receive lock
 and reads until its own slot is filled; every reply read on the way fills the oldest slot, so a
 caller often finds its reply already there. No background task is needed, and a cancelled or
-timed-out pop only marks its slot abandoned: the reply still arrives, fills the slot, and is
-dropped, so the connection stays in step. A frame cut short by a failed send cannot be repaired
+timed-out pop just stops waiting: its reply still arrives, fills its slot, and is dropped, so
+the connection stays in step. A frame cut short by a failed send cannot be repaired
 (the server cannot tell where the next frame starts), so a failed send closes the connection.
 
 Subscriptions get a connection of their own (decision 8: a delivery looks like a pop reply).
@@ -134,13 +134,13 @@ def check_timeout(timeout: float | None) -> None:
 
 
 class _Slot:
-    """Where one pop's reply lands; abandoned when its caller stops waiting."""
+    """Where one pop's reply lands. A caller that stops waiting just forgets its slot, which
+    keeps its place in the FIFO until the reply fills it and nobody reads it."""
 
-    __slots__ = ("abandoned", "reply")
+    __slots__ = ("reply",)
 
     def __init__(self) -> None:
         self.reply: list[Packet] | None = None
-        self.abandoned = False
 
 
 class _Link:
@@ -272,11 +272,7 @@ class PinpriqClient:
         slot = _Slot()
         with self._link.time_limit("pop from"):
             await self._send(frame, slot)
-            try:
-                return await self._wait_for(slot)
-            except BaseException:
-                slot.abandoned = True  # the reply is dropped when it arrives
-                raise
+            return await self._wait_for(slot)
 
     def subscribe(
         self, *queues: Data, prefetch: int = 1, limit: int | None = None
@@ -293,6 +289,7 @@ class PinpriqClient:
         one.
         """
         opening, credits = subscribe_frames(queues, prefetch, limit)
+        self._check_open()
         return self._subscription(opening, credits, limit)
 
     @asynccontextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 import struct
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
+from functools import partial
 
 import pytest
 import trio
@@ -161,7 +162,7 @@ async def test_concurrent_pushes_never_interleave(live: LiveServer) -> None:
     payload = b"x" * 60000  # big enough that a send may not finish in one go
     async with connect(live.port) as client, trio.open_nursery() as nursery:
         for i in range(20):
-            nursery.start_soon(lambda i=i: client.push("q", f"k{i}", payload))
+            nursery.start_soon(partial(client.push, "q", f"k{i}", payload))
     async with connect(live.port) as client:
         popped = [await client.pop("q") for _ in range(21)]
     assert sorted(p[0].key for p in popped[:20]) == sorted(b"k%d" % i for i in range(20))
