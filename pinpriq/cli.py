@@ -11,11 +11,12 @@ import argparse
 import base64
 import json
 import logging
+import math
 import os
+import resource
 import signal
 import sys
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import NoReturn, TextIO
 from urllib.parse import urlsplit
 
@@ -30,7 +31,8 @@ from pinpriq.client import (
     MAX_PREFETCH,
     PinpriqConnectionError,
 )
-from pinpriq.server import PinpriqServer
+from pinpriq.server import DEFAULT_MAX_CONNECTIONS, PinpriqServer
+from pinpriq.store import PACKET_OVERHEAD
 from pinpriq.wire import MAX_PRIO, MAX_TTL_MS, Packet
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -54,10 +56,59 @@ def port_number(text: str) -> int:
     return port
 
 
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "k": 1024,
+    "kib": 1024,
+    "m": 1024**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tib": 1024**4,
+}
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: a size in bytes, such as ``512MiB``, ``2GB`` or ``65536``.
+
+    KiB/MiB/GiB/TiB (and K/M/G/T) are powers of 1024; kB/MB/GB/TB powers of 1000; case does not
+    matter; a fraction is allowed (``1.5GiB``).
+    """
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number) :].lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use e.g. 512MiB, 2GB or 65536")
+    return int(value * _SIZE_UNITS[unit])
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: must be a whole number >= 1")
+    return value
+
+
 def server_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="pinpriq-server",
         description="Run a pinpriq priority-queue server.",
+        epilog="SIGINT or SIGTERM stops the server gracefully: it stops accepting, flushes the "
+        "replies it owes (for up to a second), closes every connection and exits 0. A second "
+        "signal exits at once with status 1.",
     )
     parser.add_argument(
         "--host",
@@ -71,6 +122,23 @@ def server_parser() -> argparse.ArgumentParser:
         help="TCP port to listen on, 0 for any free port (default: %(default)s)",
     )
     parser.add_argument(
+        "--max-memory",
+        type=byte_size,
+        default="1GiB",
+        metavar="SIZE",
+        help="cap on the memory queued packets may hold (keys, payloads and about "
+        f"{PACKET_OVERHEAD} bytes of bookkeeping each), e.g. 512MiB or 2GB; when reached, "
+        "pushes wait until pops or expiry free room. 0 for no cap (default: 1GiB)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help="most concurrent connections; further ones are accepted and closed at once "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default="info",
@@ -80,20 +148,42 @@ def server_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def run_server(host: str, port: int) -> str | None:
-    """Serve until SIGINT or SIGTERM. Returns why the server could not start, if it could not."""
+#: Exit status when a second signal cuts a graceful shutdown short.
+FORCED_EXIT = 1
+
+
+async def run_server(server: PinpriqServer, host: str, port: int) -> int | str:
+    """Serve until a signal. Returns the exit status, or why the server could not start."""
+    log = logging.getLogger("pinpriq.server")
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
+
+            async def serve_then_stop(task_status: trio.TaskStatus[object]) -> None:
+                await server.serve(port, host=host, task_status=task_status)
+                nursery.cancel_scope.cancel()  # serving ended: stop watching for signals
+
             try:
-                await nursery.start(partial(PinpriqServer().serve, port, host=host))
+                await nursery.start(serve_then_stop)
             except OSError as error:
                 return f"cannot listen on {host} port {port}: {error.strerror or error}"
             async for signum in signals:
-                logging.getLogger("pinpriq.server").info(
-                    "received %s; shutting down", signal.Signals(signum).name
-                )
-                nursery.cancel_scope.cancel()
-    return None
+                name = signal.Signals(signum).name
+                if nursery.cancel_scope.cancel_called or server.stopping:
+                    log.warning("received %s again; exiting now", name)
+                    nursery.cancel_scope.cancel()
+                    return FORCED_EXIT
+                log.info("received %s; shutting down", name)
+                server.shutdown()
+    return 0
+
+
+def raise_open_file_limit(wanted: int) -> None:
+    """Let the process hold ``wanted`` descriptors if the hard limit allows; soft limits are
+    often 1024, below a server's connection limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
 
 
 def server_main(argv: list[str] | None = None) -> None:
@@ -104,12 +194,15 @@ def server_main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    raise_open_file_limit(args.max_connections + 64)
+    server = PinpriqServer(max_memory=args.max_memory, max_connections=args.max_connections)
     try:
-        error = trio.run(run_server, args.host, args.port)
+        outcome = trio.run(run_server, server, args.host, args.port)
     except KeyboardInterrupt:
-        error = None  # Ctrl-C before the signal handler was installed
-    if error:
-        sys.exit(f"pinpriq-server: {error}")
+        outcome = 0  # Ctrl-C before the signal handler was installed
+    if isinstance(outcome, str):
+        sys.exit(f"pinpriq-server: {outcome}")
+    sys.exit(outcome)
 
 
 # -- the pinpriq client -----------------------------------------------------------------------

@@ -264,12 +264,9 @@ class PinpriqServer:
             conn.reading.cancel()
 
     async def _handle(self, stream: trio.SocketStream) -> None:
-        if len(self._connections) >= self.max_connections or self.stopping:
-            log.warning(
-                "refusing a connection from %s: %d connections, the most allowed",
-                _peer_name(stream),
-                len(self._connections),
-            )
+        if self.stopping or len(self._connections) >= self.max_connections:
+            reason = "shutting down" if self.stopping else f"{len(self._connections)} open"
+            log.warning("refusing a connection from %s: %s", _peer_name(stream), reason)
             await trio.aclose_forcefully(stream)
             return
         conn = _Connection(self, stream)

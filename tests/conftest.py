@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 
 import pytest
@@ -27,16 +27,31 @@ class LiveServer:
         return peer
 
 
+StartServer = Callable[[PinpriqServer], Awaitable[LiveServer]]
+
+
 @pytest.fixture
-async def live(nursery: trio.Nursery) -> AsyncIterator[LiveServer]:
-    """A pinpriq server on 127.0.0.1 and an ephemeral port, in this test's event loop."""
-    server = PinpriqServer()
-    listeners = await nursery.start(partial(server.serve, 0, host="127.0.0.1"))
-    port = listeners[0].socket.getsockname()[1]
-    live = LiveServer(server, port, nursery)
-    yield live
-    for peer in live.peers:
-        await trio.aclose_forcefully(peer.stream)
+async def start_server(nursery: trio.Nursery) -> AsyncIterator[StartServer]:
+    """Starts a given ``PinpriqServer`` (limits of the test's choosing) on 127.0.0.1 and an
+    ephemeral port, in this test's event loop; closes its peers after the test."""
+    started: list[LiveServer] = []
+
+    async def start(server: PinpriqServer) -> LiveServer:
+        listeners = await nursery.start(partial(server.serve, 0, host="127.0.0.1"))
+        live = LiveServer(server, listeners[0].socket.getsockname()[1], nursery)
+        started.append(live)
+        return live
+
+    yield start
+    for live in started:
+        for peer in live.peers:
+            await trio.aclose_forcefully(peer.stream)
+
+
+@pytest.fixture
+async def live(start_server: StartServer) -> LiveServer:
+    """A pinpriq server with default limits on 127.0.0.1 and an ephemeral port."""
+    return await start_server(PinpriqServer())
 
 
 @pytest.fixture

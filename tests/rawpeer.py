@@ -41,6 +41,11 @@ class Peer:
         self.stream = stream
         self.buffer = bytearray()
 
+    @property
+    def local_port(self) -> int:
+        port: int = self.stream.socket.getsockname()[1]
+        return port
+
     async def send(self, data: bytes) -> None:
         await self.stream.send_all(data)
 

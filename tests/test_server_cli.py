@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import re
+import resource
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -12,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from pinpriq.cli import byte_size
 
 # The console script installed beside this interpreter: what a user runs.
 SERVER = [str(Path(sys.executable).parent / "pinpriq-server")]
@@ -44,7 +49,10 @@ def server() -> Iterator[ServerProcess]:
     yield process
     if process.process.poll() is None:
         process.process.kill()
-        process.process.communicate()
+    process.process.wait()
+    for pipe in (process.process.stdout, process.process.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -102,3 +110,91 @@ def test_help_names_every_option() -> None:
     assert result.returncode == 0
     for option in ("--host", "--port", "--log-level"):
         assert option in result.stdout
+
+
+# -- limits and shutdown (issue 6) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("65536", 65536),
+        ("512MiB", 512 * 1024**2),
+        ("512mib", 512 * 1024**2),
+        ("2GB", 2 * 1000**3),
+        ("1.5GiB", 3 * 1024**3 // 2),
+        ("64k", 64 * 1024),
+        ("0", 0),
+    ],
+)
+def test_memory_sizes_parse(text: str, size: int) -> None:
+    assert byte_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "-1GiB", "12XB", "1.5.2MB", "inf", "nan"])
+def test_bad_memory_sizes_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="invalid size"):
+        byte_size(text)
+
+
+def test_limits_are_in_help() -> None:
+    result = run("--help")
+    assert "--max-memory" in result.stdout
+    assert "--max-connections" in result.stdout
+
+
+def _owe_big_replies(port: int) -> socket.socket:
+    """A client that is owed ~6 MB of pop replies and has read none of them."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    payload = b"x" * 60_000
+    for i in range(100):
+        sock.sendall(b"\x70" + struct.pack(">HHBHH", 1, 0, 1, 2, len(payload)) + b"%02d" % i)
+        sock.sendall(payload + b"q")
+    sock.sendall(b"\x50\x00\x01q" * 100)
+    time.sleep(0.3)  # let the server read and answer what it can before the signal
+    return sock
+
+
+def test_sigterm_flushes_owed_replies_before_exiting(server: ServerProcess) -> None:
+    with _owe_big_replies(server.port) as sock:
+        server.process.send_signal(signal.SIGTERM)
+        received = bytearray()
+        while chunk := sock.recv(1 << 20):
+            received += chunk
+    assert server.process.wait(timeout=10) == 0
+    assert len(received) >= 4 * 1024 * 1024  # at least what fit under the output bound
+    assert len(received) % (6 + 2 + 60_000) == 0  # whole replies only
+
+
+def test_a_second_signal_exits_at_once(server: ServerProcess) -> None:
+    with _owe_big_replies(server.port):  # never read: the graceful flush would wait
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        status, _, stderr = server.stop(signal.SIGTERM)
+    assert status == 1
+    assert "exiting now" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_running_out_of_file_descriptors_does_not_stop_the_listener() -> None:
+    def low_fd_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+
+    process = subprocess.Popen(
+        [*SERVER, "--port", "0"], stderr=subprocess.PIPE, text=True, preexec_fn=low_fd_limit
+    )
+    try:
+        assert process.stderr is not None
+        port = int(LISTENING.search(process.stderr.readline()).group(2))  # type: ignore[union-attr]
+        clients = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(60)]
+        time.sleep(0.5)  # the server accepts until it runs out of descriptors, then pauses
+        for client in clients:
+            client.close()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.settimeout(10)
+            sock.sendall(b"\x50\x00\x01q")
+            assert sock.recv(2) == b"\x00\x00"
+        assert process.poll() is None
+    finally:
+        process.kill()
+        process.communicate()
