@@ -33,8 +33,11 @@ __all__ = [
     "FixtureError",
     "Result",
     "Step",
+    "Token",
     "load_fixtures",
     "main",
+    "parse_address",
+    "parse_bytes",
     "parse_fixture",
     "run_fixture",
     "run_suite",
@@ -115,7 +118,11 @@ def _parse_ms(text: str, line: int) -> int:
     return int(match.group(1))
 
 
-def _parse_item(token: str, line: int) -> tuple[bytes, int]:
+#: A word of a fixture with the number of the line it is on.
+Token = tuple[int, str]
+
+
+def _parse_item(line: int, token: str) -> tuple[bytes, int]:
     match = _ITEM.fullmatch(token)
     if match is None:
         raise FixtureError(f'line {line}: {token!r} is neither hex bytes nor a "string"')
@@ -127,11 +134,12 @@ def _parse_item(token: str, line: int) -> tuple[bytes, int]:
     return match["text"].encode("ascii"), count
 
 
-def parse_bytes(tokens: Sequence[str], line: int) -> bytes:
+def parse_bytes(tokens: Sequence[Token]) -> bytes:
     """The bytes a list of tokens stands for: hex, "strings", X*N repeats and ( ... )*N groups."""
     out = bytearray()
     group: bytearray | None = None
-    for token in tokens:
+    line = 0
+    for line, token in tokens:
         if token == "(":
             if group is not None:
                 raise FixtureError(f"line {line}: groups do not nest")
@@ -144,22 +152,24 @@ def parse_bytes(tokens: Sequence[str], line: int) -> bytes:
             out += bytes(group) * int(end["count"] or 1)
             group = None
             continue
-        data, count = _parse_item(token, line)
+        data, count = _parse_item(line, token)
         (out if group is None else group).extend(data * count)
     if group is not None:
         raise FixtureError(f"line {line}: '(' is never closed")
     return bytes(out)
 
 
-def _parse_step(tokens: list[str], line: int) -> Step:
+def _parse_step(tokens: list[Token]) -> Step:
     """A step from the tokens of its line and continuation lines."""
-    if tokens[0] == "wait":
-        if len(tokens) != 2:
+    words = [word for _, word in tokens]
+    line = tokens[0][0]
+    if words[0] == "wait":
+        if len(words) != 2:
             raise FixtureError(f"line {line}: expected 'wait <N>ms'")
-        return Step(line, Action.WAIT, ms=_parse_ms(tokens[1], line))
-    if len(tokens) < 2:
+        return Step(line, Action.WAIT, ms=_parse_ms(words[1], line))
+    if len(words) < 2:
         raise FixtureError(f"line {line}: expected '<connection> <action> ...'")
-    conn, verb, rest = tokens[0], tokens[1], tokens[2:]
+    conn, verb, rest = words[0], words[1], words[2:]
     if not _CONN_NAME.fullmatch(conn):
         raise FixtureError(f"line {line}: bad connection name {conn!r}")
     try:
@@ -167,7 +177,7 @@ def _parse_step(tokens: list[str], line: int) -> Step:
     except ValueError:
         raise FixtureError(f"line {line}: unknown action {verb!r}") from None
     if action in _BYTE_ACTIONS:
-        data = parse_bytes(rest, line)
+        data = parse_bytes(tokens[2:])
         if not data:
             raise FixtureError(f"line {line}: {verb} needs at least one byte")
         return Step(line, action, conn, data=data)
@@ -180,23 +190,23 @@ def _parse_step(tokens: list[str], line: int) -> Step:
     return Step(line, action, conn)
 
 
-def _logical_lines(text: str) -> Iterable[tuple[int, list[str]]]:
-    """(line number, tokens) per step: an indented line continues the step before it; lines
-    holding only a comment or nothing are skipped."""
-    current: tuple[int, list[str]] | None = None
+def _logical_lines(text: str) -> Iterable[list[Token]]:
+    """The tokens of each step: an indented line continues the step before it; lines holding
+    only a comment or nothing are skipped."""
+    current: list[Token] = []
     for number, raw in enumerate(text.splitlines(), start=1):
-        tokens = raw.partition("#")[0].split()
+        tokens = [(number, word) for word in raw.partition("#")[0].split()]
         if not tokens:
             continue
         if raw[0] in " \t":
-            if current is None:
+            if not current:
                 raise FixtureError(f"line {number}: an indented line continues nothing")
-            current[1].extend(tokens)
+            current.extend(tokens)
             continue
-        if current is not None:
+        if current:
             yield current
-        current = (number, tokens)
-    if current is not None:
+        current = tokens
+    if current:
         yield current
 
 
@@ -215,10 +225,10 @@ def parse_fixture(text: str, name: str) -> Fixture:
     """Parse one fixture file's text. Raises ``FixtureError`` for anything off the format."""
     steps: list[Step] = []
     ended: set[str] = set()
-    for line, tokens in _logical_lines(text):
-        step = _parse_step(tokens, line)
+    for tokens in _logical_lines(text):
+        step = _parse_step(tokens)
         if step.conn in ended:
-            raise FixtureError(f"line {line}: connection {step.conn} was already closed")
+            raise FixtureError(f"line {step.line}: connection {step.conn} was already closed")
         if step.action in _ENDING_ACTIONS:
             ended.add(step.conn)
         steps.append(step)

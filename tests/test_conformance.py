@@ -3,9 +3,9 @@
 Our server must pass every fixture. Each wrong variant below is our server with one fault (a
 misreading of the protocol someone could plausibly make) and must fail the fixtures named for
 it: the suite can fail, and each of those fixtures checks what it says it checks. Variants are
-built by subclassing the store or the subscriptions and handing them to ``PinpriqServer``; the
-two decoder faults monkeypatch ``pinpriq.server.FrameDecoder`` for one test (the server builds
-a decoder per connection and has no hook to choose another).
+built by subclassing the store or the subscriptions and handing them to ``PinpriqServer``
+(some subclasses reach into private attributes, said where they do); faults in framing are
+faked by a proxy in front of our server that rewrites the bytes, so nothing is monkeypatched.
 
 The fixtures run on the wall clock (TTLs, "nothing within 100 ms"), but no test here asserts
 how long anything took.
@@ -13,20 +13,21 @@ how long anything took.
 
 from __future__ import annotations
 
+import contextlib
+import struct
 import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
-import pinpriq.server
 from pinpriq.conformance import DEFAULT_FIXTURES, Result, load_fixtures, run_suite
 from pinpriq.server import PinpriqServer
 from pinpriq.store import QueuedPacket, QueueStore
 from pinpriq.subscriptions import Subscriber, Subscriptions
-from pinpriq.wire import FrameDecoder, Pop, ProtocolError, encode_reply
 
 FIXTURES = load_fixtures(DEFAULT_FIXTURES)
 HOST = "127.0.0.1"
@@ -249,32 +250,126 @@ class QueuesInNameOrder(Subscriptions):
         super().__init__(_QueueNameOrder(store))  # type: ignore[arg-type]
 
 
-# -- wrong variants: the server and its decoder -----------------------------------------------
+# -- wrong variants: the server's framing, faked by a proxy in front of it -------------------
+#
+# These faults live in how a server cuts its byte stream into frames. Rather than reach into
+# our server's decoder, a proxy between the fixtures and our server rewrites the bytes. It
+# finds frame boundaries with its own few lines, from the protocol's layouts.
+
+_PUSH_HEADER = struct.Struct(">HHBHH")  # after the opcode: queue_len, ttl, prio, key/payload_len
+_U16 = struct.Struct(">H")
 
 
-class EmptyPopSilent(PinpriqServer):
-    def apply(self, conn: Any, frame: Any) -> None:
-        if isinstance(frame, Pop):
-            packets = self.store.pop(frame.queue)
-            if packets:
-                conn.output += encode_reply(packets)
-            return
-        super().apply(conn, frame)
+def frame_end(data: bytes | bytearray, pos: int) -> int | None:
+    """Where the client frame at ``pos`` ends; ``None`` if incomplete; ``ValueError`` if the
+    byte at ``pos`` is no opcode."""
+    opcode = data[pos]
+    if opcode == 0x41:
+        return pos + 1
+    if opcode in (0x50, 0x73, 0x75):
+        if len(data) - pos < 3:
+            return None
+        end = pos + 3 + _U16.unpack_from(data, pos + 1)[0]
+    elif opcode == 0x70:
+        if len(data) - pos < 10:
+            return None
+        queue_len, _, _, key_len, payload_len = _PUSH_HEADER.unpack_from(data, pos + 1)
+        end = pos + 10 + queue_len + key_len + payload_len
+    else:
+        raise ValueError(f"no opcode {opcode:#x}")
+    return end if end <= len(data) else None
 
 
-class SkipsUnknownOpcodes(FrameDecoder):
-    def next_frame(self) -> Any:
-        while True:
-            try:
-                return super().next_frame()
-            except ProtocolError:
-                self._pos += 1  # skip the byte and carry on
+def reply_end(data: bytes | bytearray, pos: int) -> int | None:
+    """Where the reply at ``pos`` ends; ``None`` if incomplete."""
+    if len(data) - pos < 2:
+        return None
+    (count,) = _U16.unpack_from(data, pos)
+    pos += 2
+    for _ in range(count):
+        if len(data) - pos < 4:
+            return None
+        pos += 4 + sum(_U16.unpack_from(data, pos + 2 * i)[0] for i in range(2))
+    return pos if pos <= len(data) else None
 
 
-class LosesSplitFrames(FrameDecoder):
-    def feed(self, data: bytes) -> None:
-        self._pos = len(self._data)  # as if every read held whole frames
-        super().feed(data)
+# A filter gets the bytes held back so far (and may change them) and the new chunk, and
+# returns what to pass on.
+Filter = Callable[[bytearray, bytes], bytes]
+
+
+def skip_unknown_opcodes(held: bytearray, chunk: bytes) -> bytes:
+    held += chunk
+    out, pos = bytearray(), 0
+    while pos < len(held):
+        try:
+            end = frame_end(held, pos)
+        except ValueError:
+            pos += 1  # drop the byte and carry on
+            continue
+        if end is None:
+            break
+        out += held[pos:end]
+        pos = end
+    del held[:pos]
+    return bytes(out)
+
+
+def whole_frames_only(held: bytearray, chunk: bytes) -> bytes:
+    """Treats each read as whole frames: a frame split across reads is lost."""
+    pos = 0
+    try:
+        while pos < len(chunk) and (end := frame_end(chunk, pos)) is not None:
+            pos = end
+    except ValueError:
+        return chunk  # let the server see the bad byte
+    return chunk[:pos]
+
+
+def drop_empty_replies(held: bytearray, chunk: bytes) -> bytes:
+    held += chunk
+    out, pos = bytearray(), 0
+    while (end := reply_end(held, pos)) is not None:
+        if held[pos:end] != b"\0\0":  # 00 00 only ever answers a pop
+            out += held[pos:end]
+        pos = end
+    del held[:pos]
+    return bytes(out)
+
+
+async def _pipe(source: trio.SocketStream, sink: trio.SocketStream, filter: Filter | None) -> None:
+    held = bytearray()
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        while chunk := await source.receive_some(1 << 16):
+            data = filter(held, chunk) if filter else chunk
+            if data:
+                await sink.send_all(data)
+
+
+class Proxy:
+    """Forwards connections to our server, filtering each direction; when either side closes,
+    closes both."""
+
+    def __init__(self, upstream: int, to_server: Filter | None, to_client: Filter | None) -> None:
+        self.upstream = upstream
+        self.to_server = to_server
+        self.to_client = to_client
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host=HOST)
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        server = await trio.open_tcp_stream(HOST, self.upstream)
+        async with client, server, trio.open_nursery() as nursery:
+
+            async def pipe(source: Any, sink: Any, filter: Filter | None) -> None:
+                await _pipe(source, sink, filter)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(pipe, client, server, self.to_server)
+            nursery.start_soon(pipe, server, client, self.to_client)
 
 
 def clock() -> float:
@@ -294,145 +389,145 @@ def with_store(build_store: Callable[[], QueueStore]) -> Callable[[], PinpriqSer
     return lambda: PinpriqServer(build_store())
 
 
-# name -> (how to build it, the decoder it reads with, the fixtures that must catch it)
-VARIANTS: dict[str, tuple[Callable[[], PinpriqServer], type[FrameDecoder], set[str]]] = {
-    "oldest wins ties": (
+@attrs.frozen
+class Variant:
+    build: Callable[[], PinpriqServer]
+    catchers: set[str]  # fixtures that must fail
+    to_server: Filter | None = None  # a proxy's filters, if it needs one
+    to_client: Filter | None = None
+
+
+VARIANTS: dict[str, Variant] = {
+    "oldest wins ties": Variant(
         with_store(lambda: OldestWinsTies(clock)),
-        FrameDecoder,
         {"newest-wins-ties", "credits-accumulate"},
     ),
-    "prio 255 is the highest": (
+    "prio 255 is the highest": Variant(
         with_store(lambda: MappedPrio(clock, lambda p: 256 - p if p else 0)),
-        FrameDecoder,
         {"priority-order"},
     ),
-    "prio 0 is selectable": (
+    "prio 0 is selectable": Variant(
         with_store(lambda: MappedPrio(clock, lambda p: p or 256)),
-        FrameDecoder,
         {"pop-prio0-only", "delivery-is-key-group"},
     ),
-    "no key grouping": (
+    "no key grouping": Variant(
         with_store(lambda: QueueStore(clock, max_pop=1)),
-        FrameDecoder,
         {"key-group", "pop-prio0-only", "delivery-is-key-group"},
     ),
-    "key group returned newest first": (
+    "key group returned newest first": Variant(
         with_store(lambda: ReorderedGroup(clock, lambda r: r[:1] + r[:0:-1])),
-        FrameDecoder,
         {"key-group"},
     ),
-    "key group in push order, selected not first": (
+    "key group in push order, selected not first": Variant(
         with_store(lambda: ReorderedGroup(clock, lambda r: sorted(r, key=lambda p: p.seq))),
-        FrameDecoder,
         {"key-group", "pop-prio0-only"},
     ),
-    "replies not capped at 65,535 packets": (
+    "replies not capped at 65,535 packets": Variant(
         with_store(lambda: QueueStore(clock, max_pop=1 << 20)),
-        FrameDecoder,
         {"reply-max-packets"},
     ),
-    "ttl 0 expires at once": (
+    "ttl 0 expires at once": Variant(
         with_store(lambda: MappedTtl(clock, lambda ttl: ttl or 1)),
-        FrameDecoder,
         {"ttl-zero-never-expires"},
     ),
-    "ttl in seconds": (
+    "ttl in seconds": Variant(
         with_store(lambda: MappedTtl(clock, lambda ttl: min(ttl * 1000, 0xFFFF))),
-        FrameDecoder,
         {"ttl-expiry", "ttl-expired-sibling", "ttl-expired-not-delivered"},
     ),
-    "ttl ignored": (
+    "ttl ignored": Variant(
         with_store(lambda: NoExpiry(clock)),
-        FrameDecoder,
         {"ttl-expiry", "ttl-zero-never-expires"},
     ),
-    "queue names are C strings": (
+    "queue names are C strings": Variant(
         with_store(lambda: CStringNames(clock)),
-        FrameDecoder,
         {"queue-name-bytes"},
     ),
-    "subscribe grants a credit": (
+    "subscribe grants a credit": Variant(
         with_subscriptions(SubscribeGrantsCredit),
-        FrameDecoder,
         {"subscribe-grants-no-credit"},
     ),
-    "credits do not accumulate": (
+    "credits do not accumulate": Variant(
         with_subscriptions(CreditsDoNotAccumulate),
-        FrameDecoder,
         {"credits-accumulate", "fifo-subscribers"},
     ),
-    "unsubscribe drops credits": (
+    "unsubscribe drops credits": Variant(
         with_subscriptions(UnsubscribeDropsCredits),
-        FrameDecoder,
         {"unsubscribe-keeps-credits"},
     ),
-    "newest waiter served first": (
+    "newest waiter served first": Variant(
         with_subscriptions(NewestWaiterFirst),
-        FrameDecoder,
         {"fifo-subscribers"},
     ),
-    "first subscriber served first, whenever its credit came": (
+    "first subscriber served first, whenever its credit came": Variant(
         with_subscriptions(FirstSubscribedFirst),
-        FrameDecoder,
         {"fifo-wait-starts-with-credit"},
     ),
-    "a push wakes no waiting subscriber": (
+    "a push wakes no waiting subscriber": Variant(
         with_subscriptions(PushWakesNoOne),
-        FrameDecoder,
         {"subscribe-delivers", "delivery-before-next-frame"},
     ),
-    "deliveries wait for the pusher's read to be handled": (
+    "deliveries wait for the pusher's read to be handled": Variant(
         with_subscriptions(DeliversLater),
-        FrameDecoder,
         {"delivery-before-next-frame", "delivery-then-reply"},
     ),
-    "subscribed queues served in name order": (
+    "subscribed queues served in name order": Variant(
         with_subscriptions(QueuesInNameOrder),
-        FrameDecoder,
         {"best-across-queues"},
     ),
-    "closing keeps subscriptions": (
+    "closing keeps subscriptions": Variant(
         with_subscriptions(CloseKeepsSubscriptions),
-        FrameDecoder,
         {"close-drops-subscription"},
     ),
-    "delivered packets requeued when the connection closes": (
+    "delivered packets requeued when the connection closes": Variant(
         with_subscriptions(RequeuesOnClose),
-        FrameDecoder,
         {"at-most-once"},
     ),
-    "empty pop gets no reply": (
-        EmptyPopSilent,
-        FrameDecoder,
+    "empty pop gets no reply": Variant(
+        PinpriqServer,
         {"pop-missing-queue", "push-pop"},
+        to_client=drop_empty_replies,
     ),
-    "unknown opcode skipped": (
+    "unknown opcode skipped": Variant(
         PinpriqServer,
-        SkipsUnknownOpcodes,
         {"unknown-opcode-closes", "unknown-opcodes"},
+        to_server=skip_unknown_opcodes,
     ),
-    "a frame split across reads is lost": (
+    "a frame split across reads is lost": Variant(
         PinpriqServer,
-        LosesSplitFrames,
         {"split-every-byte"},
+        to_server=whole_frames_only,
     ),
 }
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 async def test_wrong_variant_fails_the_fixtures_that_pin_its_fault(
-    name: str, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+    name: str, nursery: trio.Nursery
 ) -> None:
-    build, decoder, catchers = VARIANTS[name]
-    # The server makes a FrameDecoder per connection and offers no hook to choose another.
-    monkeypatch.setattr(pinpriq.server, "FrameDecoder", decoder)
-    port = await start(nursery, build())
-    fixtures = [fixture for fixture in FIXTURES if fixture.name in catchers]
-    assert len(fixtures) == len(catchers), "a variant names a fixture that does not exist"
+    variant = VARIANTS[name]
+    port = await start(nursery, variant.build())
+    if variant.to_server or variant.to_client:
+        proxy = Proxy(port, variant.to_server, variant.to_client)
+        port = await nursery.start(proxy.serve)
+    fixtures = [fixture for fixture in FIXTURES if fixture.name in variant.catchers]
+    assert len(fixtures) == len(variant.catchers), "a variant names a fixture that does not exist"
     # A short step timeout: these fixtures are meant to fail, and a right answer takes
     # milliseconds (our server passes each of them in test_our_server_passes_...).
     results = await run_suite(fixtures, HOST, port, step_timeout=0.5)
     assert [result.line() for result in results if result.passed] == []
+
+
+async def test_the_proxy_alone_changes_nothing(nursery: trio.Nursery) -> None:
+    port = await start(nursery, PinpriqServer())
+    port = await nursery.start(Proxy(port, None, None).serve)
+    proxied = {
+        name
+        for variant in VARIANTS.values()
+        if variant.to_server or variant.to_client
+        for name in variant.catchers
+    }
+    fixtures = [fixture for fixture in FIXTURES if fixture.name in proxied]
+    assert failures(await run_suite(fixtures, HOST, port)) == []
 
 
 # -- the command line, as a subprocess --------------------------------------------------------
