@@ -363,15 +363,21 @@ class Sampler:
     interval: float
     out: Callable[[str], None]
     samples: list[tuple[float, int | None]] = attrs.Factory(list)
+    _last: tuple[float, int] = (0.0, 0)  # elapsed and ops at the previous line
 
     def sample(self, elapsed: float) -> None:
         rss = resident_bytes(self.pid) if self.pid else None
         self.samples.append((elapsed, rss))
-        rate = self.stats.ops / elapsed if elapsed else 0.0
-        queued = self.stats.forever_pushed - self.stats.forever_taken
+        then, ops_then = self._last
+        rate = (self.stats.ops - ops_then) / (elapsed - then) if elapsed > then else 0.0
+        self._last = (elapsed, self.stats.ops)
+        # Exact but for deliveries in flight to subscribers that reset: those may be lost.
+        most = self.stats.forever_pushed - self.stats.forever_taken
+        least = max(0, most - self.stats.lost_at_most)
+        queued = f"{most:,}" if least == most else f"{least:,}-{most:,}"
         self.out(
             f"{elapsed:6.1f}s  ops {self.stats.ops:>10,} ({rate:>8,.0f}/s)  "
-            f"ttl0 queued <= {queued:>7,}  subscribers {self.stats.subscriber_sessions:>5,}  "
+            f"ttl0 queued {queued:>11}  subscribers {self.stats.subscriber_sessions:>5,}  "
             f"rss {mib(rss)}"
         )
 
