@@ -45,13 +45,13 @@ __all__ = [
 
 #: The fixtures of the checkout this module was loaded from (an editable or in-tree install).
 DEFAULT_FIXTURES = Path(__file__).resolve().parent.parent / "wire-fixtures"
-#: Seconds an ``expect`` or ``expect-closed`` step (or opening a connection) may take.
+#: Seconds an ``expect``, ``expect-closed`` or ``send`` step (or opening a connection) may take.
 DEFAULT_TIMEOUT = 2.0
 #: Pause between the writes of ``send-bytewise``, so each byte normally reaches the server in
 #: a read of its own (TCP may still merge them, which only weakens the step, never fails it).
 BYTEWISE_PAUSE = 0.002
 RECEIVE_SIZE = 1 << 16
-#: Bytes shown on each side of a mismatch.
+#: Bytes shown of what was expected and what came, from a little before the first difference.
 EXCERPT = 12
 
 
@@ -307,11 +307,15 @@ class _Connection:
         except trio.BrokenResourceError:
             return b""
 
-    async def send(self, data: bytes) -> None:
-        try:
-            await self.stream.send_all(data)
-        except trio.BrokenResourceError:
-            raise StepFailed("could not send: the server has closed the connection") from None
+    async def send(self, data: bytes, step_timeout: float) -> None:
+        # Bounded too: a server that stops reading would otherwise hang the runner.
+        with trio.move_on_after(step_timeout):
+            try:
+                await self.stream.send_all(data)
+            except trio.BrokenResourceError:
+                raise StepFailed("could not send: the server has closed the connection") from None
+            return
+        raise StepFailed(f"could not send within {step_timeout:g} s: the server is not reading")
 
     async def expect(self, expected: bytes, step_timeout: float) -> None:
         checked = 0  # bytes of the buffer already matched against ``expected``
@@ -394,10 +398,10 @@ class _Player:
         conn = await self.connection(step.conn)
         match step.action:
             case Action.SEND:
-                await conn.send(step.data)
+                await conn.send(step.data, self.step_timeout)
             case Action.SEND_BYTEWISE:
                 for byte in step.data:
-                    await conn.send(bytes([byte]))
+                    await conn.send(bytes([byte]), self.step_timeout)
                     await trio.sleep(BYTEWISE_PAUSE)
             case Action.EXPECT:
                 await conn.expect(step.data, self.step_timeout)

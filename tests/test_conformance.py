@@ -24,7 +24,14 @@ import attrs
 import pytest
 import trio
 
-from pinpriq.conformance import DEFAULT_FIXTURES, Result, load_fixtures, run_suite
+from pinpriq.conformance import (
+    DEFAULT_FIXTURES,
+    Result,
+    load_fixtures,
+    parse_fixture,
+    run_fixture,
+    run_suite,
+)
 from pinpriq.server import PinpriqServer
 from pinpriq.store import QueuedPacket, QueueStore
 from pinpriq.subscriptions import Subscriber, Subscriptions
@@ -51,6 +58,43 @@ async def test_our_server_passes_every_fixture_in_any_order(nursery: trio.Nurser
     assert failures(await run_suite(FIXTURES[::-1], HOST, port)) == []
     # ...because each leaves every queue it used empty.
     assert len(server.store) == 0
+
+
+# -- the runner itself, against a stand-in server --------------------------------------------
+
+
+async def echo_until_ff(stream: trio.SocketStream) -> None:
+    """Echoes what it receives, up to a byte ff, where it closes the connection."""
+    async with stream:
+        while data := await stream.receive_some(1 << 16):
+            await stream.send_all(data.partition(b"\xff")[0])
+            if b"\xff" in data:
+                return
+
+
+@pytest.mark.parametrize(
+    ("text", "outcome"),
+    [
+        ("A send 0102\nA expect 01\nA expect 02", ""),
+        ("A send 0102\nB send 03\nB expect 03\nA expect 0102", ""),
+        ("A send 0102\nA expect 0103", "line 2, A expect (2 bytes): differs at byte 1 of 2: "),
+        ("A send 01\nA expect-nothing 20ms", "expected nothing, received 01"),
+        ("A expect-nothing 20ms", ""),
+        ("A send ff\nA expect-nothing 1000ms", "expected nothing, but the server closed"),
+        ("A send 01ff\nA expect 0102", "the server closed the connection after 1 of 2 bytes"),
+        ("A send ff\nA expect-closed", ""),
+        ("A expect-closed", "line 1, A expect-closed: the connection is still open after 0.2 s"),
+        ("A send 01ff\nA expect-closed", "expected a close, received 01"),
+        ("A send 01\nA expect 0102", "received 1 of 2 bytes within 0.2 s; next expected: ... 02"),
+        ("A send ff\nA expect-closed\nB send 01\nB close\nwait 1ms", ""),
+    ],
+)
+async def test_the_runner_checks_each_step(nursery: trio.Nursery, text: str, outcome: str) -> None:
+    listeners = await nursery.start(partial(trio.serve_tcp, echo_until_ff, 0, host=HOST))
+    port = listeners[0].socket.getsockname()[1]
+    result = await run_fixture(parse_fixture(text, "t"), HOST, port, step_timeout=0.2)
+    assert result.passed == (not outcome)
+    assert outcome in result.message
 
 
 # -- wrong variants: the store ----------------------------------------------------------------
