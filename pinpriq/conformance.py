@@ -500,7 +500,9 @@ def _argument_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 all passed, 1 some failed, 2 the suite could not run.",
     )
     parser.add_argument("address", help="the server, as HOST:PORT (e.g. 127.0.0.1:7000)")
-    parser.add_argument("names", nargs="*", metavar="NAME", help="fixtures to run (default: all)")
+    parser.add_argument(
+        "names", nargs="*", default=[], metavar="NAME", help="fixtures to run (default: all)"
+    )
     parser.add_argument(
         "--fixtures",
         type=Path,
@@ -514,7 +516,7 @@ def _argument_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_TIMEOUT,
         metavar="SECONDS",
-        help="how long one expect step may wait (default: %(default)s)",
+        help="how long one expect, expect-closed or send step may take (default: %(default)s)",
     )
     return parser
 
