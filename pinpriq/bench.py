@@ -124,7 +124,7 @@ class Workload:
     prefill: int = 0
     subscribers: int = 1
     prefetch: int = 1
-    rate: float = 0.0  # subscribe: pushes per second in all, 0 for as fast as possible
+    rate: float = 0.0  # ops (subscribe: pushes) per second in all, 0 for as fast as possible
     queue: bytes = b"bench"
     seed: int = 1
     timeout: float = 30.0
@@ -522,12 +522,18 @@ class _Conn:
         self.wait_for(wanted)
 
 
-def _run_batches(conn: _Conn, batches: list[Batch], progress: Any, slot: int) -> array.array[int]:
-    """The timed loop: send a batch, wait for its replies, note its round trip."""
+def _run_batches(
+    conn: _Conn, batches: list[Batch], progress: Any, slot: int, op_ns: float = 0.0
+) -> array.array[int]:
+    """The timed loop: send a batch, wait for its replies, note its round trip. With
+    ``op_ns``, batches leave on a schedule of one op per ``op_ns`` instead of at once."""
     times = array.array("q")
     sendall, receive, now = conn.sock.sendall, conn.receive, time.monotonic_ns
     done = 0
+    begun = now()
     for data, ops, replies in batches:
+        if op_ns:
+            _sleep_until(begun + int(done * op_ns))
         started = now()
         if data:
             sendall(data)
@@ -548,7 +554,8 @@ def _throughput_client(w: Workload, index: int, queue: bytes, sync: _Sync) -> di
         conn.replies = conn.packets = conn.empty = 0
         sync.barrier.wait(SETUP_SECONDS)
         cpu, started = time.process_time(), time.monotonic_ns()
-        times = _run_batches(conn, plan.batches, sync.progress, index)
+        op_ns = w.clients * 1e9 / w.rate if w.rate else 0.0
+        times = _run_batches(conn, plan.batches, sync.progress, index, op_ns)
         ended, cpu = time.monotonic_ns(), time.process_time() - cpu
     return {
         "ops": sum(ops for _, ops, _ in plan.batches),
@@ -603,7 +610,43 @@ def _sleep_until(deadline_ns: int) -> None:
         time.sleep(delay)
 
 
-def _subscribe(w: Workload, queue: bytes, count: int) -> list[tuple[socket.socket, ReplyDecoder]]:
+class _Deliveries:
+    """The deliveries arriving on one subscribed connection, and their send stamps.
+
+    Runs of one-packet deliveries of the workload's sizes (nearly all of them) are recognised
+    by ``ReplyShape`` and their stamps unpacked in C; whatever else arrives is decoded by
+    ``wire.ReplyDecoder``, which is only ever handed whole replies, so the two never split one.
+    """
+
+    def __init__(self, w: Workload, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = bytearray()
+        self._decoder = ReplyDecoder()
+        template = encode_reply([Packet(bytes(w.key_size), bytes(w.payload_size))])
+        self._shape = ReplyShape.of(template, [range(6, len(template))])
+        # One record per delivery: skip count and lengths and key, read the stamp, skip the rest.
+        self._stamp = struct.Struct(f">{6 + w.key_size}xQ{w.payload_size - 8}x")
+
+    def read(self) -> tuple[int, int, list[int]]:
+        """Take what arrived: (when, deliveries, the send stamp of each packet)."""
+        data = self.sock.recv(RECEIVE_SIZE)
+        now = time.monotonic_ns()
+        if not data:
+            raise BenchError("the server closed a subscriber's connection")
+        buf = self._buf
+        buf += data
+        runs = self._shape.count(buf)
+        fast = runs * self._shape.size
+        stamps = [stamp for (stamp,) in self._stamp.iter_unpack(bytes(buf[:fast]))]
+        used, replies, _, _ = count_pinpriq_replies(buf, fast)
+        self._decoder.feed(bytes(buf[fast:used]))
+        for reply in self._decoder:
+            stamps += (int.from_bytes(packet.payload[:8], "big") for packet in reply)
+        del buf[:used]
+        return now, runs + replies, stamps
+
+
+def _subscribe(w: Workload, queue: bytes, count: int) -> list[_Deliveries]:
     """``count`` subscribed connections, each holding ``prefetch`` credits. A barrier pop after
     the subscribe proves the server has applied it before anything is published."""
     subscribers = []
@@ -612,7 +655,7 @@ def _subscribe(w: Workload, queue: bytes, count: int) -> list[tuple[socket.socke
         conn.sock.sendall(encode(Subscribe(queue)) + (PinpriqDialect.barrier or b""))
         conn.wait_for(1)
         conn.sock.sendall(encode(READY) * w.prefetch)
-        subscribers.append((conn.sock, ReplyDecoder()))
+        subscribers.append(_Deliveries(w, conn.sock))
     return subscribers
 
 
@@ -622,21 +665,13 @@ class _SubscriberTally:
         self.deliveries = self.packets = 0
         self.last = 0
 
-    def read(self, sock: socket.socket, decoder: ReplyDecoder) -> None:
+    def read(self, subscriber: _Deliveries) -> None:
         """Take what arrived, time each packet from its stamp, hand back one credit each."""
-        data = sock.recv(RECEIVE_SIZE)
-        if not data:
-            raise BenchError("the server closed a subscriber's connection")
-        now = time.monotonic_ns()
-        decoder.feed(data)
-        deliveries = 0
-        for reply in decoder:
-            deliveries += 1
-            for packet in reply:
-                self.latencies.append(now - int.from_bytes(packet.payload[:8], "big"))
-            self.packets += len(reply)
+        now, deliveries, stamps = subscriber.read()
+        self.latencies.extend([now - stamp for stamp in stamps])
+        self.packets += len(stamps)
         if deliveries:
-            sock.sendall(encode(READY) * deliveries)
+            subscriber.sock.sendall(encode(READY) * deliveries)
             self.deliveries += deliveries
             self.last = now
 
@@ -647,15 +682,15 @@ def _subscriber_process(w: Workload, index: int, queue: bytes, sync: _Sync) -> d
     subscribers = _subscribe(w, queue, count)
     tally = _SubscriberTally()
     with selectors.DefaultSelector() as selector:
-        for sock, decoder in subscribers:
-            selector.register(sock, selectors.EVENT_READ, decoder)
+        for subscriber in subscribers:
+            selector.register(subscriber.sock, selectors.EVENT_READ, subscriber)
         sync.barrier.wait(SETUP_SECONDS)
         cpu, started = time.process_time(), time.monotonic_ns()
         quiet_since: float | None = None
         while sync.delivered() < w.ops:
             events = selector.select(0.05)
             for key, _ in events:
-                tally.read(key.fileobj, key.data)  # type: ignore[arg-type]
+                tally.read(key.data)
             sync.progress[slot] = tally.packets
             if not sync.published.is_set() or events:
                 quiet_since = None
@@ -664,8 +699,8 @@ def _subscriber_process(w: Workload, index: int, queue: bytes, sync: _Sync) -> d
             elif time.monotonic() - quiet_since > SUBSCRIBER_GRACE:
                 break  # publishing ended and nothing more comes: report the shortfall
         cpu = time.process_time() - cpu
-    for sock, _ in subscribers:
-        sock.close()
+    for subscriber in subscribers:
+        subscriber.sock.close()
     return {
         "deliveries": tally.deliveries,
         "packets": tally.packets,
@@ -875,6 +910,7 @@ def _common(w: Workload) -> dict[str, Any]:
         "pipeline": w.pipeline,
         "prefill": w.prefill if w.scenario != "subscribe" else 0,
         "keys": w.keys or None,
+        "rate": w.rate or None,
     }
 
 
@@ -906,7 +942,6 @@ def _subscribe_summary(w: Workload, results: list[dict[str, Any]]) -> dict[str, 
         **_common(w),
         "subscribers": w.subscribers,
         "prefetch": w.prefetch,
-        "rate": w.rate or None,
         "ops": w.ops,
         "seconds": round(seconds, 4),
         "deliveries": deliveries,
@@ -915,6 +950,12 @@ def _subscribe_summary(w: Workload, results: list[dict[str, Any]]) -> dict[str, 
         "missing": w.ops - packets,
         "latency_us": percentiles(_merged_times(subscribers)),
         "latency_kind": "push to delivery",
+        "publisher_cpu_us_per_push": round(
+            sum(r["cpu"] for r in publishers) * 1e6 / max(w.ops, 1), 3
+        ),
+        "subscriber_cpu_us_per_delivery": round(
+            sum(r["cpu"] for r in subscribers) * 1e6 / max(deliveries, 1), 3
+        ),
         "generator_cpu_us_per_op": round(sum(r["cpu"] for r in results) * 1e6 / max(w.ops, 1), 3),
     }
 
@@ -992,7 +1033,7 @@ def bench_parser() -> argparse.ArgumentParser:
     add("--prefetch", type=_count(1, 0xFFFF), default=1, metavar="K",
         help="credits each subscriber keeps outstanding (default: 1)")  # fmt: skip
     add("--rate", type=_positive_float, default=0.0, metavar="R",
-        help="subscribe: pushes per second in all (default: as fast as possible)")  # fmt: skip
+        help="paced ops (subscribe: pushes) per second in all (default: unpaced)")  # fmt: skip
     add("--queue", default="bench", metavar="PREFIX", help="queue name prefix (default: bench)")
     add("--seed", type=int, default=1, help="seed of the priorities (default: 1)")
     add("--timeout", type=_positive_float, default=30.0, metavar="S",

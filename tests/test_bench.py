@@ -117,6 +117,23 @@ def test_subscribe_delivers_every_push_with_latency(server: Server) -> None:
     assert result["latency_kind"] == "push to delivery"
     assert result["latency_us"]["p50"] > 0
     assert "server_cpu_us_per_op" in result
+    assert result["subscriber_cpu_us_per_delivery"] >= 0
+
+
+def test_subscribe_with_grouped_keys_counts_every_packet(server: Server) -> None:
+    # Pushes faster than one subscriber takes them, so deliveries hold whole key groups:
+    # the general decoder, not the one-packet fast path, has to count them.
+    args = ["-t", "subscribe", "-n", "60", "-c", "2", "-P", "30", "--keys", "3"]
+    (result,) = bench_json(server.port, *args)
+    assert result["packets"] == 60
+    assert result["deliveries"] <= 60
+
+
+def test_rate_paces_the_ops(server: Server) -> None:
+    args = ["-t", "push", "-n", "20", "-c", "2", "-P", "1", "--rate", "100"]
+    (result,) = bench_json(server.port, *args)
+    assert result["rate"] == 100
+    assert result["seconds"] >= 0.15  # 20 ops at 100/s leave over 0.19 s
 
 
 def test_table_lists_each_scenario(server: Server) -> None:
