@@ -29,14 +29,12 @@ import trio
 from pinpriq.store import QueuedPacket, QueueStore
 from pinpriq.subscriptions import Subscriber, Subscriptions
 from pinpriq.wire import (
-    ClientFrame,
+    POP,
+    PUSH,
+    READY_OPCODE,
+    SUBSCRIBE,
     FrameDecoder,
-    Pop,
-    ProtocolError,
-    Push,
-    Ready,
-    Subscribe,
-    Unsubscribe,
+    RawFrame,
     encode_reply,
 )
 
@@ -73,7 +71,13 @@ def _peer_name(stream: trio.SocketStream) -> str:
 
 
 class _Connection:
-    """One client: its decoder, output buffer and subscriber handle."""
+    """One client: its decoder, output buffer and subscriber handle.
+
+    Its own replies are sent by its reader, inline, after each batch: that costs no task switch,
+    and a client that does not read its replies stops being read. Deliveries caused by other
+    connections' pushes wake a writer task instead, so they never wait for this reader. Whoever
+    sends first sends everything pending, and only one of them sends at a time.
+    """
 
     def __init__(self, server: PinpriqServer, stream: trio.SocketStream) -> None:
         self.server = server
@@ -81,7 +85,8 @@ class _Connection:
         self.peer = _peer_name(stream)
         self.decoder = FrameDecoder()
         self.output = bytearray()
-        self.unsent = 0  # bytes the writer has taken but not finished sending
+        self.unsent = 0  # bytes being sent now
+        self.sending = False
         self.subscriber = Subscriber(self.deliver)
         self.reading = trio.CancelScope()  # cancelled to stop reading, as at shutdown
         self._output_ready = trio.Event()
@@ -90,6 +95,10 @@ class _Connection:
     def deliver(self, packets: list[QueuedPacket]) -> None:
         self.output += encode_reply(packets)
         self._output_ready.set()
+        if len(self.output) + self.unsent > OUTPUT_HIGH_WATER:
+            # A subscriber that does not read gets nothing more until it does: further packets
+            # stay queued, for others to take and for the memory cap to count.
+            self.subscriber.paused = True
 
     async def run(self) -> None:
         """Serve until the client closes, sends garbage, the socket breaks, or the server
@@ -107,46 +116,59 @@ class _Connection:
             nursery.cancel_scope.cancel()
 
     async def _read_loop(self) -> None:
-        server = self.server
+        server, decoder = self.server, self.decoder
         while True:
             data = await self.stream.receive_some(RECEIVE_SIZE)
             if not data:
                 return  # EOF; a frame cut short stays in the decoder and is dropped
-            self.decoder.feed(data)
-            try:
-                for frame in self.decoder:
-                    if len(self.output) + self.unsent > OUTPUT_HIGH_WATER:
-                        await self._drain()
-                    if server.memory_full and type(frame) is Push:
-                        self._output_ready.set()  # replies so far go out while we wait
-                        await server.wait_for_memory()
-                    server.apply(self, frame)
-            except ProtocolError as error:
-                log.warning("closing %s: %s", self.peer, error)
+            decoder.feed(data)
+            frames = decoder.decode()
+            done = server.apply(self, frames)
+            while done < len(frames):
+                await self._wait_before(frames[done][0])
+                done = server.apply(self, frames, done)
+            if self.output and not self.sending:
+                await self._send_output()
+            if decoder.error is not None:
+                log.warning("closing %s: %s", self.peer, decoder.error)
                 return
-            finally:
-                if self.output:
-                    self._output_ready.set()
-                server.check_memory()
+
+    async def _wait_before(self, opcode: int) -> None:
+        """Wait until the frame ``apply`` stopped at may go: a push until the store has room,
+        anything else until the output has drained. The replies so far go out meanwhile."""
+        if opcode == PUSH and self.server.memory_full:
+            self._output_ready.set()
+            await self.server.wait_for_memory()
+        else:
+            await self._drain()
 
     async def _write_loop(self) -> None:
         while True:
             await self._output_ready.wait()
             self._output_ready = trio.Event()
-            if not self.output:
-                continue
-            data, self.output = self.output, bytearray()
-            self.unsent = len(data)
-            await self.stream.send_all(data)
-            self.unsent = 0
-            if not self.output:
-                self._output_drained.set()
-                self._output_drained = trio.Event()
+            if not self.sending:
+                await self._send_output()
+
+    async def _send_output(self) -> None:
+        """Send everything pending, including what is added while sending."""
+        self.sending = True
+        try:
+            while self.output:
+                data, self.output = self.output, bytearray()
+                self.unsent = len(data)
+                await self.stream.send_all(data)
+                self.unsent = 0
+                if self.subscriber.paused and len(self.output) <= OUTPUT_HIGH_WATER:
+                    self.server.subscriptions.resume(self.subscriber)
+        finally:
+            self.sending = False
+        self._output_drained.set()
+        self._output_drained = trio.Event()
 
     async def _drain(self) -> None:
         """Wait until everything owed to the client has been handed to the kernel."""
         self._output_ready.set()
-        while self.output or self.unsent:
+        while self.output or self.sending:
             await self._output_drained.wait()
 
 
@@ -179,25 +201,46 @@ class PinpriqServer:
         """Connections being served now."""
         return len(self._connections)
 
-    def apply(self, conn: _Connection, frame: ClientFrame) -> None:
-        """Carry out one frame for a connection; replies go to its output buffer."""
-        match frame:
-            case Push(queue, key, payload, ttl_ms, prio):
-                deadline = self.store.push(queue, key, payload, ttl_ms, prio)
-                if deadline < self._expiry_scope.deadline:
+    def apply(self, conn: _Connection, frames: list[RawFrame], start: int = 0) -> int:
+        """Carry out a connection's frames in order from ``start``; replies go to its output.
+
+        Returns how many of ``frames`` are done: all of them, or fewer if the next must wait,
+        because it is a push and the store is full, or because the output passed its bound.
+        """
+        store, subscriptions, output = self.store, self.subscriptions, conn.output
+        waiting_queues = subscriptions.waiting_queues
+        for index in range(start, len(frames)):
+            frame = frames[index]
+            opcode = frame[0]
+            if opcode == PUSH:
+                if self.memory_full:
+                    return index
+                _, queue, key, payload, ttl_ms, prio = frame
+                deadline = store.push(queue, key, payload, ttl_ms, prio)
+                if ttl_ms and deadline < self._expiry_scope.deadline:
                     self._expiry_scope.deadline = deadline
-                if prio:
-                    self.subscriptions.offer(queue)
-                if self.store.bytes_held >= self.max_memory:
+                if prio and queue in waiting_queues:
+                    subscriptions.offer(queue)
+                if store.bytes_held >= self.max_memory:
                     self.check_memory()
-            case Pop(queue):
-                conn.output += encode_reply(self.store.pop(queue))
-            case Ready():
-                self.subscriptions.ready(conn.subscriber)
-            case Subscribe(queue):
-                self.subscriptions.subscribe(conn.subscriber, queue)
-            case Unsubscribe(queue):
-                self.subscriptions.unsubscribe(conn.subscriber, queue)
+                continue
+            if opcode == POP:
+                output += encode_reply(store.pop(frame[1]))
+            elif opcode == READY_OPCODE:
+                subscriptions.ready(conn.subscriber)
+            elif opcode == SUBSCRIBE:
+                subscriptions.subscribe(conn.subscriber, frame[1])
+            else:  # UNSUBSCRIBE: the decoder yields no other opcode
+                subscriptions.unsubscribe(conn.subscriber, frame[1])
+            if len(output) + conn.unsent > OUTPUT_HIGH_WATER:
+                self._after_batch()
+                return index + 1
+        self._after_batch()
+        return len(frames)
+
+    def _after_batch(self) -> None:
+        if self.memory_full:
+            self.check_memory()  # pops and deliveries may have made room
 
     def check_memory(self) -> None:
         """Enter or leave the full state after usage changed; logs each change once."""

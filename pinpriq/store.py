@@ -27,6 +27,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterable
 from itertools import islice
+from typing import NamedTuple
 
 __all__ = ["DEFAULT_MAX_POP", "PACKET_OVERHEAD", "Clock", "QueueStore", "QueuedPacket"]
 
@@ -46,25 +47,26 @@ PACKET_OVERHEAD = 256
 _ExpiryEntry = tuple[float, int, bytes, bytes]
 
 
-class QueuedPacket:
+class QueuedPacket(NamedTuple):
     """A packet held by the store. ``seq`` is store-wide push order; ``deadline`` is inf for
-    TTL 0."""
+    TTL 0. A named tuple because the store builds one per push: ``tuple.__new__`` is several
+    times cheaper than an ``__init__``."""
 
-    __slots__ = ("deadline", "key", "payload", "prio", "seq")
+    key: bytes
+    payload: bytes
+    prio: int
+    seq: int
+    deadline: float
 
-    def __init__(self, key: bytes, payload: bytes, prio: int, seq: int, deadline: float) -> None:
-        self.key = key
-        self.payload = payload
-        self.prio = prio
-        self.seq = seq
-        self.deadline = deadline
 
-    def __repr__(self) -> str:
-        return f"QueuedPacket({self.key!r}, {self.payload!r}, prio={self.prio}, seq={self.seq})"
+_new_packet = tuple.__new__
 
 
 def _held(packets: list[QueuedPacket]) -> int:
     """The bytes ``bytes_held`` counts for these packets."""
+    if len(packets) == 1:
+        packet = packets[0]
+        return len(packet.key) + len(packet.payload) + PACKET_OVERHEAD
     return sum(len(p.key) + len(p.payload) for p in packets) + PACKET_OVERHEAD * len(packets)
 
 
@@ -135,7 +137,7 @@ class QueueStore:
         self._seq += 1
         seq = self._seq
         deadline = self._clock() + ttl_ms / 1000 if ttl_ms else _NEVER
-        packet = QueuedPacket(key, payload, prio, seq, deadline)
+        packet = _new_packet(QueuedPacket, (key, payload, prio, seq, deadline))
         q = self._queues.get(queue)
         if q is None:
             q = self._queues[queue] = _Queue(queue)
@@ -167,11 +169,14 @@ class QueueStore:
         then its same-key siblings (any prio) oldest first, up to ``max_pop`` packets in all.
         An empty list when the queue has no selectable packet (decision 4).
         """
-        self.expire()
+        expiry = self._expiry
+        if expiry and expiry[0][0] <= self._clock():
+            self.expire()
         q = self._queues.get(queue)
         if q is None or not q.mask:
             return []
-        prio = q.best_prio()
+        mask = q.mask
+        prio = (mask & -mask).bit_length() - 1  # the lowest set bit: the best level
         level = q.levels[prio]
         seq, selected = level.popitem()
         if not level:
@@ -194,7 +199,8 @@ class QueueStore:
         self.bytes_held -= _held(reply)
         if not q.groups:
             del self._queues[queue]
-        self._compact_expiry()
+        if len(expiry) > 2 * self._timed + 64:
+            self._compact_expiry()
         return reply
 
     def peek_rank(self, queue: bytes) -> tuple[int, int] | None:
@@ -288,10 +294,10 @@ class QueueStore:
         return group if group is not None and group.seq == seq else None
 
     def _compact_expiry(self) -> None:
-        """Drop stale expiry entries once they outnumber live ones: memory stays O(live)."""
-        if len(self._expiry) > 2 * self._timed + 64:
-            self._expiry = [entry for entry in self._expiry if self._live(entry) is not None]
-            heapq.heapify(self._expiry)
+        """Drop stale expiry entries; ``pop`` calls this once they outnumber live ones twice
+        over, so the heap's memory stays O(live) and the rebuild's cost is amortised."""
+        self._expiry = [entry for entry in self._expiry if self._live(entry) is not None]
+        heapq.heapify(self._expiry)
 
     def check_invariants(self) -> None:
         """Assert the internal structures agree with each other. For tests; O(n log n)."""

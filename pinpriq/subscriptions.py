@@ -3,7 +3,9 @@
 Pure and synchronous like the store it draws from: it knows connections only as ``Subscriber``
 handles with a ``deliver`` callback, and never touches a socket.
 
-Theory of operation. A subscriber *waits* while it has a credit and at least one subscription;
+Theory of operation. A subscriber *waits* while it has a credit, at least one subscription, and
+is not paused (its connection pauses it while its unsent output is past a bound, so that a client
+that stops reading leaves further packets queued for others instead of in its send buffer);
 it is stamped with a store-wide counter when it starts waiting, and restamped after each
 delivery, so a smaller stamp means it has waited longer. Invariant, true whenever no method is
 running: no waiting subscriber has a selectable packet in any queue it subscribes to. Each
@@ -32,13 +34,16 @@ Deliver = Callable[[list[QueuedPacket]], None]
 class Subscriber:
     """One connection's subscriptions and credits."""
 
-    __slots__ = ("credits", "deliver", "queues", "stamp")
+    __slots__ = ("credits", "deliver", "paused", "queues", "stamp")
 
     def __init__(self, deliver: Deliver) -> None:
         self.deliver = deliver
         self.queues: set[bytes] = set()
         self.credits = 0
         self.stamp = 0  # 0 while not waiting
+        #: Set by the owner (even from inside ``deliver``) to receive nothing for now, credits
+        #: kept; ``Subscriptions.resume`` clears it.
+        self.paused = False
 
 
 class Subscriptions:
@@ -46,13 +51,14 @@ class Subscriptions:
 
     def __init__(self, store: QueueStore) -> None:
         self._store = store
-        # queue -> waiting subscribers of that queue, by stamp (longest waiting first).
-        self._waiting: dict[bytes, SortedDict] = {}
+        #: queue -> waiting subscribers of that queue, by stamp (longest waiting first). Read
+        #: by the server's hot path to skip ``offer`` when nobody waits on a queue.
+        self.waiting_queues: dict[bytes, SortedDict] = {}
         self._stamp = 0
 
     def waiting(self, queue: bytes) -> list[Subscriber]:
         """Subscribers waiting on a queue, longest waiting first."""
-        waiters = self._waiting.get(queue)
+        waiters = self.waiting_queues.get(queue)
         return list(waiters.values()) if waiters else []
 
     def subscribe(self, sub: Subscriber, queue: bytes) -> None:
@@ -79,6 +85,11 @@ class Subscriptions:
         sub.credits += credits
         self._settle(sub)
 
+    def resume(self, sub: Subscriber) -> None:
+        """Unpause a subscriber; delivers what is already there."""
+        sub.paused = False
+        self._settle(sub)
+
     def remove(self, sub: Subscriber) -> None:
         """Forget a subscriber whose connection closed: its subscriptions and credits go."""
         if sub.stamp:
@@ -92,7 +103,7 @@ class Subscriptions:
         """Serve a queue's waiters after a selectable packet was pushed to it."""
         # Look the waiters up afresh each round: serving the last waiter deletes the queue's
         # SortedDict and, if it still has credits, refiles it in a new one.
-        while waiters := self._waiting.get(queue):
+        while waiters := self.waiting_queues.get(queue):
             _, sub = waiters.peekitem(0)
             if not self._settle(sub, once=True):
                 break
@@ -101,7 +112,7 @@ class Subscriptions:
         """Deliver to ``sub`` while it has credit and something selectable, then file it as
         waiting or not. Returns whether anything was delivered."""
         served = False
-        while sub.credits and sub.queues and not (once and served):
+        while sub.credits and sub.queues and not sub.paused and not (once and served):
             queue = self._best_queue(sub.queues)
             if queue is None:
                 break
@@ -110,7 +121,7 @@ class Subscriptions:
                 sub.credits -= 1
                 served = True
                 sub.deliver(packets)
-        waiting = bool(sub.credits and sub.queues)
+        waiting = bool(sub.credits and sub.queues and not sub.paused)
         if sub.stamp and (served or not waiting):
             for q in sub.queues:
                 self._leave(q, sub.stamp)
@@ -133,13 +144,13 @@ class Subscriptions:
         return best_queue
 
     def _waiters(self, queue: bytes) -> SortedDict:
-        waiters = self._waiting.get(queue)
+        waiters = self.waiting_queues.get(queue)
         if waiters is None:
-            waiters = self._waiting[queue] = SortedDict()
+            waiters = self.waiting_queues[queue] = SortedDict()
         return waiters
 
     def _leave(self, queue: bytes, stamp: int) -> None:
-        waiters = self._waiting[queue]
+        waiters = self.waiting_queues[queue]
         del waiters[stamp]
         if not waiters:
-            del self._waiting[queue]
+            del self.waiting_queues[queue]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import struct
 from collections.abc import Iterator, Sequence
-from typing import Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import attrs
 
@@ -66,6 +66,8 @@ _NAME_HEADER = struct.Struct(">H")  # queue_len of pop, subscribe, unsubscribe
 _COUNT = struct.Struct(">H")  # a reply's packet count
 _PACKET_HEADER = struct.Struct(">HH")  # key_len, payload_len
 _PUSH_PREFIX = struct.Struct(">BHHBHH")  # opcode + push header, for encoding
+_ONE_PACKET_HEADER = struct.Struct(">HHH")  # count 1, key_len, payload_len
+_EMPTY_REPLY = b"\x00\x00"
 
 
 class ProtocolError(ValueError):
@@ -176,9 +178,16 @@ def encode(frame: ClientFrame) -> bytes:
 
 def encode_reply(packets: Sequence[KeyedPayload]) -> bytes:
     """The bytes of a pop reply or a delivery: ``u16 count`` then each packet."""
-    if len(packets) > MAX_REPLY_PACKETS:
-        raise ValueError(f"a reply holds at most {MAX_REPLY_PACKETS} packets, not {len(packets)}")
-    parts = [_COUNT.pack(len(packets))]
+    count = len(packets)
+    if count == 1:  # the common reply: one packet of a unique key
+        packet = packets[0]
+        key, payload = packet.key, packet.payload
+        return _ONE_PACKET_HEADER.pack(1, len(key), len(payload)) + key + payload
+    if not count:
+        return _EMPTY_REPLY
+    if count > MAX_REPLY_PACKETS:
+        raise ValueError(f"a reply holds at most {MAX_REPLY_PACKETS} packets, not {count}")
+    parts = [_COUNT.pack(count)]
     for packet in packets:
         parts.append(_PACKET_HEADER.pack(len(packet.key), len(packet.payload)))
         parts.append(packet.key)
@@ -208,58 +217,143 @@ class _Buffer:
         return len(self._data) - self._pos
 
 
-class FrameDecoder(_Buffer):
+#: A decoded client frame as a plain tuple, the decoder's own output: cheaper to build than an
+#: object, which matters on the server's hot path. By opcode:
+#: ``(PUSH, queue, key, payload, ttl_ms, prio)``, ``(POP, queue)``, ``(SUBSCRIBE, queue)``,
+#: ``(UNSUBSCRIBE, queue)``, ``(READY,)``.
+RawFrame: TypeAlias = tuple[Any, ...]
+
+PUSH, POP, SUBSCRIBE, UNSUBSCRIBE = (
+    Opcode.PUSH.value,
+    Opcode.POP.value,
+    Opcode.SUBSCRIBE.value,
+    Opcode.UNSUBSCRIBE.value,
+)
+READY_OPCODE = Opcode.READY.value
+_RAW_READY: RawFrame = (READY_OPCODE,)
+_PUSH_HEAD = 1 + _PUSH_HEADER.size
+_NAME_HEAD = 1 + _NAME_HEADER.size
+
+
+def frame_from_raw(raw: RawFrame) -> ClientFrame:
+    """The frame object a raw tuple stands for."""
+    opcode = raw[0]
+    if opcode == PUSH:
+        _, queue, key, payload, ttl_ms, prio = raw
+        return Push(queue, key, payload, ttl_ms, prio)
+    if opcode == READY_OPCODE:
+        return READY
+    return _NAMED_FRAMES[opcode](raw[1])
+
+
+class FrameDecoder:
     """Turns the bytes a client sends into frames.
 
-    ``feed(data)`` stores bytes; iterating yields every complete frame, in order, and stops
-    when the next frame is incomplete. An unknown opcode raises ``ProtocolError`` when it is
-    reached, after every frame before it has been yielded.
+    ``feed(data)`` stores bytes. ``decode()`` returns every complete frame received so far as
+    raw tuples, in order (the server's way in); iterating, or ``next_frame()``, gives the same
+    frames as frame objects. An unknown opcode ends decoding: ``decode()`` returns the frames
+    before it and sets ``error``; iteration raises that ``ProtocolError`` once it reaches it.
+
+    Cost is linear in the bytes fed, whatever their chunking: bytes that cannot complete the next
+    frame are only collected, and joined once enough have arrived, so the decoder holds at most
+    one incomplete frame plus the chunks that will complete it.
     """
+
+    def __init__(self) -> None:
+        self._data = b""  # undecoded bytes, starting at a frame boundary
+        self._parts: list[bytes] = []  # chunks received since, not yet joined to _data
+        self._pending = 0  # len(_data) + the lengths of _parts
+        self._need = 1  # bytes the next frame needs before decoding can progress
+        self._offset = 0  # stream offset of _data[0]
+        self._backlog: list[RawFrame] = []  # decoded, not yet taken by next_frame()
+        #: The unknown opcode that stopped decoding, once reached; the stream is unusable after.
+        self.error: ProtocolError | None = None
+
+    @property
+    def pending(self) -> int:
+        """How many received bytes are not part of a decoded frame yet."""
+        return self._pending
+
+    def feed(self, data: bytes) -> None:
+        self._parts.append(data)
+        self._pending += len(data)
+
+    def decode(self) -> list[RawFrame]:
+        """Every complete frame not yet returned, as raw tuples; ``[]`` if none."""
+        if self._pending < self._need or self.error is not None:
+            return []
+        parts = self._parts
+        data = b"".join((self._data, *parts)) if self._data or len(parts) > 1 else parts[0]
+        parts.clear()
+        frames: list[RawFrame] = []
+        append = frames.append
+        pos, end, need = 0, len(data), 1
+        while pos < end:
+            opcode = data[pos]
+            if opcode == PUSH:
+                if end - pos < _PUSH_HEAD:
+                    need = _PUSH_HEAD
+                    break
+                queue_len, ttl_ms, prio, key_len, payload_len = _PUSH_HEADER.unpack_from(
+                    data, pos + 1
+                )
+                key_at = pos + _PUSH_HEAD
+                payload_at = key_at + key_len
+                queue_at = payload_at + payload_len
+                stop = queue_at + queue_len
+                if stop > end:
+                    need = stop - pos
+                    break
+                append(
+                    (
+                        PUSH,
+                        data[queue_at:stop],
+                        data[key_at:payload_at],
+                        data[payload_at:queue_at],
+                        ttl_ms,
+                        prio,
+                    )
+                )
+                pos = stop
+            elif opcode == READY_OPCODE:
+                append(_RAW_READY)
+                pos += 1
+            elif opcode in (POP, SUBSCRIBE, UNSUBSCRIBE):
+                if end - pos < _NAME_HEAD:
+                    need = _NAME_HEAD
+                    break
+                stop = pos + _NAME_HEAD + ((data[pos + 1] << 8) | data[pos + 2])
+                if stop > end:
+                    need = stop - pos
+                    break
+                append((opcode, data[pos + _NAME_HEAD : stop]))
+                pos = stop
+            else:
+                self.error = ProtocolError(self._offset + pos, opcode)
+                break
+        self._offset += pos
+        self._data = data[pos:] if pos else data
+        self._pending = end - pos
+        self._need = need
+        return frames
+
+    def next_frame(self) -> ClientFrame | None:
+        """The next complete frame, or ``None`` if more bytes are needed.
+
+        Raises ``ProtocolError`` on reaching an unknown opcode, after every frame before it.
+        """
+        if not self._backlog:
+            self._backlog = self.decode()
+            self._backlog.reverse()  # so that taking the next frame is a cheap pop()
+            if not self._backlog:
+                if self.error is not None:
+                    raise self.error
+                return None
+        return frame_from_raw(self._backlog.pop())
 
     def __iter__(self) -> Iterator[ClientFrame]:
         while (frame := self.next_frame()) is not None:
             yield frame
-
-    def next_frame(self) -> ClientFrame | None:
-        """The next complete frame, or ``None`` if more bytes are needed."""
-        data, pos = self._data, self._pos
-        available = len(data) - pos
-        if not available:
-            return None
-        opcode = data[pos]
-        if opcode == Opcode.PUSH:
-            if available < 1 + _PUSH_HEADER.size:
-                return None
-            queue_len, ttl_ms, prio, key_len, payload_len = _PUSH_HEADER.unpack_from(data, pos + 1)
-            start = pos + 1 + _PUSH_HEADER.size
-            key_end = start + key_len
-            payload_end = key_end + payload_len
-            end = payload_end + queue_len
-            if end > len(data):
-                return None
-            self._pos = end
-            return Push(
-                bytes(data[payload_end:end]),
-                bytes(data[start:key_end]),
-                bytes(data[key_end:payload_end]),
-                ttl_ms,
-                prio,
-            )
-        if opcode == Opcode.READY:
-            self._pos = pos + 1
-            return READY
-        frame_type = _NAMED_FRAMES.get(opcode)
-        if frame_type is None:
-            raise ProtocolError(self._consumed + pos, opcode)
-        if available < 1 + _NAME_HEADER.size:
-            return None
-        (queue_len,) = _NAME_HEADER.unpack_from(data, pos + 1)
-        start = pos + 1 + _NAME_HEADER.size
-        end = start + queue_len
-        if end > len(data):
-            return None
-        self._pos = end
-        return frame_type(bytes(data[start:end]))
 
 
 class ReplyDecoder(_Buffer):

@@ -13,7 +13,7 @@ import trio.testing
 from pinpriq import server as server_module
 from pinpriq.server import OUTPUT_HIGH_WATER, RECEIVE_SIZE, PinpriqServer
 from pinpriq.store import PACKET_OVERHEAD
-from pinpriq.wire import MAX_FRAME
+from pinpriq.wire import MAX_FRAME, RawFrame
 from tests.conftest import LiveServer, StartServer
 from tests.rawpeer import READY, Peer, pop, push, subscribe
 
@@ -175,10 +175,10 @@ async def test_a_bug_in_one_connection_closes_only_that_one(
 ) -> None:
     apply = live.server.apply
 
-    def buggy_apply(conn: server_module._Connection, frame: object) -> None:
-        if getattr(frame, "queue", None) == b"boom":
+    def buggy_apply(conn: server_module._Connection, frames: list[RawFrame], start: int = 0) -> int:
+        if any(frame[1:2] == (b"boom",) for frame in frames[start:]):
             raise RuntimeError("simulated bug")
-        apply(conn, frame)  # type: ignore[arg-type]
+        return apply(conn, frames, start)
 
     monkeypatch.setattr(live.server, "apply", buggy_apply)
     victim, bystander = await live.connect(), await live.connect()

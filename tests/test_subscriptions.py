@@ -457,3 +457,28 @@ SubscriptionsInvariants.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None
 )
 test_subscriptions_keep_their_invariants = SubscriptionsInvariants.TestCase
+
+
+# -- pausing: a connection whose unsent output is past its bound (the server's side) ----------
+
+
+def test_a_subscriber_paused_in_deliver_receives_nothing_more_until_resumed() -> None:
+    server = Server()
+    slow, other = Conn(), Conn()
+    slow.sub = Subscriber(lambda packets: (slow._deliver(packets), pause(slow.sub)))
+    server.subs.subscribe(slow.sub, b"q")
+    server.subs.ready(slow.sub, 3)
+    server.push(b"q", b"1")  # delivered, and the connection pauses itself
+    server.push(b"q", b"2")
+    assert slow.deliveries == [[b"1"]]
+    assert server.subs.waiting(b"q") == []
+    server.subs.subscribe(other.sub, b"q")
+    server.subs.ready(other.sub)
+    assert other.deliveries == [[b"2"]]  # the packet stayed queued for someone else
+    server.push(b"q", b"3")
+    server.subs.resume(slow.sub)  # its credits were kept
+    assert slow.deliveries == [[b"1"], [b"3"]]
+
+
+def pause(sub: Subscriber) -> None:
+    sub.paused = True
