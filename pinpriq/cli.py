@@ -91,15 +91,21 @@ def byte_size(text: str) -> int:
     return int(value * _SIZE_UNITS[unit])
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"invalid count {text!r}: must be a whole number >= 1")
-    return value
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``low..high`` (no upper bound if ``high`` is None)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+        if high is None and value < low:
+            raise argparse.ArgumentTypeError(f"{value} is less than {low}")
+        if high is not None and not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
+        return value
+
+    return parse
 
 
 def server_parser() -> argparse.ArgumentParser:
@@ -132,7 +138,7 @@ def server_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-connections",
-        type=positive_int,
+        type=int_in(1),
         default=DEFAULT_MAX_CONNECTIONS,
         metavar="N",
         help="most concurrent connections; further ones are accepted and closed at once "
@@ -220,23 +226,6 @@ printable text. With --json, each line is a JSON object {{"key": ..., "payload":
 values are strings when the bytes are UTF-8, else {{"base64": "..."}}. Popping an empty queue
 prints nothing and exits 0. Exit status: 0 done, 1 server unreachable or connection lost,
 2 bad arguments, {INTERRUPTED} interrupted (Ctrl-C)."""
-
-
-def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer in ``low..high`` (no upper bound if ``high`` is None)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-        if high is None and value < low:
-            raise argparse.ArgumentTypeError(f"{value} is less than {low}")
-        if high is not None and not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
-        return value
-
-    return parse
 
 
 def seconds(text: str) -> float:

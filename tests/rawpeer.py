@@ -83,6 +83,7 @@ class Peer:
 
     async def expect_closed(self) -> None:
         """The server closes the connection; nothing (more) arrives before it does."""
+        assert not self.buffer, f"expected the server to close, had {bytes(self.buffer)!r} unread"
         data = await self.stream.receive_some(1 << 16)
         assert data == b"", f"expected the server to close, received {data!r}"
 
