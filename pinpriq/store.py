@@ -192,11 +192,12 @@ class QueueStore:
                 del group[sibling.seq]
                 self._unlevel(q, sibling)
             self._settle_group(q, key, group)
+            self.bytes_held -= _held(reply)
         else:  # a key of its own: the common case
             del q.groups[key]
             reply = [selected]
+            self.bytes_held -= len(key) + len(selected.payload) + PACKET_OVERHEAD
         self._count -= len(reply)
-        self.bytes_held -= _held(reply)
         if not q.groups:
             del self._queues[queue]
         if len(expiry) > 2 * self._timed + 64:
