@@ -1,0 +1,284 @@
+// The pinpriq wire format (protocol 1.0, docs/protocol.md), sans I/O: functions from arguments
+// to frame bytes, and a decoder from received bytes to replies. Nothing here touches a socket,
+// so every byte layout lives in this one file and can be tested without a server.
+
+/** Opcodes of the five client frames. */
+export const OPCODE = Object.freeze({
+  PUSH: 0x70,
+  POP: 0x50,
+  SUBSCRIBE: 0x73,
+  UNSUBSCRIBE: 0x75,
+  READY: 0x41,
+});
+
+/** Largest queue name, key or payload, in bytes (a u16 length). */
+export const MAX_FIELD_BYTES = 0xffff;
+/** Largest TTL in milliseconds (a u16); 0 means the packet never expires. */
+export const MAX_TTL_MS = 0xffff;
+/** Lowest priority (a u8); 1 is the highest, 0 is never selected on its own. */
+export const MAX_PRIO = 0xff;
+
+/**
+ * A queue name, key or payload: a string (sent as UTF-8) or bytes.
+ * @typedef {string | Uint8Array} Data
+ */
+
+/**
+ * One packet of a reply.
+ * @typedef {{ key: Buffer, payload: Buffer }} Packet
+ */
+
+/**
+ * A field as bytes, checked against the u16 length limit.
+ * @param {string} field the argument's name, for the error message
+ * @param {Data} value
+ * @returns {Buffer}
+ */
+export function toBytes(field, value) {
+  let bytes;
+  if (typeof value === 'string') {
+    bytes = Buffer.from(value, 'utf8');
+  } else if (value instanceof Uint8Array) {
+    // A view, not a copy: the frame encoder copies it into the frame anyway.
+    bytes = Buffer.from(value.buffer, value.byteOffset, value.byteLength);
+  } else {
+    throw new TypeError(`${field} must be a string, Buffer or Uint8Array, not ${describe(value)}`);
+  }
+  if (bytes.length > MAX_FIELD_BYTES) {
+    throw new RangeError(
+      `${field} is ${bytes.length} bytes; the limit is ${MAX_FIELD_BYTES} bytes`,
+    );
+  }
+  return bytes;
+}
+
+/**
+ * An integer option, checked against its range.
+ * @param {string} field
+ * @param {unknown} value
+ * @param {number} min
+ * @param {number} max
+ * @returns {number}
+ */
+export function checkInteger(field, value, min, max) {
+  if (typeof value !== 'number') {
+    throw new TypeError(`${field} must be a number, not ${describe(value)}`);
+  }
+  if (!Number.isInteger(value) || value < min || value > max) {
+    throw new RangeError(`${field} must be an integer in ${min}..${max}, not ${value}`);
+  }
+  return value;
+}
+
+function describe(value) {
+  if (value === null) return 'null';
+  if (typeof value === 'object') return value.constructor?.name ?? 'object';
+  return typeof value;
+}
+
+/**
+ * The bytes of a push. The packet (its lengths, key and payload) comes before the queue name,
+ * while the queue's length comes first: that is the protocol's order, not a mistake.
+ * @param {Data} queue
+ * @param {Data} key
+ * @param {Data} payload
+ * @param {{ ttlMs?: number, prio?: number }} [options] ttlMs 0..65535 (0: never expires,
+ *   the default); prio 0..255 (1 highest, the default; 0 never selected on its own)
+ * @returns {Buffer} one whole frame
+ */
+export function encodePush(queue, key, payload, { ttlMs = 0, prio = 1 } = {}) {
+  const q = toBytes('queue', queue);
+  const k = toBytes('key', key);
+  const p = toBytes('payload', payload);
+  checkInteger('ttlMs', ttlMs, 0, MAX_TTL_MS);
+  checkInteger('prio', prio, 0, MAX_PRIO);
+  const frame = Buffer.allocUnsafe(10 + k.length + p.length + q.length);
+  frame[0] = OPCODE.PUSH;
+  frame.writeUInt16BE(q.length, 1);
+  frame.writeUInt16BE(ttlMs, 3);
+  frame[5] = prio;
+  frame.writeUInt16BE(k.length, 6);
+  frame.writeUInt16BE(p.length, 8);
+  let at = 10;
+  at += k.copy(frame, at);
+  at += p.copy(frame, at);
+  q.copy(frame, at);
+  return frame;
+}
+
+/**
+ * A frame made of an opcode and a queue name: pop, subscribe and unsubscribe share it.
+ * @param {number} opcode
+ * @param {Data} queue
+ * @returns {Buffer}
+ */
+function queueFrame(opcode, queue) {
+  const q = toBytes('queue', queue);
+  const frame = Buffer.allocUnsafe(3 + q.length);
+  frame[0] = opcode;
+  frame.writeUInt16BE(q.length, 1);
+  q.copy(frame, 3);
+  return frame;
+}
+
+/** @param {Data} queue @returns {Buffer} a pop frame; the server answers it with one reply */
+export const encodePop = (queue) => queueFrame(OPCODE.POP, queue);
+
+/** @param {Data} queue @returns {Buffer} a subscribe frame (it grants no credit) */
+export const encodeSubscribe = (queue) => queueFrame(OPCODE.SUBSCRIBE, queue);
+
+/** @param {Data} queue @returns {Buffer} an unsubscribe frame (credits are kept) */
+export const encodeUnsubscribe = (queue) => queueFrame(OPCODE.UNSUBSCRIBE, queue);
+
+/**
+ * Ready frames: each single byte 0x41 grants one delivery credit.
+ * @param {number} [credits] how many, 1 by default
+ * @returns {Buffer}
+ */
+export function encodeReady(credits = 1) {
+  checkInteger('credits', credits, 0, Number.MAX_SAFE_INTEGER);
+  return Buffer.alloc(credits, OPCODE.READY);
+}
+
+/**
+ * Turns the bytes a server sends into replies (a pop's answer or a subscription's delivery:
+ * the same format). Bytes may arrive split anywhere; a reply is returned once it is whole.
+ *
+ * The decoder never concatenates its whole input on each call: it queues the chunks it is
+ * given and only copies out the few bytes the next field needs, so feeding a large reply one
+ * byte at a time stays linear.
+ */
+export class ReplyDecoder {
+  /** @type {Buffer[]} chunks received and not yet consumed */
+  #chunks = [];
+  /** index of the first unconsumed chunk in #chunks */
+  #first = 0;
+  /** bytes of #chunks[#first] already consumed */
+  #offset = 0;
+  /** unconsumed bytes across all chunks */
+  #buffered = 0;
+  /** @type {'count' | 'header' | 'body'} what the next bytes are */
+  #state = 'count';
+  /** packets still to read in the current reply */
+  #remaining = 0;
+  #keyLength = 0;
+  #payloadLength = 0;
+  /** @type {Packet[]} the reply being read */
+  #packets = [];
+  /** bytes already taken for the reply being read */
+  #partial = 0;
+
+  /**
+   * Bytes received but not yet part of a returned reply: 0 when the stream ended on a reply
+   * boundary.
+   * @returns {number}
+   */
+  get pendingBytes() {
+    return this.#buffered + this.#partial;
+  }
+
+  /**
+   * Give the decoder some received bytes; the decoder keeps them, so do not modify the chunk
+   * afterwards.
+   * @param {Uint8Array} chunk
+   * @returns {Packet[][]} every reply completed by these bytes, in order (often none)
+   */
+  feed(chunk) {
+    if (chunk.length > 0) {
+      this.#chunks.push(Buffer.isBuffer(chunk)
+        ? chunk
+        : Buffer.from(chunk.buffer, chunk.byteOffset, chunk.byteLength));
+      this.#buffered += chunk.length;
+    }
+    const replies = [];
+    for (;;) {
+      const reply = this.#step();
+      if (reply === null) break;
+      if (reply !== undefined) replies.push(reply);
+    }
+    return replies;
+  }
+
+  /**
+   * Reads one field if its bytes are all there.
+   * @returns {Packet[] | undefined | null} a completed reply; undefined if a field was read but
+   *   the reply goes on; null if more bytes are needed
+   */
+  #step() {
+    if (this.#state === 'count') {
+      if (this.#buffered < 2) return null;
+      this.#remaining = this.#take(2).readUInt16BE(0);
+      this.#packets = [];
+      this.#state = 'header';
+    } else if (this.#state === 'header') {
+      if (this.#buffered < 4) return null;
+      const header = this.#take(4);
+      this.#keyLength = header.readUInt16BE(0);
+      this.#payloadLength = header.readUInt16BE(2);
+      this.#state = 'body';
+    } else {
+      const length = this.#keyLength + this.#payloadLength;
+      if (this.#buffered < length) return null;
+      const body = this.#take(length);
+      // Copies, so a small key never keeps a large received chunk alive.
+      this.#packets.push({
+        key: Buffer.from(body.subarray(0, this.#keyLength)),
+        payload: Buffer.from(body.subarray(this.#keyLength)),
+      });
+      this.#remaining -= 1;
+      this.#state = 'header';
+    }
+    if (this.#state === 'header' && this.#remaining === 0) {
+      this.#state = 'count';
+      this.#partial = 0;
+      const reply = this.#packets;
+      this.#packets = [];
+      return reply;
+    }
+    return undefined;
+  }
+
+  /**
+   * Removes the next n buffered bytes (n <= #buffered) and returns them: a view when they lie
+   * in one chunk, a copy when they span several.
+   * @param {number} n
+   * @returns {Buffer}
+   */
+  #take(n) {
+    if (n === 0) return Buffer.alloc(0);
+    this.#buffered -= n;
+    this.#partial += n;
+    const head = this.#chunks[this.#first];
+    if (head.length - this.#offset >= n) {
+      const bytes = head.subarray(this.#offset, this.#offset + n);
+      this.#advance(n);
+      return bytes;
+    }
+    const bytes = Buffer.allocUnsafe(n);
+    let filled = 0;
+    while (filled < n) {
+      const chunk = this.#chunks[this.#first];
+      const count = Math.min(chunk.length - this.#offset, n - filled);
+      chunk.copy(bytes, filled, this.#offset, this.#offset + count);
+      filled += count;
+      this.#advance(count);
+    }
+    return bytes;
+  }
+
+  /** Consumes count bytes of the head chunk, dropping chunks once they are used up. */
+  #advance(count) {
+    this.#offset += count;
+    if (this.#offset < this.#chunks[this.#first].length) return;
+    this.#first += 1;
+    this.#offset = 0;
+    if (this.#first === this.#chunks.length) {
+      this.#chunks = [];
+      this.#first = 0;
+    } else if (this.#first >= 1024 && this.#first * 2 >= this.#chunks.length) {
+      // Compact now and then, so a long run of tiny chunks does not grow the array forever.
+      this.#chunks = this.#chunks.slice(this.#first);
+      this.#first = 0;
+    }
+  }
+}

@@ -1,0 +1,136 @@
+// The sans-I/O codec on its own: argument checks, text and byte inputs, and the reply decoder.
+
+import { describe, test } from 'node:test';
+import assert from 'node:assert/strict';
+
+import {
+  MAX_FIELD_BYTES, ReplyDecoder, encodePop, encodePush, encodeReady, encodeSubscribe,
+  encodeUnsubscribe,
+} from '../src/wire.js';
+
+/** Asserts that fn throws a RangeError whose message names `field`. */
+function assertRangeError(fn, field) {
+  assert.throws(fn, (error) => {
+    assert.ok(error instanceof RangeError, `${error?.name}: ${error?.message}`);
+    assert.match(error.message, new RegExp(`\\b${field}\\b`));
+    return true;
+  });
+}
+
+describe('encoder argument checks', () => {
+  const big = 'x'.repeat(MAX_FIELD_BYTES + 1);
+
+  test('ttlMs outside 0..65535 or not an integer', () => {
+    for (const ttlMs of [-1, 65536, 1.5, NaN, Infinity]) {
+      assertRangeError(() => encodePush('q', 'k', 'p', { ttlMs }), 'ttlMs');
+    }
+  });
+
+  test('prio outside 0..255 or not an integer', () => {
+    for (const prio of [-1, 256, 0.5]) {
+      assertRangeError(() => encodePush('q', 'k', 'p', { prio }), 'prio');
+    }
+  });
+
+  test('queue, key or payload over 65,535 bytes', () => {
+    assertRangeError(() => encodePush(big, 'k', 'p'), 'queue');
+    assertRangeError(() => encodePush('q', big, 'p'), 'key');
+    assertRangeError(() => encodePush('q', 'k', Buffer.alloc(MAX_FIELD_BYTES + 1)), 'payload');
+    assertRangeError(() => encodePop(big), 'queue');
+    assertRangeError(() => encodeSubscribe(big), 'queue');
+    assertRangeError(() => encodeUnsubscribe(big), 'queue');
+  });
+
+  test('the limit counts UTF-8 bytes, not characters', () => {
+    const twoByteChars = 'é'.repeat(32768); // 32,768 characters, 65,536 bytes
+    assertRangeError(() => encodePop(twoByteChars), 'queue');
+    assert.equal(encodePop('é'.repeat(32767)).length, 3 + 65534);
+  });
+
+  test('the largest values are accepted', () => {
+    const max = 'm'.repeat(MAX_FIELD_BYTES);
+    const frame = encodePush(max, max, max, { ttlMs: 65535, prio: 255 });
+    assert.equal(frame.length, 196_615); // the protocol's largest frame
+    assert.equal(encodePush('', '', '', { ttlMs: 0, prio: 0 }).length, 10); // and its smallest
+  });
+
+  test('a field that is neither text nor bytes is a TypeError naming it', () => {
+    assert.throws(() => encodePush('q', 42, 'p'), { name: 'TypeError', message: /\bkey\b/ });
+    assert.throws(() => encodePop(null), { name: 'TypeError', message: /\bqueue\b/ });
+    assert.throws(() => encodePush('q', 'k', 'p', { prio: '3' }), { name: 'TypeError', message: /\bprio\b/ });
+  });
+});
+
+describe('encoder inputs', () => {
+  test('strings are UTF-8; Buffers and Uint8Arrays are taken as they are', () => {
+    const text = encodePush('qé', 'k', 'ü');
+    const bytes = encodePush(
+      Buffer.from('qé'), new Uint8Array([0x6b]), new Uint8Array(Buffer.from('ü')),
+    );
+    assert.deepEqual(text, bytes);
+    // A Uint8Array that is a window on a larger buffer: only its own bytes count.
+    const window = new Uint8Array([1, 2, 0x6b, 3]).subarray(2, 3);
+    assert.deepEqual(encodePop(window), encodePop('k'));
+  });
+
+  test('defaults: TTL 0 (never expires) and prio 1 (highest)', () => {
+    assert.deepEqual(encodePush('q', 'k', 'p'), encodePush('q', 'k', 'p', { ttlMs: 0, prio: 1 }));
+  });
+
+  test('ready: one 0x41 byte per credit', () => {
+    assert.deepEqual(encodeReady(), Buffer.from([0x41]));
+    assert.deepEqual(encodeReady(3), Buffer.from([0x41, 0x41, 0x41]));
+  });
+});
+
+describe('reply decoder', () => {
+  const reply = (...packets) => {
+    const parts = [Buffer.from([packets.length >> 8, packets.length & 0xff])];
+    for (const [key, payload] of packets) {
+      const header = Buffer.alloc(4);
+      header.writeUInt16BE(key.length, 0);
+      header.writeUInt16BE(payload.length, 2);
+      parts.push(header, Buffer.from(key), Buffer.from(payload));
+    }
+    return Buffer.concat(parts);
+  };
+  const packet = (key, payload) => ({ key: Buffer.from(key), payload: Buffer.from(payload) });
+
+  test('several replies in one chunk, the empty reply among them', () => {
+    const stream = Buffer.concat([reply(['k', 'v']), reply(), reply(['a', ''], ['', 'b'])]);
+    assert.deepEqual(new ReplyDecoder().feed(stream), [
+      [packet('k', 'v')], [], [packet('a', ''), packet('', 'b')],
+    ]);
+  });
+
+  test('a reply split at every byte, in every pair of pieces and byte by byte', () => {
+    const stream = Buffer.concat([reply(['key', 'payload'], ['key', '']), reply()]);
+    const expected = new ReplyDecoder().feed(stream);
+    for (let cut = 0; cut <= stream.length; cut += 1) {
+      const decoder = new ReplyDecoder();
+      const got = [...decoder.feed(stream.subarray(0, cut)), ...decoder.feed(stream.subarray(cut))];
+      assert.deepEqual(got, expected, `cut at ${cut}`);
+      assert.equal(decoder.pendingBytes, 0);
+    }
+    const decoder = new ReplyDecoder();
+    const got = [];
+    for (const byte of stream) got.push(...decoder.feed(Buffer.from([byte])));
+    assert.deepEqual(got, expected);
+  });
+
+  test('pendingBytes counts a reply not yet whole', () => {
+    const decoder = new ReplyDecoder();
+    const stream = reply(['k', 'v']);
+    assert.deepEqual(decoder.feed(stream.subarray(0, 5)), []);
+    assert.equal(decoder.pendingBytes, 5);
+    assert.deepEqual(decoder.feed(stream.subarray(5)), [[packet('k', 'v')]]);
+    assert.equal(decoder.pendingBytes, 0);
+  });
+
+  test('returned packets do not share memory with the chunk fed in', () => {
+    const chunk = reply(['k', 'v']);
+    const [[got]] = new ReplyDecoder().feed(chunk);
+    chunk.fill(0);
+    assert.deepEqual(got, packet('k', 'v'));
+  });
+});
