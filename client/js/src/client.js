@@ -1,0 +1,506 @@
+// The socket layer: a pinpriq connection for Node.js on top of the sans-I/O codec in wire.js.
+//
+// One PinpriqClient is one TCP connection that any number of callers may use at once. Requests
+// are pipelined: each call writes its whole frame with a single socket.write (Node keeps writes
+// in call order and never splits one write among others, so frames never interleave), and each
+// pop appends its resolver to a FIFO in the same synchronous step. The server answers pops in
+// request order (protocol decision 8), so the reply parser simply hands each reply to the oldest
+// resolver. A pop that times out stays in the FIFO, marked abandoned, so the reply it was owed
+// still lands in its place and the connection stays in step.
+//
+// Subscriptions get a connection of their own, because a delivery and a pop reply are the same
+// bytes. They keep `prefetch` delivery credits outstanding: `prefetch` up front, then one more
+// each time the consumer takes a delivery.
+
+import net from 'node:net';
+import {
+  ReplyDecoder, checkInteger, encodePop, encodePush, encodeReady, encodeSubscribe,
+} from './wire.js';
+
+/** @typedef {import('./wire.js').Data} Data */
+/** @typedef {import('./wire.js').Packet} Packet */
+
+export const DEFAULT_HOST = '127.0.0.1';
+export const DEFAULT_PORT = 7000;
+/** Milliseconds to wait for a connection or an answer, unless `timeout` says otherwise. */
+export const DEFAULT_TIMEOUT = 10_000;
+/** Most credits a subscription keeps outstanding (each is one byte the server must count). */
+export const MAX_PREFETCH = 0xffff;
+// setTimeout fires at once for delays above this, so longer timeouts mean "no limit".
+const MAX_TIMER_MS = 2 ** 31 - 1;
+
+const REASONS = {
+  ECONNREFUSED: 'connection refused',
+  ECONNRESET: 'connection reset',
+  EHOSTUNREACH: 'host unreachable',
+  ENETUNREACH: 'network unreachable',
+  ENOTFOUND: 'host not found',
+  EAI_AGAIN: 'host name lookup failed',
+  EPIPE: 'broken pipe',
+};
+
+/**
+ * The server could not be reached, or the connection broke or was closed. The message names
+ * the server as `host:port`.
+ */
+export class PinpriqConnectionError extends Error {
+  /**
+   * @param {string} message
+   * @param {{ host: string, port: number, code?: string, cause?: unknown }} details
+   */
+  constructor(message, { host, port, code, cause }) {
+    super(message, cause === undefined ? undefined : { cause });
+    this.name = 'PinpriqConnectionError';
+    this.host = host;
+    this.port = port;
+    this.address = formatAddress(host, port);
+    /** The system error code (such as `ECONNREFUSED`), when there was one. */
+    this.code = code;
+  }
+}
+
+/** No connection or answer within the client's `timeout`. The message names the server. */
+export class PinpriqTimeoutError extends Error {
+  /** @param {string} message @param {{ host: string, port: number }} details */
+  constructor(message, { host, port }) {
+    super(message);
+    this.name = 'PinpriqTimeoutError';
+    this.host = host;
+    this.port = port;
+    this.address = formatAddress(host, port);
+    this.code = 'ETIMEDOUT';
+  }
+}
+
+/** @param {string} host @param {number} port */
+export function formatAddress(host, port) {
+  return host.includes(':') ? `[${host}]:${port}` : `${host}:${port}`;
+}
+
+/**
+ * Options of `PinpriqClient.connect`.
+ * @typedef {object} ConnectOptions
+ * @property {string} [host] default `127.0.0.1`
+ * @property {number} [port] default 7000
+ * @property {number} [timeout] milliseconds for connecting and for each call, default 10000;
+ *   0 waits forever
+ */
+
+/** Where to connect and how long to wait: checked once, shared by a client's connections. */
+class Endpoint {
+  /** @param {ConnectOptions} options */
+  constructor({ host = DEFAULT_HOST, port = DEFAULT_PORT, timeout = DEFAULT_TIMEOUT } = {}) {
+    if (typeof host !== 'string' || host === '') {
+      throw new TypeError('host must be a non-empty string');
+    }
+    this.host = host;
+    this.port = checkInteger('port', port, 1, 65535);
+    if (typeof timeout !== 'number' || !(timeout >= 0)) {
+      throw new RangeError(`timeout must be a number of milliseconds >= 0, not ${timeout}`);
+    }
+    this.timeout = timeout;
+    this.address = formatAddress(host, this.port);
+  }
+
+  /** @param {string} message */
+  connectionError(message, details = {}) {
+    return new PinpriqConnectionError(message, { host: this.host, port: this.port, ...details });
+  }
+
+  /**
+   * Races `promise` against the timeout; on expiry calls `onTimeout` and rejects.
+   * @template T
+   * @param {Promise<T>} promise
+   * @param {string} what the start of the message, such as `pop from`
+   * @param {() => void} [onTimeout]
+   * @returns {Promise<T>}
+   */
+  limit(promise, what, onTimeout) {
+    if (this.timeout === 0 || this.timeout > MAX_TIMER_MS) return promise;
+    let timer;
+    const expiry = new Promise((_, reject) => {
+      timer = setTimeout(() => {
+        onTimeout?.();
+        reject(new PinpriqTimeoutError(
+          `${what} ${this.address}: no answer within ${this.timeout} ms`, this,
+        ));
+      }, this.timeout);
+    });
+    return Promise.race([promise, expiry]).finally(() => clearTimeout(timer));
+  }
+
+  /**
+   * A connected socket, or a PinpriqConnectionError / PinpriqTimeoutError naming the address.
+   * @returns {Promise<net.Socket>}
+   */
+  async open() {
+    const socket = net.connect({ host: this.host, port: this.port });
+    const connected = new Promise((resolve, reject) => {
+      socket.once('connect', resolve);
+      socket.once('error', (error) => {
+        const reason = REASONS[error.code] ?? error.code ?? error.message;
+        reject(this.connectionError(`cannot connect to ${this.address}: ${reason}`, {
+          code: error.code, cause: error,
+        }));
+      });
+    });
+    await this.limit(connected, 'cannot connect to', () => socket.destroy());
+    socket.removeAllListeners('error');
+    // Frames are small and often answered at once: don't let Nagle's algorithm hold them back.
+    socket.setNoDelay(true);
+    return socket;
+  }
+}
+
+/**
+ * Why a connection ended, as the error to give callers.
+ * @param {Endpoint} endpoint
+ * @param {{ closedByUs: boolean, error: Error | null }} state
+ */
+function closeError(endpoint, { closedByUs, error }) {
+  if (closedByUs) return endpoint.connectionError(`connection to ${endpoint.address} is closed`);
+  if (error) {
+    const reason = REASONS[error.code] ?? error.message;
+    return endpoint.connectionError(`connection to ${endpoint.address} broke: ${reason}`, {
+      code: error.code, cause: error,
+    });
+  }
+  return endpoint.connectionError(`connection to ${endpoint.address} was closed by the server`);
+}
+
+/**
+ * Write one whole frame; resolves once Node has handed it to the operating system.
+ * @param {net.Socket} socket
+ * @param {Buffer} frame
+ * @returns {Promise<void>}
+ */
+function writeFrame(socket, frame) {
+  return new Promise((resolve, reject) => {
+    socket.write(frame, (error) => (error ? reject(error) : resolve()));
+  });
+}
+
+/**
+ * A connection to a pinpriq server. Make one with `await PinpriqClient.connect(...)`; any
+ * number of callers may share it.
+ */
+export class PinpriqClient {
+  #endpoint;
+  #socket;
+  #decoder = new ReplyDecoder();
+  /** @type {{ resolve: (reply: Packet[]) => void, reject: (e: Error) => void, abandoned: boolean }[]} */
+  #pending = [];
+  /** @type {Set<Subscription>} */
+  #subscriptions = new Set();
+  #state = { closedByUs: false, error: /** @type {Error | null} */ (null), ended: false };
+  #ended;
+
+  /**
+   * Connect to a server.
+   * @param {ConnectOptions} [options]
+   * @returns {Promise<PinpriqClient>}
+   * @throws {PinpriqConnectionError} the server cannot be reached (the message names host:port)
+   * @throws {PinpriqTimeoutError} no connection within `timeout`
+   */
+  static async connect(options = {}) {
+    const endpoint = new Endpoint(options);
+    return new PinpriqClient(endpoint, await endpoint.open());
+  }
+
+  /** @private Use `PinpriqClient.connect`. */
+  constructor(endpoint, socket) {
+    if (!(endpoint instanceof Endpoint)) {
+      throw new TypeError('use PinpriqClient.connect() to make a client');
+    }
+    this.#endpoint = endpoint;
+    this.#socket = socket;
+    socket.on('data', (chunk) => this.#onData(chunk));
+    socket.on('error', (error) => { this.#state.error ??= error; });
+    // The server's end of stream: calls fail from now on, even before the socket is closed.
+    socket.once('end', () => { this.#state.ended = true; });
+    this.#ended = new Promise((resolve) => socket.once('close', () => {
+      this.#onClose();
+      resolve();
+    }));
+  }
+
+  /** The server, as `host:port`. */
+  get address() {
+    return this.#endpoint.address;
+  }
+
+  /** True once the connection is closed or closing; calls then reject. */
+  get closed() {
+    return this.#state.closedByUs || this.#state.ended;
+  }
+
+  /**
+   * Queue `payload` under `key`. The server does not answer a push: the promise resolves once
+   * the frame has been handed to the operating system.
+   * @param {Data} queue
+   * @param {Data} key
+   * @param {Data} payload
+   * @param {{ ttlMs?: number, prio?: number }} [options] `prio` 1 (the default) is the
+   *   highest, 255 the lowest, 0 never popped on its own but leaves with the next popped packet
+   *   of its key; `ttlMs` 0 (the default) never expires, else 1..65535 ms
+   * @returns {Promise<void>}
+   */
+  async push(queue, key, payload, options = {}) {
+    const frame = encodePush(queue, key, payload, options);
+    this.#checkOpen();
+    try {
+      await this.#endpoint.limit(writeFrame(this.#socket, frame), 'push to');
+    } catch (error) {
+      throw this.#wrap(error);
+    }
+  }
+
+  /**
+   * Take the best packet of `queue` together with every other packet of its key: the selected
+   * one first, the rest oldest first. Empty when nothing can be selected.
+   * @param {Data} queue
+   * @returns {Promise<Packet[]>}
+   */
+  async pop(queue) {
+    const frame = encodePop(queue);
+    this.#checkOpen();
+    const waiter = { resolve: null, reject: null, abandoned: false };
+    const reply = new Promise((resolve, reject) => Object.assign(waiter, { resolve, reject }));
+    // Same synchronous step as the write: the FIFO order is the order frames go out.
+    this.#pending.push(waiter);
+    this.#socket.write(frame);
+    // A timed-out pop keeps its place: its reply arrives later and is dropped (at most once).
+    return this.#endpoint.limit(reply, 'pop from', () => { waiter.abandoned = true; });
+  }
+
+  /**
+   * Receive packets from `queues` as they arrive, on a connection of its own.
+   * @param {Data | Data[]} queues one queue or several; the best packet across them comes first
+   * @param {{ prefetch?: number }} [options] `prefetch` (1..65535, default 1): deliveries the
+   *   server may send ahead of the one you are handling
+   * @returns {Promise<Subscription>}
+   */
+  async subscribe(queues, { prefetch = 1 } = {}) {
+    const list = Array.isArray(queues) ? queues : [queues];
+    if (list.length === 0) throw new RangeError('queues must name at least one queue');
+    checkInteger('prefetch', prefetch, 1, MAX_PREFETCH);
+    const opening = Buffer.concat([...list.map(encodeSubscribe), encodeReady(prefetch)]);
+    this.#checkOpen();
+    const socket = await this.#endpoint.open();
+    if (this.closed) { // closed while we were connecting: don't leave this one behind
+      socket.destroy();
+      throw closeError(this.#endpoint, this.#state);
+    }
+    const subscription = new Subscription(
+      this.#endpoint, socket, () => this.#subscriptions.delete(subscription),
+    );
+    this.#subscriptions.add(subscription);
+    try {
+      await this.#endpoint.limit(writeFrame(socket, opening), 'subscribe at');
+    } catch (error) {
+      const failure = error instanceof PinpriqTimeoutError
+        ? error
+        : closeError(this.#endpoint, { closedByUs: false, error });
+      await subscription.close();
+      throw failure;
+    }
+    return subscription;
+  }
+
+  /**
+   * Close the connection gracefully: frames already written are sent, pops already sent still
+   * get their replies, then the connection closes (forced after `timeout`). Subscriptions made
+   * by this client are closed too. New calls reject.
+   * @returns {Promise<void>}
+   */
+  async close() {
+    if (!this.closed) {
+      this.#state.closedByUs = true;
+      this.#socket.end();
+      const timer = this.#endpoint.timeout > 0 && this.#endpoint.timeout <= MAX_TIMER_MS
+        ? setTimeout(() => this.#socket.destroy(), this.#endpoint.timeout)
+        : undefined;
+      this.#ended.finally(() => clearTimeout(timer));
+    }
+    await Promise.all([this.#ended, ...[...this.#subscriptions].map((s) => s.close())]);
+  }
+
+  /** Close at once: waiting pops reject, subscriptions end. */
+  destroy() {
+    this.#state.closedByUs = true;
+    this.#socket.destroy();
+    for (const subscription of this.#subscriptions) subscription.close();
+  }
+
+  #onData(chunk) {
+    for (const reply of this.#decoder.feed(chunk)) {
+      const waiter = this.#pending.shift();
+      if (waiter === undefined) {
+        this.#state.error ??= new Error('the server sent a reply nobody asked for');
+        this.#socket.destroy();
+        return;
+      }
+      if (!waiter.abandoned) waiter.resolve(reply);
+    }
+  }
+
+  #onClose() {
+    this.#state.ended = true;
+    const error = closeError(this.#endpoint, this.#state);
+    for (const waiter of this.#pending.splice(0)) waiter.reject(error);
+  }
+
+  #checkOpen() {
+    if (this.closed) throw closeError(this.#endpoint, this.#state);
+  }
+
+  /** A failed write as the error to give the caller. */
+  #wrap(error) {
+    if (error instanceof PinpriqTimeoutError) return error;
+    this.#state.error ??= error;
+    return closeError(this.#endpoint, this.#state);
+  }
+}
+
+if (Symbol.asyncDispose) {
+  PinpriqClient.prototype[Symbol.asyncDispose] = function dispose() { return this.close(); };
+}
+
+/**
+ * The deliveries of one subscription, an async iterator of `Packet[]` (each like a pop's
+ * reply: the selected packet, then the rest of its key group). Made by
+ * `PinpriqClient.subscribe`. Use `for await (const packets of subscription)`; leaving the loop
+ * (or calling `close()`) closes the subscription's connection.
+ *
+ * @implements {AsyncIterableIterator<Packet[]>}
+ */
+export class Subscription {
+  #endpoint;
+  #socket;
+  #decoder = new ReplyDecoder();
+  /** @type {Packet[][]} deliveries received and not yet taken */
+  #buffered = [];
+  /** @type {{ resolve: (r: IteratorResult<Packet[]>) => void, reject: (e: Error) => void }[]} */
+  #waiting = [];
+  #state = { closedByUs: false, error: /** @type {Error | null} */ (null), ended: false };
+  #errorReported = false;
+  #ended;
+
+  /** @private Use `PinpriqClient.subscribe`. */
+  constructor(endpoint, socket, onClose) {
+    if (!(endpoint instanceof Endpoint)) {
+      throw new TypeError('use PinpriqClient.subscribe() to make a subscription');
+    }
+    this.#endpoint = endpoint;
+    this.#socket = socket;
+    socket.on('data', (chunk) => this.#onData(chunk));
+    socket.on('error', (error) => { this.#state.error ??= error; });
+    // The server's end of stream: calls fail from now on, even before the socket is closed.
+    socket.once('end', () => { this.#state.ended = true; });
+    this.#ended = new Promise((resolve) => socket.once('close', () => {
+      this.#onClose();
+      onClose();
+      resolve();
+    }));
+  }
+
+  /** The server, as `host:port`. */
+  get address() {
+    return this.#endpoint.address;
+  }
+
+  /** True once the subscription's connection is closed or closing. */
+  get closed() {
+    return this.#state.closedByUs || this.#state.ended;
+  }
+
+  /** Deliveries received from the server and not yet taken (at most `prefetch`). */
+  get buffered() {
+    return this.#buffered.length;
+  }
+
+  [Symbol.asyncIterator]() {
+    return this;
+  }
+
+  /**
+   * The next delivery. Taking one grants the server one more credit. Once the connection
+   * ends, the deliveries already received are still returned, then the error that ended it
+   * (unless you closed it), then `done`.
+   * @returns {Promise<IteratorResult<Packet[], undefined>>}
+   */
+  next() {
+    if (this.#buffered.length > 0) return Promise.resolve(this.#take(this.#buffered.shift()));
+    if (this.#state.ended) {
+      if (!this.#state.closedByUs && !this.#errorReported) {
+        this.#errorReported = true;
+        return Promise.reject(this.error());
+      }
+      return Promise.resolve({ value: undefined, done: true });
+    }
+    return new Promise((resolve, reject) => this.#waiting.push({ resolve, reject }));
+  }
+
+  /** Called by `for await` when the loop exits early: closes the subscription. */
+  async return() {
+    await this.close();
+    return { value: undefined, done: true };
+  }
+
+  /**
+   * Close the subscription's connection. Deliveries received and not yet taken are lost
+   * (delivery is at most once); a waiting `next()` resolves as done.
+   * @returns {Promise<void>}
+   */
+  async close() {
+    if (!this.#state.ended) {
+      this.#state.closedByUs = true;
+      this.#buffered.length = 0;
+      this.#socket.destroy();
+    }
+    await this.#ended;
+  }
+
+  /** Why the connection ended, as the error `next()` reports. */
+  error() {
+    return closeError(this.#endpoint, this.#state);
+  }
+
+  /** Hands a delivery to the consumer and returns its credit to the server. */
+  #take(delivery) {
+    if (!this.#state.ended) this.#socket.write(encodeReady(1));
+    return { value: delivery, done: false };
+  }
+
+  #onData(chunk) {
+    for (const delivery of this.#decoder.feed(chunk)) {
+      if (delivery.length === 0) {
+        // Only a pop is answered 00 00, and this connection never pops.
+        this.#state.error ??= new Error('the server sent an empty delivery');
+        this.#socket.destroy();
+        return;
+      }
+      const waiter = this.#waiting.shift();
+      if (waiter) waiter.resolve(this.#take(delivery));
+      else this.#buffered.push(delivery);
+    }
+  }
+
+  #onClose() {
+    this.#state.ended = true;
+    const waiting = this.#waiting.splice(0);
+    if (waiting.length === 0) return;
+    if (this.#state.closedByUs) {
+      for (const waiter of waiting) waiter.resolve({ value: undefined, done: true });
+      return;
+    }
+    this.#errorReported = true;
+    const error = this.error();
+    waiting[0].reject(error);
+    for (const waiter of waiting.slice(1)) waiter.resolve({ value: undefined, done: true });
+  }
+}
+
+if (Symbol.asyncDispose) {
+  Subscription.prototype[Symbol.asyncDispose] = function dispose() { return this.close(); };
+}

@@ -1,0 +1,132 @@
+// The client's side of the conversation, against a scripted stand-in server that records every
+// byte the client sends and writes back exactly what the test says: credits, timeouts, a
+// server that closes, replies arriving one byte at a time.
+
+import { afterEach, beforeEach, test } from 'node:test';
+import assert from 'node:assert/strict';
+
+import {
+  PinpriqClient, PinpriqConnectionError, PinpriqTimeoutError, encodePop, encodeReady,
+  encodeSubscribe,
+} from '../index.js';
+import { FakeServer, replyBytes, sleep, waitFor } from '../test-support/helpers.js';
+
+/** @type {FakeServer} */
+let fake;
+beforeEach(async () => { fake = await FakeServer.start(); });
+afterEach(async () => { await fake.stop(); });
+
+const connect = (options = {}) => PinpriqClient.connect({ port: fake.port, timeout: 2000, ...options });
+const countReady = (bytes) => bytes.filter((byte) => byte === 0x41).length;
+
+test('a subscription opens with its subscribes and prefetch credits, then one credit per delivery taken', async () => {
+  const client = await connect();
+  const subscription = await client.subscribe(['a', 'b'], { prefetch: 3 });
+  const opening = Buffer.concat([encodeSubscribe('a'), encodeSubscribe('b'), encodeReady(3)]);
+  // The subscription has a connection of its own: the client's is connection 0.
+  assert.deepEqual(await fake.received(1, opening.length), opening);
+  const { socket } = await fake.connection(1);
+
+  socket.write(Buffer.concat([replyBytes(['k1', 'x']), replyBytes(['k2', 'y']), replyBytes(['k3', 'z'])]));
+  await waitFor(() => subscription.buffered === 3, 'three deliveries');
+  await sleep(50);
+  assert.equal(countReady((await fake.connection(1)).received), 3, 'no credit before a delivery is taken');
+
+  for (let taken = 1; taken <= 3; taken += 1) {
+    const { value } = await subscription.next();
+    assert.equal(value[0].key.toString(), `k${taken}`);
+    await waitFor(() => countReady(fake.connections[1].received) === 3 + taken, `credit ${3 + taken}`);
+  }
+  assert.equal(fake.connections[0].received.length, 0, 'nothing on the client connection');
+  await client.close();
+});
+
+test('a delivery arriving one byte per write is handed out whole', async () => {
+  const client = await connect();
+  const subscription = await client.subscribe('q');
+  const { socket } = await fake.connection(1);
+  const next = subscription.next();
+  for (const byte of replyBytes(['key', 'payload'], ['key', ''])) {
+    socket.write(Buffer.from([byte]));
+    await sleep(1);
+  }
+  const { value } = await next;
+  assert.deepEqual(value.map(({ key, payload }) => [key.toString(), payload.toString()]),
+    [['key', 'payload'], ['key', '']]);
+  await client.close();
+});
+
+test('pop replies arriving one byte at a time go to their pops in request order', async () => {
+  const client = await connect();
+  const pops = [client.pop('one'), client.pop('two'), client.pop('three')];
+  const { socket } = await fake.connection(0);
+  await fake.received(0, 3 * 3 + 3 + 5);
+  for (const byte of Buffer.concat([replyBytes(['1', 'a']), replyBytes(), replyBytes(['3', 'c'])])) {
+    socket.write(Buffer.from([byte]));
+    await sleep(1);
+  }
+  const [one, two, three] = await Promise.all(pops);
+  assert.equal(one[0].key.toString(), '1');
+  assert.deepEqual(two, []);
+  assert.equal(three[0].key.toString(), '3');
+  await client.close();
+});
+
+test('an out-of-range argument sends nothing at all', async () => {
+  const client = await connect();
+  await assert.rejects(client.push('q', 'k', 'p', { prio: 300 }), RangeError);
+  await assert.rejects(client.push('q', 'k', 'p', { ttlMs: -1 }), RangeError);
+  await assert.rejects(client.push('q'.repeat(70000), 'k', 'p'), RangeError);
+  const popped = client.pop('q');
+  const frame = encodePop('q');
+  assert.deepEqual(await fake.received(0, frame.length), frame); // the pop, and only the pop
+  (await fake.connection(0)).socket.write(replyBytes());
+  assert.deepEqual(await popped, []);
+  await client.close();
+});
+
+test('a pop that times out leaves the connection in step: its late reply is dropped', async () => {
+  const client = await connect({ timeout: 150 });
+  await assert.rejects(client.pop('slow'), (error) => {
+    assert.ok(error instanceof PinpriqTimeoutError);
+    assert.match(error.message, new RegExp(`127\\.0\\.0\\.1:${fake.port}`));
+    return true;
+  });
+  const second = client.pop('next');
+  const { socket } = await fake.connection(0);
+  socket.write(Buffer.concat([replyBytes(['late', '']), replyBytes(['mine', ''])]));
+  assert.equal((await second)[0].key.toString(), 'mine');
+  await client.close();
+});
+
+test('the server closing rejects waiting pops with an error naming the server', async () => {
+  const client = await connect();
+  const waiting = client.pop('q');
+  (await fake.connection(0)).socket.end();
+  await assert.rejects(waiting, (error) => {
+    assert.ok(error instanceof PinpriqConnectionError);
+    assert.equal(error.message, `connection to 127.0.0.1:${fake.port} was closed by the server`);
+    return true;
+  });
+  assert.equal(client.closed, true);
+  await assert.rejects(client.push('q', 'k', 'p'), PinpriqConnectionError);
+});
+
+test('a subscription the server closes yields what arrived, then the error, then done', async () => {
+  const client = await connect();
+  const subscription = await client.subscribe('q', { prefetch: 2 });
+  const { socket } = await fake.connection(1);
+  socket.end(replyBytes(['k', 'v']));
+  await waitFor(() => subscription.closed, 'the subscription to see the close');
+  assert.equal((await subscription.next()).value[0].key.toString(), 'k');
+  await assert.rejects(subscription.next(), /was closed by the server/);
+  assert.deepEqual(await subscription.next(), { value: undefined, done: true });
+  await client.close();
+});
+
+test('a reply nobody asked for breaks the connection rather than feeding a later pop', async () => {
+  const client = await connect();
+  (await fake.connection(0)).socket.write(replyBytes(['stray', '']));
+  await waitFor(() => client.closed, 'the client to give up the connection');
+  await assert.rejects(client.pop('q'), /reply nobody asked for/);
+});
