@@ -98,6 +98,9 @@ _U16 = struct.Struct(">H")
 _U16_PAIR = struct.Struct(">HH")
 
 
+OTHER_FAILED = "another client process failed"
+
+
 class BenchError(Exception):
     """A failure worth one line to the user: no server, a broken connection, a Redis error."""
 
@@ -741,7 +744,7 @@ def _child(
     try:
         out.send(("ok", fn(w, index, queue, sync)))
     except threading.BrokenBarrierError:
-        out.send(("error", "another client failed"))
+        out.send(("error", OTHER_FAILED))
     except (BenchError, OSError) as error:
         sync.barrier.abort()
         out.send(("error", str(error)))
@@ -828,13 +831,26 @@ def _collect(
             except EOFError:
                 status, value = "error", "a client process died"
             if status != "ok":
-                raise BenchError(value)
+                raise BenchError(_first_cause(value, pipes, results))
             results[number] = value
         if all(i in results for i in range(w.clients)):
             sync.published.set()
         watched = sync.subscriber_slots if w.scenario == "subscribe" else range(w.clients)
         progress.show(sum(sync.progress[i] for i in watched))
     return [results[i] for i in range(len(pipes))]
+
+
+def _first_cause(error: str, pipes: list[Any], results: dict[int, Any]) -> str:
+    """The error that made the others give up, if another process has reported it by now."""
+    if error != OTHER_FAILED:
+        return error
+    for number, pipe in enumerate(pipes):
+        if number not in results and pipe.poll(1.0):
+            with contextlib.suppress(EOFError):
+                status, value = pipe.recv()
+                if status != "ok" and value != OTHER_FAILED:
+                    return str(value)
+    return error
 
 
 def run_scenario(
@@ -1072,6 +1088,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("subscribe needs --payload-size of at least 8 for the send timestamp")
     if not args.keys and 256**args.key_size < args.prefill + 2 * args.ops:
         parser.error(f"--key-size {args.key_size} is too small for unique keys; add --keys")
+    if args.keys and 256**args.key_size < args.keys:
+        parser.error(f"--key-size {args.key_size} is too small for --keys {args.keys}")
     if args.clients > args.ops:
         parser.error(f"-c {args.clients} is more clients than -n {args.ops} operations")
 

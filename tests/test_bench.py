@@ -199,6 +199,7 @@ def test_redis_scenarios() -> None:
         ["--redis", "-t", "subscribe"],
         ["-t", "subscribe", "--payload-size", "4"],
         ["--key-size", "1", "-n", "1000"],
+        ["--key-size", "1", "--keys", "300"],
         ["-c", "5", "-n", "4"],
     ],
 )
@@ -218,6 +219,13 @@ def test_no_server_prints_one_line() -> None:
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1
     assert done.stderr.startswith(f"pinpriq-bench: cannot connect to 127.0.0.1:{port}")
+
+
+def test_wrong_protocol_prints_one_line(server: Server) -> None:
+    # RESP sent to a pinpriq server: it closes the connection at the unknown opcode.
+    done = bench("--port", str(server.port), "--redis", "-t", "push", "-n", "10", "--timeout", "5")
+    assert done.returncode == 1
+    assert done.stderr == "pinpriq-bench: the server closed the connection\n"
 
 
 # -- the encoders and reply counters ---------------------------------------------------------
