@@ -286,7 +286,7 @@ class FrameDecoder:
         data = b"".join((self._data, *parts)) if self._data or len(parts) > 1 else parts[0]
         parts.clear()
         frames: list[RawFrame] = []
-        append = frames.append
+        append, unpack_push = frames.append, _PUSH_HEADER.unpack_from  # locals: looked up once
         pos, end, need = 0, len(data), 1
         while pos < end:
             opcode = data[pos]
@@ -294,9 +294,7 @@ class FrameDecoder:
                 if end - pos < _PUSH_HEAD:
                     need = _PUSH_HEAD
                     break
-                queue_len, ttl_ms, prio, key_len, payload_len = _PUSH_HEADER.unpack_from(
-                    data, pos + 1
-                )
+                queue_len, ttl_ms, prio, key_len, payload_len = unpack_push(data, pos + 1)
                 key_at = pos + _PUSH_HEAD
                 payload_at = key_at + key_len
                 queue_at = payload_at + payload_len
