@@ -764,17 +764,22 @@ class Progress:
         self.started = time.monotonic()
         self.last_line = self.started
 
+    def restart(self) -> None:
+        """The clock starts: rates count from now."""
+        self.started = self.last_line = time.monotonic()
+
     def show(self, done: int) -> None:
-        if self.stream is None:
-            return
         now = time.monotonic()
         if not self.tty and now - self.last_line < 5:
             return
         self.last_line = now
         rate = done / (now - self.started) if now > self.started else 0.0
-        text = f"{self.label}: {done:,}/{self.total:,} ({rate:,.0f}/s)"
-        self.stream.write(f"\r{text}\x1b[K" if self.tty else text + "\n")
-        self.stream.flush()
+        self.note(f"{self.label}: {done:,}/{self.total:,} ({rate:,.0f}/s)")
+
+    def note(self, text: str) -> None:
+        if self.stream is not None:
+            self.stream.write(f"\r{text}\x1b[K" if self.tty else text + "\n")
+            self.stream.flush()
 
     def clear(self) -> None:
         if self.stream is not None and self.tty:
@@ -861,8 +866,10 @@ def run_scenario(
     processes, pipes, sync = _start(w, queue)
     progress = Progress(status, w.scenario, w.ops)
     try:
+        progress.note(f"{w.scenario}: preparing" + (f", {w.fill:,} to prefill" if w.fill else ""))
         with contextlib.suppress(threading.BrokenBarrierError):  # _collect reports why
             sync.barrier.wait(SETUP_SECONDS)
+        progress.restart()
         server_cpu = _cpu_seconds(server_pid)
         results = _collect(w, pipes, sync, progress)
         server_cpu = _cpu_seconds(server_pid) - server_cpu
@@ -1140,6 +1147,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = bench_parser()
     args = parser.parse_args(argv)
     runs = list(workloads(args, parser))
+    # SIGTERM unwinds like Ctrl-C, so that the client processes are stopped too.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     status = None if args.quiet else sys.stderr
     results = []
     try:
