@@ -223,7 +223,7 @@ def test_no_server_prints_one_line() -> None:
 
 def test_wrong_protocol_prints_one_line(server: Server) -> None:
     # RESP sent to a pinpriq server: it closes the connection at the unknown opcode.
-    done = bench("--port", str(server.port), "--redis", "-t", "push", "-n", "10", "--timeout", "5")
+    done = bench("--port", str(server.port), "-q", "--redis", "-t", "push", "-n", "10")
     assert done.returncode == 1
     assert done.stderr == "pinpriq-bench: the server closed the connection\n"
 
