@@ -7,18 +7,23 @@ first, so an expired packet is never returned even if the owner's timer is late.
 
 Layout of one queue, chosen so that no operation touches packets it does not return:
 
+* ``groups[key]``: every live packet with that key (prio 0 included), in push order: the packet
+  itself while it is alone (most keys are unique, and a dict costs ~200 bytes), a dict from
+  sequence number to packet once there are two or more. **A packet is live exactly while its
+  group holds it**: leaving the group, by pop or expiry, is all it takes to remove a packet.
 * ``levels[prio]``: the selectable packets (prio 1..255) of one priority, a dict from sequence
   number to packet. Dicts keep insertion order and ``popitem()`` removes the newest entry, so
-  each level is a stack with O(1) removal from the middle as well.
+  each level is a stack. Entries of packets that left with a key group or expired stay until
+  they reach the top of their level and are skipped there (lazy deletion), so a grouped pop or
+  an expiry costs nothing per level; once a queue's stale entries outnumber its live packets,
+  its levels are rebuilt, which keeps memory O(live) at O(1) amortised cost.
 * ``mask``: bit ``p`` set while ``levels[p]`` is non-empty, so the best level is the lowest set
   bit, found in O(1) whatever the number of levels.
-* ``groups[key]``: every packet with that key (prio 0 included), in push order: the packet
-  itself while it is alone (most keys are unique, and a dict costs ~200 bytes), a dict from
-  sequence number to packet once there are two or more.
 
-Across all queues, one heap of ``(deadline, seq, queue, key)`` orders packets with a TTL.
-Entries of packets that left by pop stay in the heap until they reach its top or until stale
-entries outnumber live ones, when the heap is rebuilt (trio's timer heap does the same).
+Across all queues, one heap of ``(deadline, seq, queue, key)`` orders packets with a TTL, with
+the same lazy deletion: entries of packets that left by pop stay until they reach the top, or
+until the heap holds more than twice as many entries as the store holds packets, when it is
+rebuilt (trio's timer heap does the same).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ _NEVER = math.inf
 #: Measured with tracemalloc on 200,000 pushes of 8-byte keys and 16-byte payloads: 180 bytes
 #: with unique keys and no TTL, 284 with a TTL, 157 when keys repeat.
 PACKET_OVERHEAD = 256
+#: Stale level entries a queue may hold beyond its live packets before its levels are rebuilt.
+_STALE_SLACK = 64
 
 # (deadline, seq, queue, key): ordered by deadline, then push order; names the packet it stands for.
 _ExpiryEntry = tuple[float, int, bytes, bytes]
@@ -62,12 +69,9 @@ class QueuedPacket(NamedTuple):
 _new_packet = tuple.__new__
 
 
-def _held(packets: list[QueuedPacket]) -> int:
+def _held(packets: Iterable[QueuedPacket]) -> int:
     """The bytes ``bytes_held`` counts for these packets."""
-    if len(packets) == 1:
-        packet = packets[0]
-        return len(packet.key) + len(packet.payload) + PACKET_OVERHEAD
-    return sum(len(p.key) + len(p.payload) for p in packets) + PACKET_OVERHEAD * len(packets)
+    return sum(len(p.key) + len(p.payload) + PACKET_OVERHEAD for p in packets)
 
 
 #: A key's packets: the lone packet itself, or a dict from sequence number to packet, push order.
@@ -80,26 +84,63 @@ def _members(group: _Group) -> Iterable[QueuedPacket]:
 
 
 class _Queue:
-    __slots__ = ("groups", "levels", "mask", "name")
+    __slots__ = ("entries", "groups", "levels", "mask", "name", "size")
 
     def __init__(self, name: bytes) -> None:
         # Expiry entries refer to this one name object, not to each push's copy of it.
         self.name = name
+        self.groups: dict[bytes, _Group] = {}
         self.levels: dict[int, dict[int, QueuedPacket]] = {}
         self.mask = 0
-        self.groups: dict[bytes, _Group] = {}
+        self.size = 0  # live packets, prio 0 included
+        self.entries = 0  # level entries, live or stale
 
-    def best_prio(self) -> int:
-        """The lowest non-empty priority level; only valid while ``mask`` is non-zero."""
-        return (self.mask & -self.mask).bit_length() - 1
+    def holds(self, packet: QueuedPacket) -> bool:
+        """Whether ``packet`` is live: still in its key group."""
+        group = self.groups.get(packet.key)
+        return group is packet or (isinstance(group, dict) and packet.seq in group)
+
+    def top(self) -> tuple[int, int, QueuedPacket] | None:
+        """The best live selectable packet as ``(prio, seq, packet)``, without removing it;
+        stale entries found on the way are dropped. ``None`` if nothing is selectable."""
+        while self.mask:
+            mask = self.mask
+            prio = (mask & -mask).bit_length() - 1  # the lowest set bit: the best level
+            level = self.levels[prio]
+            seq = next(reversed(level))
+            packet = level[seq]
+            if self.holds(packet):
+                return prio, seq, packet
+            self.drop_top(prio, level)
+        return None
+
+    def drop_top(self, prio: int, level: dict[int, QueuedPacket]) -> None:
+        """Remove the newest entry of a level, forgetting the level if it empties."""
+        level.popitem()
+        self.entries -= 1
+        if not level:
+            del self.levels[prio]
+            self.mask &= ~(1 << prio)
+
+    def compact(self) -> None:
+        """Rebuild the levels without stale entries. O(entries)."""
+        levels = {}
+        for prio, level in self.levels.items():
+            live = {seq: packet for seq, packet in level.items() if self.holds(packet)}
+            if live:
+                levels[prio] = live
+        self.levels = levels
+        self.mask = sum(1 << prio for prio in levels)
+        self.entries = sum(len(level) for level in levels.values())
 
 
 class QueueStore:
     """Named priority queues of packets, with key grouping and TTL expiry.
 
     Costs, for a queue of depth n: ``push`` O(log t) where t is the number of packets with a
-    TTL (O(1) without one); ``pop`` O(g) for a reply of g packets, plus O(log t) for each packet
-    that expired since the last sweep. Neither depends on other queues or other keys.
+    TTL (O(1) without one); ``pop`` O(g) for a reply of g packets, amortised over the stale
+    entries it skips, plus O(log t) for each packet that expired since the last sweep. Neither
+    depends on other queues or other keys.
     """
 
     def __init__(self, clock: Clock, *, max_pop: int = DEFAULT_MAX_POP) -> None:
@@ -114,7 +155,6 @@ class QueueStore:
         self._seq = 0
         self._count = 0
         self._expiry: list[_ExpiryEntry] = []
-        self._timed = 0  # live packets with a deadline, to tell when the heap is mostly stale
 
     def __len__(self) -> int:
         """Packets held, in all queues."""
@@ -126,11 +166,9 @@ class QueueStore:
         return len(self._queues)
 
     def depth(self, queue: bytes) -> int:
-        """Packets held in one queue, selectable or not. O(number of keys in the queue)."""
+        """Packets held in one queue, selectable or not. O(1)."""
         q = self._queues.get(queue)
-        if q is None:
-            return 0
-        return sum(len(group) if isinstance(group, dict) else 1 for group in q.groups.values())
+        return q.size if q is not None else 0
 
     def push(self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> float:
         """Queue a packet; returns its deadline on the store's clock (inf for TTL 0)."""
@@ -141,13 +179,14 @@ class QueueStore:
         q = self._queues.get(queue)
         if q is None:
             q = self._queues[queue] = _Queue(queue)
-        group = q.groups.get(key)
+        groups = q.groups
+        group = groups.get(key)
         if group is None:
-            q.groups[key] = packet
+            groups[key] = packet
         elif isinstance(group, dict):
             group[seq] = packet
         else:
-            q.groups[key] = {group.seq: group, seq: packet}
+            groups[key] = {group.seq: group, seq: packet}
         if prio:
             level = q.levels.get(prio)
             if level is None:
@@ -155,9 +194,10 @@ class QueueStore:
                 q.mask |= 1 << prio
             else:
                 level[seq] = packet
+            q.entries += 1
         if ttl_ms:
             heapq.heappush(self._expiry, (deadline, seq, q.name, key))
-            self._timed += 1
+        q.size += 1
         self._count += 1
         self.bytes_held += len(key) + len(payload) + PACKET_OVERHEAD
         return deadline
@@ -173,46 +213,66 @@ class QueueStore:
         if expiry and expiry[0][0] <= self._clock():
             self.expire()
         q = self._queues.get(queue)
-        if q is None or not q.mask:
+        if q is None:
             return []
-        mask = q.mask
-        prio = (mask & -mask).bit_length() - 1  # the lowest set bit: the best level
-        level = q.levels[prio]
-        seq, selected = level.popitem()
-        if not level:
-            self._drop_level(q, prio)
-        if selected.deadline != _NEVER:
-            self._timed -= 1
-        key = selected.key
-        group = q.groups[key]
-        if isinstance(group, dict):
-            del group[seq]
+        levels, groups = q.levels, q.groups
+        while True:  # the newest entry of the best level, skipping stale ones
+            mask = q.mask
+            if not mask:
+                return []
+            prio = (mask & -mask).bit_length() - 1  # the lowest set bit: the best level
+            level = levels[prio]
+            seq, selected = level.popitem()
+            q.entries -= 1
+            if not level:
+                del levels[prio]
+                q.mask = mask & ~(1 << prio)
+            key = selected.key
+            group = groups.get(key)
+            if group is selected:  # a key of its own: the common case
+                del groups[key]
+                reply = [selected]
+                self.bytes_held -= len(key) + len(selected.payload) + PACKET_OVERHEAD
+                break
+            if isinstance(group, dict) and seq in group:
+                reply = self._take_group(q, key, group, selected)
+                break
+        q.size -= len(reply)
+        self._count -= len(reply)
+        if not groups:
+            del self._queues[queue]
+        elif q.entries > 2 * q.size + _STALE_SLACK:
+            q.compact()
+        if len(expiry) > 2 * self._count + _STALE_SLACK:
+            self._compact_expiry()
+        return reply
+
+    def _take_group(
+        self, q: _Queue, key: bytes, group: dict[int, QueuedPacket], selected: QueuedPacket
+    ) -> list[QueuedPacket]:
+        """Remove the selected packet and up to ``max_pop - 1`` siblings from their group."""
+        del group[selected.seq]
+        if len(group) < self._max_pop:  # the whole group goes
+            reply = [selected, *group.values()]
+            del q.groups[key]
+        else:
             reply = [selected, *islice(group.values(), self._max_pop - 1)]
             for sibling in islice(reply, 1, None):
                 del group[sibling.seq]
-                self._unlevel(q, sibling)
-            self._settle_group(q, key, group)
-            self.bytes_held -= _held(reply)
-        else:  # a key of its own: the common case
-            del q.groups[key]
-            reply = [selected]
-            self.bytes_held -= len(key) + len(selected.payload) + PACKET_OVERHEAD
-        self._count -= len(reply)
-        if not q.groups:
-            del self._queues[queue]
-        if len(expiry) > 2 * self._timed + 64:
-            self._compact_expiry()
+            if len(group) == 1:
+                q.groups[key] = next(iter(group.values()))
+        self.bytes_held -= _held(reply)
         return reply
 
     def peek_rank(self, queue: bytes) -> tuple[int, int] | None:
         """How good the packet a pop of ``queue`` would select is: ``(prio, -seq)``, smaller is
         better, comparable across queues (decision 6); ``None`` if nothing is selectable."""
-        self.expire()
+        expiry = self._expiry
+        if expiry and expiry[0][0] <= self._clock():
+            self.expire()
         q = self._queues.get(queue)
-        if q is None or not q.mask:
-            return None
-        prio = q.best_prio()
-        return (prio, -next(reversed(q.levels[prio])))
+        top = q.top() if q is not None else None
+        return (top[0], -top[1]) if top is not None else None
 
     def next_deadline(self) -> float | None:
         """When the earliest live packet expires, on the store's clock; ``None`` if none will."""
@@ -239,49 +299,27 @@ class QueueStore:
                 continue
             queue = entry[2]
             q = self._queues[queue]
-            self._remove(q, packet)
+            self._ungroup(q, packet)
+            q.size -= 1
             if not q.groups:
                 del self._queues[queue]
+            elif q.entries > 2 * q.size + _STALE_SLACK:
+                q.compact()
             removed.append(packet)
         self._count -= len(removed)
         self.bytes_held -= _held(removed)
         return len(removed)
 
-    def _remove(self, q: _Queue, packet: QueuedPacket) -> None:
-        """Take a packet out of its group and its level; the caller fixes counts and empty
-        queues."""
+    @staticmethod
+    def _ungroup(q: _Queue, packet: QueuedPacket) -> None:
+        """Take a live packet out of its key group, which is what removes it."""
         group = q.groups[packet.key]
-        if isinstance(group, dict):
-            del group[packet.seq]
-            self._settle_group(q, packet.key, group)
-        else:
+        if not isinstance(group, dict):
             del q.groups[packet.key]
-        self._unlevel(q, packet)
-
-    @staticmethod
-    def _settle_group(q: _Queue, key: bytes, group: dict[int, QueuedPacket]) -> None:
-        """After removals from a dict group: forget it if empty, unwrap it if one is left."""
-        if len(group) > 1:
             return
-        if group:
-            q.groups[key] = next(iter(group.values()))
-        else:
-            del q.groups[key]
-
-    def _unlevel(self, q: _Queue, packet: QueuedPacket) -> None:
-        """Take a packet out of its priority level (if selectable) and the timed count."""
-        if packet.prio:
-            level = q.levels[packet.prio]
-            del level[packet.seq]
-            if not level:
-                self._drop_level(q, packet.prio)
-        if packet.deadline != _NEVER:
-            self._timed -= 1
-
-    @staticmethod
-    def _drop_level(q: _Queue, prio: int) -> None:
-        del q.levels[prio]
-        q.mask &= ~(1 << prio)
+        del group[packet.seq]
+        if len(group) == 1:
+            q.groups[packet.key] = next(iter(group.values()))
 
     def _live(self, entry: _ExpiryEntry) -> QueuedPacket | None:
         """The packet an expiry entry stands for, or ``None`` if it has left the store."""
@@ -295,14 +333,15 @@ class QueueStore:
         return group if group is not None and group.seq == seq else None
 
     def _compact_expiry(self) -> None:
-        """Drop stale expiry entries; ``pop`` calls this once they outnumber live ones twice
-        over, so the heap's memory stays O(live) and the rebuild's cost is amortised."""
+        """Drop stale expiry entries; ``pop`` calls this once they outnumber the store's packets
+        twice over, so the heap's memory stays O(live) and the rebuild's cost is amortised."""
         self._expiry = [entry for entry in self._expiry if self._live(entry) is not None]
         heapq.heapify(self._expiry)
 
     def check_invariants(self) -> None:
         """Assert the internal structures agree with each other. For tests; O(n log n)."""
         count = timed = 0
+        held: list[QueuedPacket] = []
         for name, q in self._queues.items():
             assert q.groups, f"queue {name!r} is empty but remembered"
             assert q.name == name, f"queue {name!r} filed under {q.name!r}"
@@ -320,19 +359,20 @@ class QueueStore:
                         selectable[packet.seq] = packet
                     if packet.deadline != _NEVER:
                         timed += 1
+                held.extend(members)
                 count += len(members)
-            levels = {seq: p for level in q.levels.values() for seq, p in level.items()}
-            assert levels.keys() == selectable.keys(), "levels disagree with groups"
+            assert q.size == sum(len(list(_members(g))) for g in q.groups.values()), "size"
+            entries = {seq: p for level in q.levels.values() for seq, p in level.items()}
+            assert q.entries == len(entries), "entries count disagrees with the levels"
+            for seq, packet in selectable.items():
+                assert entries.get(seq) is packet, "a live selectable packet is not in its level"
             for prio, level in q.levels.items():
                 assert level, f"empty level {prio}"
                 assert all(p.prio == prio for p in level.values())
                 assert list(level) == sorted(level), "level out of push order"
             assert q.mask == sum(1 << prio for prio in q.levels), "mask disagrees with levels"
+            assert q.entries <= 2 * q.size + _STALE_SLACK + 1, "stale entries not compacted"
         assert count == self._count, f"count {self._count} but {count} packets held"
-        held = _held(
-            [p for q in self._queues.values() for g in q.groups.values() for p in _members(g)]
-        )
-        assert held == self.bytes_held, f"bytes_held {self.bytes_held} but {held} held"
-        assert timed == self._timed, f"{self._timed} timed but {timed} held"
+        assert _held(held) == self.bytes_held, f"bytes_held {self.bytes_held} but {_held(held)}"
         live_entries = [entry for entry in self._expiry if self._live(entry) is not None]
         assert len(live_entries) == timed, "a timed packet has no expiry entry"

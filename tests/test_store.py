@@ -533,3 +533,22 @@ StoreVersusModel.TestCase.settings = settings(
     max_examples=200, stateful_step_count=40, deadline=None
 )
 test_store_matches_naive_model = StoreVersusModel.TestCase
+
+
+def test_stale_level_entries_stay_bounded() -> None:
+    # Packets that leave with a key group or by expiry leave stale entries in their priority
+    # levels (lazy deletion); a queue's levels must be rebuilt before those outnumber its live
+    # packets, or memory would grow with every grouped pop. White-box: reads the queue's count.
+    clock = FakeClock()
+    store = QueueStore(clock)
+    for i in range(5000):
+        store.push(b"q", b"k%d" % (i % 500), b"p", 100 if i % 3 else 0, 1 + i % 255)
+    for _ in range(200):
+        assert store.pop(b"q")
+        store.check_invariants()
+    clock.now += 1.0
+    store.expire()
+    store.check_invariants()
+    q = store._queues[b"q"]
+    assert q.entries <= 2 * q.size + 65
+    assert store.depth(b"q") == len(store)
