@@ -741,10 +741,14 @@ def _child(
     fn: ClientFn, w: Workload, index: int, queue: bytes, sync: _Sync, out: Any
 ) -> None:  # pragma: no cover - runs in a child process
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # and it stops us with SIGTERM
     try:
         out.send(("ok", fn(w, index, queue, sync)))
     except threading.BrokenBarrierError:
         out.send(("error", OTHER_FAILED))
+    except BlockingIOError:  # SO_SNDTIMEO passed in a sendall
+        sync.barrier.abort()
+        out.send(("error", "timed out sending to the server"))
     except (BenchError, OSError) as error:
         sync.barrier.abort()
         out.send(("error", str(error)))
