@@ -11,12 +11,12 @@ Layout of one queue, chosen so that no operation touches packets it does not ret
   itself while it is alone (most keys are unique, and a dict costs ~200 bytes), a dict from
   sequence number to packet once there are two or more. **A packet is live exactly while its
   group holds it**: leaving the group, by pop or expiry, is all it takes to remove a packet.
-* ``levels[prio]``: the selectable packets (prio 1..255) of one priority, a dict from sequence
-  number to packet. Dicts keep insertion order and ``popitem()`` removes the newest entry, so
-  each level is a stack. Entries of packets that left with a key group or expired stay until
-  they reach the top of their level and are skipped there (lazy deletion), so a grouped pop or
-  an expiry costs nothing per level; once a queue's stale entries outnumber its live packets,
-  its levels are rebuilt, which keeps memory O(live) at O(1) amortised cost.
+* ``levels[prio]``: the selectable packets (prio 1..255) of one priority, a list in push order
+  used as a stack: the newest is last. Entries of packets that left with a key group or expired
+  stay until they reach the top of their level and are skipped there (lazy deletion), so a
+  grouped pop or an expiry costs nothing per level, and a level needs no index: 8 bytes a
+  packet. Once a queue's stale entries outnumber its live packets, its levels are rebuilt,
+  which keeps memory O(live) at O(1) amortised cost.
 * ``mask``: bit ``p`` set while ``levels[p]`` is non-empty, so the best level is the lowest set
   bit, found in O(1) whatever the number of levels.
 
@@ -90,7 +90,7 @@ class _Queue:
         # Expiry entries refer to this one name object, not to each push's copy of it.
         self.name = name
         self.groups: dict[bytes, _Group] = {}
-        self.levels: dict[int, dict[int, QueuedPacket]] = {}
+        self.levels: dict[int, list[QueuedPacket]] = {}
         self.mask = 0
         self.size = 0  # live packets, prio 0 included
         self.entries = 0  # level entries, live or stale
@@ -107,16 +107,15 @@ class _Queue:
             mask = self.mask
             prio = (mask & -mask).bit_length() - 1  # the lowest set bit: the best level
             level = self.levels[prio]
-            seq = next(reversed(level))
-            packet = level[seq]
+            packet = level[-1]
             if self.holds(packet):
-                return prio, seq, packet
+                return prio, packet.seq, packet
             self.drop_top(prio, level)
         return None
 
-    def drop_top(self, prio: int, level: dict[int, QueuedPacket]) -> None:
+    def drop_top(self, prio: int, level: list[QueuedPacket]) -> None:
         """Remove the newest entry of a level, forgetting the level if it empties."""
-        level.popitem()
+        level.pop()
         self.entries -= 1
         if not level:
             del self.levels[prio]
@@ -126,7 +125,7 @@ class _Queue:
         """Rebuild the levels without stale entries. O(entries)."""
         levels = {}
         for prio, level in self.levels.items():
-            live = {seq: packet for seq, packet in level.items() if self.holds(packet)}
+            live = [packet for packet in level if self.holds(packet)]
             if live:
                 levels[prio] = live
         self.levels = levels
@@ -190,10 +189,10 @@ class QueueStore:
         if prio:
             level = q.levels.get(prio)
             if level is None:
-                q.levels[prio] = {seq: packet}
+                q.levels[prio] = [packet]
                 q.mask |= 1 << prio
             else:
-                level[seq] = packet
+                level.append(packet)
             q.entries += 1
         if ttl_ms:
             heapq.heappush(self._expiry, (deadline, seq, q.name, key))
@@ -222,7 +221,7 @@ class QueueStore:
                 return []
             prio = (mask & -mask).bit_length() - 1  # the lowest set bit: the best level
             level = levels[prio]
-            seq, selected = level.popitem()
+            selected = level.pop()
             q.entries -= 1
             if not level:
                 del levels[prio]
@@ -234,7 +233,7 @@ class QueueStore:
                 reply = [selected]
                 self.bytes_held -= len(key) + len(selected.payload) + PACKET_OVERHEAD
                 break
-            if isinstance(group, dict) and seq in group:
+            if isinstance(group, dict) and selected.seq in group:
                 reply = self._take_group(q, key, group, selected)
                 break
         q.size -= len(reply)
@@ -362,14 +361,16 @@ class QueueStore:
                 held.extend(members)
                 count += len(members)
             assert q.size == sum(len(list(_members(g))) for g in q.groups.values()), "size"
-            entries = {seq: p for level in q.levels.values() for seq, p in level.items()}
-            assert q.entries == len(entries), "entries count disagrees with the levels"
+            entries = {p.seq: p for level in q.levels.values() for p in level}
+            assert q.entries == sum(map(len, q.levels.values())), "entries count is wrong"
+            assert len(entries) == q.entries, "a packet is twice in the levels"
             for seq, packet in selectable.items():
                 assert entries.get(seq) is packet, "a live selectable packet is not in its level"
             for prio, level in q.levels.items():
                 assert level, f"empty level {prio}"
-                assert all(p.prio == prio for p in level.values())
-                assert list(level) == sorted(level), "level out of push order"
+                assert all(p.prio == prio for p in level)
+                seqs = [p.seq for p in level]
+                assert seqs == sorted(seqs), "level out of push order"
             assert q.mask == sum(1 << prio for prio in q.levels), "mask disagrees with levels"
             assert q.entries <= 2 * q.size + _STALE_SLACK + 1, "stale entries not compacted"
         assert count == self._count, f"count {self._count} but {count} packets held"

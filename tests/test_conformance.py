@@ -102,20 +102,14 @@ async def test_the_runner_checks_each_step(nursery: trio.Nursery, text: str, out
 # -- wrong variants: the store ----------------------------------------------------------------
 
 
-class _OldestFirst(dict[int, QueuedPacket]):
-    """A priority level whose ``popitem`` takes the oldest entry instead of the newest."""
-
-    def popitem(self) -> tuple[int, QueuedPacket]:
-        seq = next(iter(self))
-        return seq, self.pop(seq)
-
-
 class OldestWinsTies(QueueStore):
+    """Files each push at the bottom of its priority level's stack, so the oldest pops first."""
+
     def push(self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> float:
         deadline = super().push(queue, key, payload, ttl_ms, prio)
-        levels = self._queues[queue].levels
-        if prio and type(levels[prio]) is dict:
-            levels[prio] = _OldestFirst(levels[prio])
+        if prio:
+            level = self._queues[queue].levels[prio]
+            level.insert(0, level.pop())
         return deadline
 
 
