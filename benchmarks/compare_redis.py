@@ -263,13 +263,13 @@ def measure(servers: Servers, scenario: Scenario, kind: str) -> dict[str, Any]:
     try:
         before = rss_bytes(process.pid)
         command = bench_command(scenario, kind, port, process.pid)
-        done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_SECONDS)
-        if done.returncode != 0:
-            raise RuntimeError(f"{scenario.name} on {kind}: {done.stderr.strip()}")
+        status, stdout, stderr = run_bench(command)
+        if status != 0:
+            raise RuntimeError(f"{scenario.name} on {kind}: {stderr.strip()}")
         result = (
-            _redis_benchmark_csv(done.stdout)
+            _redis_benchmark_csv(stdout)
             if kind == "redis-benchmark"
-            else json.loads(done.stdout)["results"][0]
+            else json.loads(stdout)["results"][0]
         )
         if scenario.memory_packets:
             grown = rss_bytes(process.pid) - before
@@ -281,6 +281,24 @@ def measure(servers: Servers, scenario: Scenario, kind: str) -> dict[str, Any]:
         return dict(result)
     finally:
         servers.stop(process)
+
+
+def run_bench(command: list[str]) -> tuple[int, str, str]:
+    """Run a load generator to its end; on Ctrl-C, a timeout or any error, stop it with SIGTERM
+    so that it stops its own client processes (SIGKILL would orphan them)."""
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as bench:
+        try:
+            stdout, stderr = bench.communicate(timeout=RUN_SECONDS)
+        except BaseException:
+            bench.terminate()
+            try:
+                bench.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                bench.kill()
+            raise
+        return bench.returncode, stdout, stderr
 
 
 def _redis_benchmark_csv(text: str) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import array
 import contextlib
+import ctypes
 import json
 import math
 import multiprocessing
@@ -99,6 +100,7 @@ _U16_PAIR = struct.Struct(">HH")
 
 
 OTHER_FAILED = "another client process failed"
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 class BenchError(Exception):
@@ -742,6 +744,7 @@ def _child(
 ) -> None:  # pragma: no cover - runs in a child process
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # and it stops us with SIGTERM
+    _die_with_parent()
     try:
         out.send(("ok", fn(w, index, queue, sync)))
     except threading.BrokenBarrierError:
@@ -757,6 +760,14 @@ def _child(
         out.send(("error", f"{type(error).__name__}: {error}"))
     finally:
         out.close()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in a child process
+    """Ask Linux for SIGTERM when the parent dies, even by SIGKILL, so that no client outlives
+    it (a client waiting on the barrier would otherwise wait ``SETUP_SECONDS``)."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Progress:
