@@ -113,14 +113,20 @@ class Subscriptions:
         waiting or not. Returns whether anything was delivered."""
         served = False
         while sub.credits and sub.queues and not sub.paused and not (once and served):
-            queue = self._best_queue(sub.queues)
-            if queue is None:
-                break
-            packets = self._store.pop(queue)
-            if packets:  # empty only if the best packet expired between peek and pop
-                sub.credits -= 1
-                served = True
-                sub.deliver(packets)
+            if len(sub.queues) == 1:  # the common case: nothing to rank, just pop
+                packets = self._store.pop(next(iter(sub.queues)))
+                if not packets:
+                    break
+            else:
+                queue = self._best_queue(sub.queues)
+                if queue is None:
+                    break
+                packets = self._store.pop(queue)
+                if not packets:  # the best packet expired between peek and pop: rank again
+                    continue
+            sub.credits -= 1
+            served = True
+            sub.deliver(packets)
         waiting = bool(sub.credits and sub.queues and not sub.paused)
         if sub.stamp and (served or not waiting):
             for q in sub.queues:
