@@ -26,7 +26,7 @@ import struct
 import sys
 import time
 
-from pinpriq.bench import BARRIER_QUEUE
+from pinpriq.bench.dialects import BARRIER_QUEUE
 from pinpriq.cli import OneLineParser, port_number
 from pinpriq.wire import Opcode, Packet, Pop, encode, encode_reply
 

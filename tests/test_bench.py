@@ -20,13 +20,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pinpriq.bench import (
-    PinpriqDialect,
-    RedisDialect,
-    Workload,
-    percentiles,
-    resp_command,
-)
+from pinpriq.bench.dialects import PinpriqDialect, RedisDialect, resp_command
+from pinpriq.bench.runner import percentiles
+from pinpriq.bench.workload import Workload
 from pinpriq.wire import Packet, ReplyDecoder, encode_reply
 
 BIN = Path(sys.executable).parent
