@@ -176,10 +176,8 @@ class _Connection:
         if self.closed or self.sending or not self.output:
             return
         try:
-            sent = os.write(self.fileno, self.output)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
+            sent = self._send_now(self.output)
+        except trio.BrokenResourceError:
             sent = 0  # the writer will meet the same error and close the connection
         del self.output[:sent]
         if self.output:
