@@ -34,6 +34,14 @@ def unsubscribe(queue: bytes) -> bytes:
 READY = b"\x41"
 
 
+def reply(*packets: tuple[bytes, bytes]) -> bytes:
+    """What the server sends for a pop reply or delivery of these (key, payload) packets."""
+    parts = [struct.pack(">H", len(packets))]
+    for key, payload in packets:
+        parts.append(struct.pack(">HH", len(key), len(payload)) + key + payload)
+    return b"".join(parts)
+
+
 class Peer:
     """A client connection speaking raw bytes."""
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import queue
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,18 +22,10 @@ import trio.testing
 
 from pinpriq import BlockingPinpriqClient, Packet, PinpriqConnectionError
 from pinpriq.server import PinpriqServer
-from tests.rawpeer import READY, pop, push, subscribe
+from tests.rawpeer import READY, pop, push, reply, subscribe
 
 T = TypeVar("T")
 TIMEOUT = 10
-
-
-def reply(*packets: tuple[bytes, bytes]) -> bytes:
-    """A pop reply or delivery, by hand."""
-    parts = [struct.pack(">H", len(packets))]
-    for key, payload in packets:
-        parts.append(struct.pack(">HH", len(key), len(payload)) + key + payload)
-    return b"".join(parts)
 
 
 class ThreadServer:

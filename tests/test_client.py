@@ -7,7 +7,6 @@ The fake server's replies are built by hand with ``struct`` (``reply()`` below) 
 
 from __future__ import annotations
 
-import struct
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from functools import partial
@@ -18,17 +17,9 @@ import trio.testing
 
 from pinpriq import Packet, PinpriqClient, PinpriqConnectionError
 from tests.conftest import LiveServer
-from tests.rawpeer import READY, Peer, pop, push, subscribe
+from tests.rawpeer import READY, Peer, pop, push, reply, subscribe
 
 TIMEOUT = 10
-
-
-def reply(*packets: tuple[bytes, bytes]) -> bytes:
-    """A pop reply or delivery, by hand."""
-    parts = [struct.pack(">H", len(packets))]
-    for key, payload in packets:
-        parts.append(struct.pack(">HH", len(key), len(payload)) + key + payload)
-    return b"".join(parts)
 
 
 class FakeServer:

@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from tests.conftest import LiveServer
-from tests.rawpeer import READY, pop, push, subscribe, unsubscribe
+from tests.rawpeer import READY, pop, push, reply, subscribe, unsubscribe
 
 # -- pop, priority and grouping (decisions 2-4) -----------------------------------------------
 
@@ -440,3 +440,4 @@ def test_reply_helper_matches_the_protocol_table() -> None:
     assert pop(b"ab") == bytes.fromhex("50 0002") + b"ab"
     assert subscribe(b"ab") == bytes.fromhex("73 0002") + b"ab"
     assert unsubscribe(b"") == bytes.fromhex("75 0000")
+    assert reply((b"k", b"pp"), (b"", b"")) == bytes.fromhex("0002 0001 0002 6b7070 0000 0000")
