@@ -385,6 +385,8 @@ export class Subscription {
   #state = { closedByUs: false, error: /** @type {Error | null} */ (null), ended: false };
   #errorReported = false;
   #ended;
+  /** deliveries handed out whose credits go back when the consumer asks for the next one */
+  #owed = 0;
 
   /** @private Use `PinpriqClient.subscribe`. */
   constructor(endpoint, socket, onClose) {
@@ -424,12 +426,15 @@ export class Subscription {
   }
 
   /**
-   * The next delivery. Taking one grants the server one more credit. Once the connection
-   * ends, the deliveries already received are still returned, then the error that ended it
-   * (unless you closed it), then `done`.
+   * The next delivery. Asking for it returns the credit of the delivery taken before, so
+   * `prefetch` counts the delivery your code is handling (as the Python client does). Once the
+   * connection ends, the deliveries already received are still returned, then the error that
+   * ended it (unless you closed it), then `done`.
    * @returns {Promise<IteratorResult<Packet[], undefined>>}
    */
   next() {
+    if (this.#owed > 0 && !this.#state.ended) this.#socket.write(encodeReady(this.#owed));
+    this.#owed = 0;
     if (this.#buffered.length > 0) return Promise.resolve(this.#take(this.#buffered.shift()));
     if (this.#state.ended) {
       if (!this.#state.closedByUs && !this.#errorReported) {
@@ -466,9 +471,9 @@ export class Subscription {
     return closeError(this.#endpoint, this.#state);
   }
 
-  /** Hands a delivery to the consumer and returns its credit to the server. */
+  /** Hands a delivery to the consumer; its credit goes back with the next `next()`. */
   #take(delivery) {
-    if (!this.#state.ended) this.#socket.write(encodeReady(1));
+    this.#owed += 1;
     return { value: delivery, done: false };
   }
 

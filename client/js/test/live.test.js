@@ -249,12 +249,17 @@ describe('subscriptions', () => {
       await sleep(100); // room for a 4th delivery, if the client had granted too many credits
       assert.equal(subscription.buffered, 3);
 
-      // Taking one grants exactly one more credit.
+      // Taking one grants nothing yet: the delivery in hand counts against prefetch.
       const first = await subscription.next();
       assert.equal(first.done, false);
-      await waitFor(() => subscription.buffered === 3, 'the delivery replacing the one taken');
       await sleep(100);
-      assert.equal(subscription.buffered, 3);
+      assert.equal(subscription.buffered, 2);
+      // Coming back for the next returns the first one's credit: exactly one more arrives.
+      const second = await subscription.next();
+      assert.equal(second.done, false);
+      await waitFor(() => subscription.buffered === 2, 'the delivery replacing the first');
+      await sleep(100);
+      assert.equal(subscription.buffered, 2);
 
       // 10 pushed, 4 delivered: the other 6 are still in the queue, for anyone.
       const left = [];
@@ -264,8 +269,8 @@ describe('subscriptions', () => {
         left.push(...text(reply).map(([key]) => key));
       }
       assert.equal(left.length, 6);
-      const delivered = [first.value];
-      for (let i = 0; i < 3; i += 1) delivered.push((await subscription.next()).value);
+      const delivered = [first.value, second.value];
+      for (let i = 0; i < 2; i += 1) delivered.push((await subscription.next()).value);
       const all = [...left, ...delivered.flatMap((d) => text(d).map(([key]) => key))].sort();
       assert.deepEqual(all, Array.from({ length: 10 }, (_, i) => `k${i}`).sort());
     } finally {

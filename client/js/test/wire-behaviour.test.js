@@ -19,7 +19,7 @@ afterEach(async () => { await fake.stop(); });
 const connect = (options = {}) => PinpriqClient.connect({ port: fake.port, timeout: 2000, ...options });
 const countReady = (bytes) => bytes.filter((byte) => byte === 0x41).length;
 
-test('a subscription opens with its subscribes and prefetch credits, then one credit per delivery taken', async () => {
+test('a subscription opens with its subscribes and prefetch credits, then returns one credit each time the consumer comes back for more', async () => {
   const client = await connect();
   const subscription = await client.subscribe(['a', 'b'], { prefetch: 3 });
   const opening = Buffer.concat([encodeSubscribe('a'), encodeSubscribe('b'), encodeReady(3)]);
@@ -35,10 +35,16 @@ test('a subscription opens with its subscribes and prefetch credits, then one cr
   for (let taken = 1; taken <= 3; taken += 1) {
     const { value } = await subscription.next();
     assert.equal(value[0].key.toString(), `k${taken}`);
-    await waitFor(() => countReady(fake.connections[1].received) === 3 + taken, `credit ${3 + taken}`);
+    // Asking for this delivery returned the credit of the one before (none for the first).
+    await waitFor(() => countReady(fake.connections[1].received) === 2 + taken, `credit ${2 + taken}`);
+    await sleep(20);
+    assert.equal(countReady(fake.connections[1].received), 2 + taken, 'no credit for the one in hand');
   }
+  const waiting = subscription.next(); // coming back for more returns the third one's credit
+  await waitFor(() => countReady(fake.connections[1].received) === 6, 'credit 6');
   assert.equal(fake.connections[0].received.length, 0, 'nothing on the client connection');
   await client.close();
+  assert.deepEqual(await waiting, { value: undefined, done: true });
 });
 
 test('a delivery arriving one byte per write is handed out whole', async () => {
