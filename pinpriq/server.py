@@ -63,6 +63,10 @@ LOW_WATER_FRACTION = 0.9
 DEFAULT_MAX_CONNECTIONS = 4096
 
 
+def _deliver_nowhere(packets: list[QueuedPacket]) -> None:
+    """A closed connection's subscriber callback; never called, as it is subscribed to nothing."""
+
+
 def _peer_name(stream: trio.SocketStream) -> str:
     try:
         host, port, *_ = stream.socket.getpeername()
@@ -403,6 +407,9 @@ class PinpriqServer:
         finally:
             self._connections.discard(conn)
             self.subscriptions.remove(conn.subscriber)
+            # The subscriber's callback is a method of the connection: a reference cycle that
+            # would keep the connection's buffers and sockets for the cyclic collector.
+            conn.subscriber.deliver = _deliver_nowhere
             conn.closed = True
             await trio.aclose_forcefully(stream)
             if not self._connections and self.stopping:
