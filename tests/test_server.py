@@ -6,6 +6,7 @@ on virtual time (the ``mock_clock`` fixture), never real sleeps.
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -441,3 +442,29 @@ def test_reply_helper_matches_the_protocol_table() -> None:
     assert subscribe(b"ab") == bytes.fromhex("73 0002") + b"ab"
     assert unsubscribe(b"") == bytes.fromhex("75 0000")
     assert reply((b"k", b"pp"), (b"", b"")) == bytes.fromhex("0002 0001 0002 6b7070 0000 0000")
+
+
+async def test_a_closed_connection_leaves_no_reference_cycle(live: LiveServer) -> None:
+    # Objects in reference cycles wait for the cyclic collector, which pinpriq-server runs
+    # rarely: a connection that left one behind would grow memory under connection churn.
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for frames in (push(b"q", b"k", b"v") + pop(b"q"), subscribe(b"s") + READY, b"\x99"):
+            for _ in range(5):
+                peer = await live.connect()
+                await peer.send(frames)
+                await trio.testing.wait_all_tasks_blocked()
+                await peer.aclose()
+        await trio.testing.wait_all_tasks_blocked()
+        assert live.server.connections == 0
+        gc.collect()
+        left = [
+            type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("pinpriq")
+        ]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == []
