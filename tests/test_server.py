@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import gc
 import logging
+from functools import partial
 
 import pytest
 import trio
 import trio.testing
 
+from pinpriq.server import serve
 from tests.conftest import LiveServer
-from tests.rawpeer import READY, pop, push, reply, subscribe, unsubscribe
+from tests.rawpeer import READY, Peer, pop, push, reply, subscribe, unsubscribe
 
 # -- pop, priority and grouping (decisions 2-4) -----------------------------------------------
 
@@ -468,3 +470,14 @@ async def test_a_closed_connection_leaves_no_reference_cycle(live: LiveServer) -
         gc.garbage.clear()
         gc.enable()
     assert left == []
+
+
+async def test_serve_runs_a_fresh_server_until_cancelled(nursery: trio.Nursery) -> None:
+    listeners = await nursery.start(partial(serve, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    peer = Peer(stream)
+    try:
+        assert await peer.request(push(b"q", b"k", b"v") + pop(b"q")) == [(b"k", b"v")]
+    finally:
+        await peer.aclose()
