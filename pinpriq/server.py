@@ -3,12 +3,13 @@
 A thin layer over ``wire`` (bytes <-> frames), ``store`` (the queues) and ``subscriptions``
 (who gets which packet). It owns only what needs an event loop or a limit:
 
-* one reader and one writer task per connection. The reader decodes every complete frame of a
-  received chunk, applies them in order, and appends their replies to the connection's output
-  buffer; the writer sends whatever has accumulated with one ``send_all``. Deliveries caused by
-  another connection's push are appended to the same buffer, so replies and deliveries never
-  interleave inside a frame (decision 8), and a subscriber that stops reading blocks only its
-  own writer, never the pusher or the server.
+* one reader and one writer task per connection. The reader reads the socket, decodes every
+  complete frame of the chunk, applies them in order, appends their replies to the connection's
+  output buffer and writes the buffer with one write. Deliveries caused by another connection's
+  push are appended to the same buffer, so replies and deliveries never interleave inside a frame
+  (decision 8), and the pusher's reader writes them at the end of its batch. Whatever the kernel
+  does not take at once is left to the connection's writer task, so a subscriber that stops
+  reading blocks only its own writer, never the pusher or the server.
 * one expiry task that sleeps until the store's earliest TTL deadline; a push with an earlier
   deadline moves the sleep's deadline forward instead of starting a timer of its own.
 * limits, each of which makes one connection wait rather than dropping anything: a memory cap
