@@ -50,6 +50,7 @@ import attrs
 import trio
 
 from pinpriq import wire
+from pinpriq.bench.runner import die_with_parent
 from pinpriq.wire import Packet
 
 __all__ = ["main"]
@@ -315,7 +316,9 @@ class ServerProcess:
     @classmethod
     async def start(cls, nursery: trio.Nursery) -> ServerProcess:
         command = [sys.executable, "-m", "pinpriq.cli", "--host", HOST, "--port", "0"]
-        process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE)
+        process = await trio.lowlevel.open_process(
+            command, stderr=subprocess.PIPE, preexec_fn=die_with_parent
+        )
         server = cls(process)
         nursery.start_soon(server._read_log)
         with trio.move_on_after(15):

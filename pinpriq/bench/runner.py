@@ -46,7 +46,7 @@ def _child(
 ) -> None:  # pragma: no cover - runs in a child process
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # and it stops us with SIGTERM
-    _die_with_parent()
+    die_with_parent()
     try:
         out.send(("ok", fn(w, index, queue, sync)))
     except threading.BrokenBarrierError:
@@ -64,9 +64,10 @@ def _child(
         out.close()
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in a child process
-    """Ask Linux for SIGTERM when the parent dies, even by SIGKILL, so that no client outlives
-    it (a client waiting on the barrier would otherwise wait ``SETUP_SECONDS``)."""
+def die_with_parent() -> None:  # pragma: no cover - runs in a child process
+    """Ask Linux for SIGTERM when the parent dies, even by SIGKILL, so that no child outlives
+    it: a bench client waiting on the barrier would otherwise wait ``SETUP_SECONDS``, and the
+    soak's server would serve nobody forever. Call it in the child (``preexec_fn``)."""
     if sys.platform == "linux":
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
