@@ -174,6 +174,25 @@ function closeError(endpoint, { closedByUs, error }) {
  * @param {Buffer} frame
  * @returns {Promise<void>}
  */
+/**
+ * Wires a connection's socket: chunks to `onData`, its first error and the server's end of
+ * stream into `state` (calls fail from the end of stream on, even before the socket is closed).
+ * @param {import('node:net').Socket} socket
+ * @param {{ error: Error | null, ended: boolean }} state
+ * @param {(chunk: Buffer) => void} onData
+ * @param {() => void} onClose
+ * @returns {Promise<void>} resolved once the socket is closed, after `onClose`
+ */
+function watchSocket(socket, state, onData, onClose) {
+  socket.on('data', onData);
+  socket.on('error', (error) => { state.error ??= error; });
+  socket.once('end', () => { state.ended = true; });
+  return new Promise((resolve) => socket.once('close', () => {
+    onClose();
+    resolve();
+  }));
+}
+
 function writeFrame(socket, frame) {
   return new Promise((resolve, reject) => {
     socket.write(frame, (error) => (error ? reject(error) : resolve()));
@@ -214,14 +233,7 @@ export class PinpriqClient {
     }
     this.#endpoint = endpoint;
     this.#socket = socket;
-    socket.on('data', (chunk) => this.#onData(chunk));
-    socket.on('error', (error) => { this.#state.error ??= error; });
-    // The server's end of stream: calls fail from now on, even before the socket is closed.
-    socket.once('end', () => { this.#state.ended = true; });
-    this.#ended = new Promise((resolve) => socket.once('close', () => {
-      this.#onClose();
-      resolve();
-    }));
+    this.#ended = watchSocket(socket, this.#state, (chunk) => this.#onData(chunk), () => this.#onClose());
   }
 
   /** The server, as `host:port`. */
@@ -395,15 +407,10 @@ export class Subscription {
     }
     this.#endpoint = endpoint;
     this.#socket = socket;
-    socket.on('data', (chunk) => this.#onData(chunk));
-    socket.on('error', (error) => { this.#state.error ??= error; });
-    // The server's end of stream: calls fail from now on, even before the socket is closed.
-    socket.once('end', () => { this.#state.ended = true; });
-    this.#ended = new Promise((resolve) => socket.once('close', () => {
+    this.#ended = watchSocket(socket, this.#state, (chunk) => this.#onData(chunk), () => {
       this.#onClose();
       onClose();
-      resolve();
-    }));
+    });
   }
 
   /** The server, as `host:port`. */
