@@ -35,6 +35,7 @@ from pinpriq.wire import (
     PUSH,
     READY_OPCODE,
     SUBSCRIBE,
+    SYNC_OPCODE,
     FrameDecoder,
     RawFrame,
     encode_reply,
@@ -301,6 +302,8 @@ class PinpriqServer:
                 subscriptions.ready(conn.subscriber)
             elif opcode == SUBSCRIBE:
                 subscriptions.subscribe(conn.subscriber, frame[1])
+            elif opcode == SYNC_OPCODE:
+                output += b"\x00\x00"  # every earlier frame is applied (decision 11)
             else:  # UNSUBSCRIBE: the decoder yields no other opcode
                 subscriptions.unsubscribe(conn.subscriber, frame[1])
             if len(output) + conn.unsent > OUTPUT_HIGH_WATER:

@@ -6,7 +6,7 @@ is shared by HTTP clients and servers. Integers are big-endian and unsigned.
 
 Two decoders, because the two directions carry different streams:
 
-* ``FrameDecoder`` reads what a client sends (push, pop, subscribe, unsubscribe, ready);
+* ``FrameDecoder`` reads what a client sends (push, pop, subscribe, unsubscribe, ready, sync);
 * ``ReplyDecoder`` reads what a server sends (pop replies and subscription deliveries, which
   look the same: ``u16 count`` then ``count`` packets).
 
@@ -27,6 +27,7 @@ __all__ = [
     "MAX_FRAME",
     "MAX_REPLY_PACKETS",
     "READY",
+    "SYNC",
     "ClientFrame",
     "FrameDecoder",
     "Opcode",
@@ -37,6 +38,7 @@ __all__ = [
     "Ready",
     "ReplyDecoder",
     "Subscribe",
+    "Sync",
     "Unsubscribe",
     "encode",
     "encode_reply",
@@ -49,6 +51,7 @@ class Opcode(enum.IntEnum):
     SUBSCRIBE = 0x73
     UNSUBSCRIBE = 0x75
     READY = 0x41
+    SYNC = 0x21
 
 
 #: Longest queue name, key or payload: the length fields are u16.
@@ -122,7 +125,15 @@ class Ready:
 
 READY = Ready()
 
-ClientFrame: TypeAlias = Push | Pop | Subscribe | Unsubscribe | Ready
+
+@attrs.frozen
+class Sync:
+    """A barrier (protocol 1.1): answered ``00 00`` once every earlier frame is applied."""
+
+
+SYNC = Sync()
+
+ClientFrame: TypeAlias = Push | Pop | Subscribe | Unsubscribe | Ready | Sync
 
 _NAMED_FRAMES: dict[int, type[Pop] | type[Subscribe] | type[Unsubscribe]] = {
     Opcode.POP: Pop,
@@ -131,6 +142,7 @@ _NAMED_FRAMES: dict[int, type[Pop] | type[Subscribe] | type[Unsubscribe]] = {
 }
 _NAMED_OPCODES = {cls: bytes([op]) for op, cls in _NAMED_FRAMES.items()}
 _READY_BYTE = bytes([Opcode.READY])
+_SYNC_BYTE = bytes([Opcode.SYNC])
 
 
 class KeyedPayload(Protocol):
@@ -172,6 +184,8 @@ def encode(frame: ClientFrame) -> bytes:
         return b"".join((header, frame.key, frame.payload, frame.queue))
     if isinstance(frame, Ready):
         return _READY_BYTE
+    if isinstance(frame, Sync):
+        return _SYNC_BYTE
     _check_field("queue", frame.queue)
     return b"".join((_NAMED_OPCODES[type(frame)], _NAME_HEADER.pack(len(frame.queue)), frame.queue))
 
@@ -230,7 +244,9 @@ PUSH, POP, SUBSCRIBE, UNSUBSCRIBE = (
     Opcode.UNSUBSCRIBE.value,
 )
 READY_OPCODE = Opcode.READY.value
+SYNC_OPCODE = Opcode.SYNC.value
 _RAW_READY: RawFrame = (READY_OPCODE,)
+_RAW_SYNC: RawFrame = (SYNC_OPCODE,)
 _PUSH_HEAD = 1 + _PUSH_HEADER.size
 _NAME_HEAD = 1 + _NAME_HEADER.size
 
@@ -243,6 +259,8 @@ def frame_from_raw(raw: RawFrame) -> ClientFrame:
         return Push(queue, key, payload, ttl_ms, prio)
     if opcode == READY_OPCODE:
         return READY
+    if opcode == SYNC_OPCODE:
+        return SYNC
     return _NAMED_FRAMES[opcode](raw[1])
 
 
@@ -326,6 +344,9 @@ class FrameDecoder:
                     break
                 append((opcode, data[pos + _NAME_HEAD : stop]))
                 pos = stop
+            elif opcode == SYNC_OPCODE:
+                append(_RAW_SYNC)
+                pos += 1
             else:
                 self.error = ProtocolError(self._offset + pos, opcode)
                 break

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from pinpriq import wire
 from pinpriq.wire import (
     READY,
+    SYNC,
     ClientFrame,
     FrameDecoder,
     Packet,
@@ -32,7 +33,7 @@ from pinpriq.wire import (
     encode_reply,
 )
 
-OPCODES = {0x70, 0x50, 0x73, 0x75, 0x41}
+OPCODES = {0x70, 0x50, 0x73, 0x75, 0x41, 0x21}
 
 # (frame, its bytes as written from the layout table). Spaces separate the fields.
 PINNED_FRAMES: list[tuple[ClientFrame, str]] = [
@@ -57,6 +58,7 @@ PINNED_FRAMES: list[tuple[ClientFrame, str]] = [
     (Unsubscribe(b"jobs"), "75 0004 6a6f6273"),
     (Unsubscribe(b""), "75 0000"),
     (READY, "41"),
+    (SYNC, "21"),
 ]
 
 MAX_PUSH = Push(queue=b"q" * 65535, key=b"k" * 65535, payload=b"p" * 65535, ttl_ms=65535, prio=255)
@@ -261,6 +263,7 @@ client_frames: st.SearchStrategy[ClientFrame] = st.one_of(
     st.builds(Subscribe, fields),
     st.builds(Unsubscribe, fields),
     st.just(READY),
+    st.just(SYNC),
 )
 packets = st.builds(Packet, fields, fields)
 replies = st.lists(packets, max_size=5)
