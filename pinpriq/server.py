@@ -1,20 +1,24 @@
-"""The Trio server: sockets in, frames applied to the store, replies out.
+"""The Trio server: sockets, tasks and timers around the I/O-free broker.
 
-A thin layer over ``wire`` (bytes <-> frames), ``store`` (the queues) and ``subscriptions``
-(who gets which packet). It owns only what needs an event loop or a limit:
+The broker (``broker.py``) decides what every frame does and what each client is owed; this
+module moves bytes and keeps time, the way hypercorn's ``TCPServer`` drives an I/O-free protocol
+object. It owns only what needs an event loop or a limit:
 
 * one reader and one writer task per connection. The reader reads the socket, decodes every
-  complete frame of the chunk, applies them in order, appends their replies to the connection's
-  output buffer and writes the buffer with one write. Deliveries caused by another connection's
-  push are appended to the same buffer, so replies and deliveries never interleave inside a frame
-  (decision 8), and the pusher's reader writes them at the end of its batch. Whatever the kernel
-  does not take at once is left to the connection's writer task, so a subscriber that stops
-  reading blocks only its own writer, never the pusher or the server.
-* one expiry task that sleeps until the store's earliest TTL deadline; a push with an earlier
-  deadline moves the sleep's deadline forward instead of starting a timer of its own.
-* limits, each of which makes one connection wait rather than dropping anything: a memory cap
-  (a connection whose next frame is a push waits while the store is full), an output bound (a
-  connection that does not read its replies is not read from), and a connection limit.
+  complete frame of the chunk, hands them to the connection's ``Session`` at once and writes the
+  session's output with one write. It then writes the output of every session the batch gave
+  deliveries to, before reading again, so a delivery reaches its subscriber's socket before the
+  pusher's next frame is read. Whatever the kernel does not take at once is left to the
+  connection's writer task, so a subscriber that stops reading blocks only its own writer, never
+  the pusher or the server.
+* one expiry task that sleeps until ``Broker.timer``, the earliest TTL deadline; a push with an
+  earlier deadline moves the sleep's deadline forward instead of starting a timer of its own.
+* waits the session asks for (a push while the memory cap is reached; output past its bound),
+  during which that connection is not read: one connection waits, nothing is dropped.
+* a frame timeout: a connection that has held an incomplete frame for ``frame_timeout`` seconds
+  of reading is closed. The clock runs only while the server is reading that connection, so a
+  client the server itself has paused (memory cap, output bound) is never timed out for it.
+* a connection limit: connections beyond it are accepted and closed at once, with a log line.
 
 Memory held per connection is bounded: the decoder holds at most one frame plus one read, since
 the reader decodes everything it has before reading again, and stops reading while it waits.
@@ -23,25 +27,17 @@ the reader decodes everything it has before reading again, and stops reading whi
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 import trio
 
-from pinpriq.store import QueuedPacket, QueueStore
-from pinpriq.subscriptions import Subscriber, Subscriptions
-from pinpriq.wire import (
-    POP,
-    PUSH,
-    READY_OPCODE,
-    SUBSCRIBE,
-    SYNC_OPCODE,
-    FrameDecoder,
-    RawFrame,
-    encode_reply,
-)
+from pinpriq.broker import DEFAULT_MAX_MEMORY, Blocked, Broker, Session
+from pinpriq.store import QueueStore
+from pinpriq.store_contract import Store
+from pinpriq.wire import FrameDecoder
 
 __all__ = [
+    "DEFAULT_FRAME_TIMEOUT",
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_MEMORY",
     "PinpriqServer",
@@ -52,21 +48,11 @@ log = logging.getLogger("pinpriq.server")
 
 #: Bytes asked of the socket per read.
 RECEIVE_SIZE = 65536
-#: A connection whose unsent output passes this is not read from until the output drains
-#: (a client pipelining pops without reading its replies must not grow the server's memory).
-OUTPUT_HIGH_WATER = 4 * 1024 * 1024
 #: How long a closing connection may take to flush replies it was already owed.
 CLOSE_FLUSH_SECONDS = 1.0
-#: Default cap on ``QueueStore.bytes_held``.
-DEFAULT_MAX_MEMORY = 1024**3
-#: Pushes resume once usage falls below this fraction of the cap, so a full server does not
-#: flap between full and not full on every pop.
-LOW_WATER_FRACTION = 0.9
 DEFAULT_MAX_CONNECTIONS = 4096
-
-
-def _deliver_nowhere(packets: list[QueuedPacket]) -> None:
-    """A closed connection's subscriber callback; never called, as it is subscribed to nothing."""
+#: Seconds of reading a connection may spend holding an incomplete frame before it is closed.
+DEFAULT_FRAME_TIMEOUT = 30.0
 
 
 def _peer_name(stream: trio.SocketStream) -> str:
@@ -78,7 +64,7 @@ def _peer_name(stream: trio.SocketStream) -> str:
 
 
 class _Connection:
-    """One client: its decoder, output buffer and subscriber handle.
+    """One client's socket, decoder and tasks, around its ``Session``.
 
     Its own replies are sent by its reader, inline, after each batch: that costs no task switch,
     and a client that does not read its replies stops being read. Deliveries caused by another
@@ -88,35 +74,24 @@ class _Connection:
     sends on a connection at a time, and whoever sends sends everything pending.
     """
 
-    def __init__(self, server: PinpriqServer, stream: trio.SocketStream) -> None:
+    def __init__(self, server: PinpriqServer, stream: trio.SocketStream, session: Session) -> None:
         self.server = server
         self.stream = stream
+        self.session = session
         self.peer = _peer_name(stream)
         self.fileno = stream.socket.fileno()
         self.decoder = FrameDecoder()
-        self.output = bytearray()
-        self.unsent = 0  # bytes being sent now
+        #: Seconds of reading left before an incomplete frame times out.
+        self.frame_budget = server.frame_timeout
         self.sending = False
         self.closed = False  # its socket is closed: never write to its file descriptor again
-        self.flush_scheduled = False  # in the server's list of connections with deliveries
-        self.subscriber = Subscriber(self.deliver)
         self.reading = trio.CancelScope()  # cancelled to stop reading, as at shutdown
         self._output_ready = trio.Event()
         self._output_drained = trio.Event()
 
-    def deliver(self, packets: list[QueuedPacket]) -> None:
-        self.output += encode_reply(packets)
-        if not self.flush_scheduled:
-            self.flush_scheduled = True
-            self.server.to_flush.append(self)
-        if len(self.output) + self.unsent > OUTPUT_HIGH_WATER:
-            # A subscriber that does not read gets nothing more until it does: further packets
-            # stay queued, for others to take and for the memory cap to count.
-            self.subscriber.paused = True
-
     async def run(self) -> None:
-        """Serve until the client closes, sends garbage, the socket breaks, or the server
-        stops reading; then flush what the client is owed, briefly, and return."""
+        """Serve until the client closes, sends garbage, times out, the socket breaks, or the
+        server stops reading; then flush what the client is owed, briefly, and return."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._write_loop)
             try:
@@ -124,33 +99,44 @@ class _Connection:
                     await self._read_loop()
             finally:
                 # No deliveries to a connection that is going away (decision 7).
-                self.server.subscriptions.remove(self.subscriber)
+                self.session.close()
             with trio.move_on_after(CLOSE_FLUSH_SECONDS):
                 await self._drain()
             nursery.cancel_scope.cancel()
 
     async def _read_loop(self) -> None:
-        server, decoder = self.server, self.decoder
+        server, decoder, session = self.server, self.decoder, self.session
         while True:
             data = await self._receive()
+            if data is None:
+                log.warning(
+                    "closing %s: an incomplete frame (%d bytes so far) for %g s of reading",
+                    self.peer,
+                    decoder.pending,
+                    server.frame_timeout,
+                )
+                return
             if not data:
                 return  # EOF; a frame cut short stays in the decoder and is dropped
             decoder.feed(data)
             frames = decoder.decode()
-            done = server.apply(self, frames)
-            server.flush_deliveries()  # before any await: no socket can close in between
+            if frames:
+                self.frame_budget = server.frame_timeout  # any incomplete frame is a new one
+            done = session.receive(frames)
+            server.after_batch()  # before any await: no socket can close in between
             while done < len(frames):
-                await self._wait_before(frames[done][0])
-                done = server.apply(self, frames, done)
-                server.flush_deliveries()
-            if self.output and not self.sending:
+                await self._wait(session.blocked)
+                done = session.receive(frames, done)
+                server.after_batch()
+            if session.output and not self.sending:
                 await self._send_output()
             if decoder.error is not None:
                 log.warning("closing %s: %s", self.peer, decoder.error)
                 return
 
-    async def _receive(self) -> bytes:
-        """The next chunk from the client; ``b""`` at the end of its stream or on a reset.
+    async def _receive(self) -> bytes | None:
+        """The next chunk from the client; ``b""`` at the end of its stream or on a reset;
+        ``None`` if an incomplete frame has used up its reading time.
 
         Reads the socket directly and waits on trio only when nothing has arrived: a client
         waiting for each reply (the common case at low load) costs one wait per request rather
@@ -166,6 +152,16 @@ class _Connection:
         else:
             await trio.lowlevel.checkpoint()
             return data
+        if not self.decoder.pending:  # between frames: a client may be idle for ever
+            return await self._wait_and_read()
+        started = trio.current_time()
+        chunk: bytes | None = None
+        with trio.move_on_after(self.frame_budget):
+            chunk = await self._wait_and_read()
+        self.frame_budget -= trio.current_time() - started
+        return chunk if self.frame_budget > 0 else None
+
+    async def _wait_and_read(self) -> bytes:
         while True:
             await trio.lowlevel.wait_readable(self.fileno)
             try:
@@ -178,23 +174,23 @@ class _Connection:
     def write_pending(self) -> None:
         """Write what is pending straight to the socket, if nobody is sending; leave what the
         kernel does not take to the writer task."""
-        self.flush_scheduled = False
-        if self.closed or self.sending or not self.output:
+        session = self.session
+        if self.closed or self.sending or not session.output:
             return
         try:
-            sent = self._send_now(self.output)
+            sent = self._send_now(session.output)
         except trio.BrokenResourceError:
             sent = 0  # the writer will meet the same error and close the connection
-        del self.output[:sent]
-        if self.output:
+        del session.output[:sent]
+        if session.output:
             self._output_ready.set()
-        elif self.subscriber.paused:
-            self.server.subscriptions.resume(self.subscriber)
+        else:
+            session.output_drained()
 
-    async def _wait_before(self, opcode: int) -> None:
-        """Wait until the frame ``apply`` stopped at may go: a push until the store has room,
+    async def _wait(self, blocked: Blocked | None) -> None:
+        """Wait until the frame ``receive`` stopped at may go: a push until the broker has room,
         anything else until the output has drained. The replies so far go out meanwhile."""
-        if opcode == PUSH and self.server.memory_full:
+        if blocked is Blocked.MEMORY:
             self._output_ready.set()
             await self.server.wait_for_memory()
         else:
@@ -209,17 +205,17 @@ class _Connection:
 
     async def _send_output(self) -> None:
         """Send everything pending, including what is added while sending."""
+        session = self.session
         self.sending = True
         try:
-            while self.output:
-                data, self.output = self.output, bytearray()
+            while session.output:
+                data, session.output = session.output, bytearray()
                 sent = self._send_now(data)
                 if sent < len(data):
-                    self.unsent = len(data) - sent
+                    session.unsent = len(data) - sent
                     await self.stream.send_all(memoryview(data)[sent:])
-                    self.unsent = 0
-                if self.subscriber.paused and len(self.output) <= OUTPUT_HIGH_WATER:
-                    self.server.subscriptions.resume(self.subscriber)
+                    session.unsent = 0
+                session.output_drained()
         finally:
             self.sending = False
         self._output_drained.set()
@@ -238,32 +234,33 @@ class _Connection:
     async def _drain(self) -> None:
         """Wait until everything owed to the client has been handed to the kernel."""
         self._output_ready.set()
-        while self.output or self.sending:
+        while self.session.output or self.sending:
             await self._output_drained.wait()
 
 
 class PinpriqServer:
-    """A store, its subscriptions, the connections that use them, and their limits."""
+    """A broker, the connections that use it, and the limits that need a clock or a socket."""
 
     def __init__(
         self,
-        store: QueueStore | None = None,
+        store: Store | None = None,
         *,
         max_memory: int = DEFAULT_MAX_MEMORY,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
     ) -> None:
-        """``max_memory`` caps ``store.bytes_held`` (0 for no cap); ``max_connections`` caps
-        concurrent connections (further ones are accepted and closed at once)."""
-        self.store = store if store is not None else QueueStore(trio.current_time)
-        self.subscriptions = Subscriptions(self.store)
-        self.max_memory = max_memory or math.inf
+        """``store`` defaults to an in-memory ``QueueStore`` on trio's clock. ``max_memory``
+        caps ``store.bytes_held`` (0 for no cap); ``max_connections`` caps concurrent
+        connections (further ones are accepted and closed at once); ``frame_timeout`` is how
+        many seconds of reading a connection may hold an incomplete frame."""
+        self.broker = Broker(
+            store if store is not None else QueueStore(trio.current_time), max_memory=max_memory
+        )
+        self.broker.on_room = self._room_freed
         self.max_connections = max_connections
-        self.memory_full = False
-        self._low_water = self.max_memory * LOW_WATER_FRACTION
+        self.frame_timeout = frame_timeout
         self._memory_freed = trio.Event()
-        self._connections: set[_Connection] = set()
-        #: Connections given deliveries since the last flush (see ``flush_deliveries``).
-        self.to_flush: list[_Connection] = []
+        self._connections: dict[Session, _Connection] = {}
         self._all_closed = trio.Event()  # set when the last connection closes after shutdown
         self._expiry_scope = trio.CancelScope()
         self._accepting = trio.CancelScope()
@@ -273,81 +270,27 @@ class PinpriqServer:
         """Connections being served now."""
         return len(self._connections)
 
-    def apply(self, conn: _Connection, frames: list[RawFrame], start: int = 0) -> int:
-        """Carry out a connection's frames in order from ``start``; replies go to its output.
+    def after_batch(self) -> None:
+        """Called by a connection's reader right after ``Session.receive``, with no await in
+        between: moves the expiry timer forward if a push needs it, and writes the deliveries
+        the batch made to their connections' sockets, so a delivery reaches its subscriber
+        before the pusher's next frame is read and no connection in the list can have closed
+        meanwhile."""
+        broker = self.broker
+        if broker.timer < self._expiry_scope.deadline:
+            self._expiry_scope.deadline = broker.timer
+        while broker.dirty:
+            for session in broker.take_dirty():
+                # Writing may resume a paused subscriber, which may deliver again.
+                self._connections[session].write_pending()
 
-        Returns how many of ``frames`` are done: all of them, or fewer if the next must wait,
-        because it is a push and the store is full, or because the output passed its bound.
-        """
-        store, subscriptions, output = self.store, self.subscriptions, conn.output
-        waiting_queues = subscriptions.waiting_queues
-        for index in range(start, len(frames)):
-            frame = frames[index]
-            opcode = frame[0]
-            if opcode == PUSH:
-                if self.memory_full:
-                    return index
-                _, queue, key, payload, ttl_ms, prio = frame
-                deadline = store.push(queue, key, payload, ttl_ms, prio)
-                if ttl_ms and deadline < self._expiry_scope.deadline:
-                    self._expiry_scope.deadline = deadline
-                if prio and queue in waiting_queues:
-                    subscriptions.offer(queue)
-                if store.bytes_held >= self.max_memory:
-                    self.check_memory()
-                continue
-            if opcode == POP:
-                output += encode_reply(store.pop(frame[1]))
-            elif opcode == READY_OPCODE:
-                subscriptions.ready(conn.subscriber)
-            elif opcode == SUBSCRIBE:
-                subscriptions.subscribe(conn.subscriber, frame[1])
-            elif opcode == SYNC_OPCODE:
-                output += b"\x00\x00"  # every earlier frame is applied (decision 11)
-            else:  # UNSUBSCRIBE: the decoder yields no other opcode
-                subscriptions.unsubscribe(conn.subscriber, frame[1])
-            if len(output) + conn.unsent > OUTPUT_HIGH_WATER:
-                self._after_batch()
-                return index + 1
-        self._after_batch()
-        return len(frames)
-
-    def flush_deliveries(self) -> None:
-        """Write the deliveries made since the last call to their connections' sockets.
-
-        Called by a connection's reader right after ``apply``, with no await in between, so a
-        delivery reaches its subscriber's socket before the pusher's next frame is read and no
-        connection in the list can have closed meanwhile.
-        """
-        while self.to_flush:
-            pending, self.to_flush = self.to_flush, []
-            for conn in pending:
-                conn.write_pending()  # may resume a paused subscriber, delivering again
-
-    def _after_batch(self) -> None:
-        if self.memory_full:
-            self.check_memory()  # pops and deliveries may have made room
-
-    def check_memory(self) -> None:
-        """Enter or leave the full state after usage changed; logs each change once."""
-        held = self.store.bytes_held
-        if not self.memory_full and held >= self.max_memory:
-            self.memory_full = True
-            log.warning(
-                "memory cap reached: %d bytes held, cap %d; pushes wait until usage falls below %d",
-                held,
-                self.max_memory,
-                self._low_water,
-            )
-        elif self.memory_full and held < self._low_water:
-            self.memory_full = False
-            log.warning("memory below the low-water mark (%d bytes held); pushes resume", held)
-            self._memory_freed.set()
-            self._memory_freed = trio.Event()
+    def _room_freed(self) -> None:
+        self._memory_freed.set()
+        self._memory_freed = trio.Event()
 
     async def wait_for_memory(self) -> None:
-        """Return once the store is below its low-water mark."""
-        while self.memory_full:
+        """Return once the broker has room for pushes again."""
+        while self.broker.memory_full:
             await self._memory_freed.wait()
 
     async def serve(
@@ -389,17 +332,21 @@ class PinpriqServer:
         returns."""
         log.info("shutting down: %d connections to flush", len(self._connections))
         self._accepting.cancel()
-        for conn in self._connections:
+        for conn in self._connections.values():
             conn.reading.cancel()
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         if self.stopping or len(self._connections) >= self.max_connections:
-            reason = "shutting down" if self.stopping else f"{len(self._connections)} open"
+            if self.stopping:
+                reason = "shutting down"
+            else:
+                reason = f"at the connection limit, {len(self._connections)} open"
             log.warning("refusing a connection from %s: %s", _peer_name(stream), reason)
             await trio.aclose_forcefully(stream)
             return
-        conn = _Connection(self, stream)
-        self._connections.add(conn)
+        session = self.broker.open_session()
+        conn = _Connection(self, stream, session)
+        self._connections[session] = conn
         log.debug("connection from %s", conn.peer)
         try:
             await conn.run()
@@ -409,11 +356,8 @@ class PinpriqServer:
             # A bug in handling one connection must not take the others down.
             log.exception("error serving %s; closing its connection", conn.peer)
         finally:
-            self._connections.discard(conn)
-            self.subscriptions.remove(conn.subscriber)
-            # The subscriber's callback is a method of the connection: a reference cycle that
-            # would keep the connection's buffers and sockets for the cyclic collector.
-            conn.subscriber.deliver = _deliver_nowhere
+            del self._connections[session]
+            session.close()
             conn.closed = True
             await trio.aclose_forcefully(stream)
             if not self._connections and self.stopping:
@@ -422,13 +366,9 @@ class PinpriqServer:
     async def _expire_loop(self) -> None:
         """Sweep expired packets at the earliest deadline, and only then (decision 1)."""
         while True:
-            next_deadline = self.store.next_deadline()
-            with trio.CancelScope(
-                deadline=math.inf if next_deadline is None else next_deadline
-            ) as self._expiry_scope:
+            with trio.CancelScope(deadline=self.broker.timer) as self._expiry_scope:
                 await trio.sleep_forever()
-            self.store.expire()
-            self.check_memory()
+            self.broker.expire()
 
 
 async def serve(
@@ -437,5 +377,5 @@ async def serve(
     host: str = "127.0.0.1",
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run a pinpriq server with a fresh store until cancelled."""
+    """Run a pinpriq server with a fresh in-memory store until cancelled."""
     await PinpriqServer().serve(port, host=host, task_status=task_status)

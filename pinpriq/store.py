@@ -75,6 +75,11 @@ def _held(packets: Iterable[QueuedPacket]) -> int:
     return sum(len(p.key) + len(p.payload) + PACKET_OVERHEAD for p in packets)
 
 
+def _unselectable(packets: Iterable[QueuedPacket]) -> int:
+    """The bytes ``unselectable_bytes`` counts for these packets: those of prio 0."""
+    return _held(p for p in packets if not p.prio)
+
+
 #: A key's packets: the lone packet itself, or a dict from sequence number to packet, push order.
 _Group = QueuedPacket | dict[int, QueuedPacket]
 
@@ -151,6 +156,10 @@ class QueueStore:
         #: Estimated memory held by queued packets: key and payload bytes plus
         #: ``PACKET_OVERHEAD`` each. What the server's memory cap compares against.
         self.bytes_held = 0
+        #: The part of ``bytes_held`` held by prio-0 packets, which never leave on their own.
+        self.unselectable_bytes = 0
+        #: Packets removed at their deadline so far, by ``expire`` or before a read.
+        self.expired = 0
         self._queues: dict[bytes, _Queue] = {}
         self._seq = 0
         self._count = 0
@@ -195,6 +204,8 @@ class QueueStore:
             else:
                 level.append(packet)
             q.entries += 1
+        else:
+            self.unselectable_bytes += len(key) + len(payload) + PACKET_OVERHEAD
         if ttl_ms:
             heapq.heappush(self._expiry, (deadline, seq, q.name, key))
         q.size += 1
@@ -262,6 +273,7 @@ class QueueStore:
             if len(group) == 1:
                 q.groups[key] = next(iter(group.values()))
         self.bytes_held -= _held(reply)
+        self.unselectable_bytes -= _unselectable(reply)
         return reply
 
     def peek_rank(self, queue: bytes) -> tuple[int, int] | None:
@@ -308,6 +320,8 @@ class QueueStore:
             removed.append(packet)
         self._count -= len(removed)
         self.bytes_held -= _held(removed)
+        self.unselectable_bytes -= _unselectable(removed)
+        self.expired += len(removed)
         return len(removed)
 
     @staticmethod
@@ -376,5 +390,6 @@ class QueueStore:
             assert q.entries <= 2 * q.size + _STALE_SLACK + 1, "stale entries not compacted"
         assert count == self._count, f"count {self._count} but {count} packets held"
         assert _held(held) == self.bytes_held, f"bytes_held {self.bytes_held} but {_held(held)}"
+        assert _unselectable(held) == self.unselectable_bytes, "unselectable_bytes is wrong"
         live_entries = [entry for entry in self._expiry if self._live(entry) is not None]
         assert len(live_entries) == timed, "a timed packet has no expiry entry"

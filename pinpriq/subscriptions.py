@@ -1,7 +1,8 @@
 """Who receives which packet: subscriptions and delivery credits (decisions 6 and 7).
 
 Pure and synchronous like the store it draws from: it knows connections only as ``Subscriber``
-handles with a ``deliver`` callback, and never touches a socket.
+objects whose ``deliver`` method takes what they are given (the broker's ``Session`` is one), and
+never touches a socket.
 
 Theory of operation. A subscriber *waits* while it has a credit, at least one subscription, and
 is not paused (its connection pauses it while its unsent output is past a bound, so that a client
@@ -20,24 +21,22 @@ method restores it:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 
 from sortedcontainers import SortedDict
 
-from pinpriq.store import QueuedPacket, QueueStore
+from pinpriq.store_contract import Store
+from pinpriq.wire import KeyedPayload
 
 __all__ = ["Subscriber", "Subscriptions"]
 
-Deliver = Callable[[list[QueuedPacket]], None]
-
 
 class Subscriber:
-    """One connection's subscriptions and credits."""
+    """One connection's subscriptions and credits. Subclasses say where deliveries go."""
 
-    __slots__ = ("credits", "deliver", "paused", "queues", "stamp")
+    __slots__ = ("credits", "paused", "queues", "stamp")
 
-    def __init__(self, deliver: Deliver) -> None:
-        self.deliver = deliver
+    def __init__(self) -> None:
         self.queues: set[bytes] = set()
         self.credits = 0
         self.stamp = 0  # 0 while not waiting
@@ -45,11 +44,15 @@ class Subscriber:
         #: kept; ``Subscriptions.resume`` clears it.
         self.paused = False
 
+    def deliver(self, packets: Sequence[KeyedPayload]) -> None:
+        """Take one delivery: a popped packet and its key group, a credit already spent."""
+        raise NotImplementedError
+
 
 class Subscriptions:
     """The subscribers of one store."""
 
-    def __init__(self, store: QueueStore) -> None:
+    def __init__(self, store: Store) -> None:
         self._store = store
         #: queue -> waiting subscribers of that queue, by stamp (longest waiting first). Read
         #: by the server's hot path to skip ``offer`` when nobody waits on a queue.

@@ -18,11 +18,12 @@ from __future__ import annotations
 import enum
 import struct
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol, TypeAlias
+from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar
 
-import attrs
+from pinpriq.errors import ArgumentError, PinpriqError
 
 __all__ = [
+    "FRAMES",
     "MAX_FIELD",
     "MAX_FRAME",
     "MAX_REPLY_PACKETS",
@@ -51,7 +52,7 @@ class Opcode(enum.IntEnum):
     SUBSCRIBE = 0x73
     UNSUBSCRIBE = 0x75
     READY = 0x41
-    SYNC = 0x21
+    SYNC = 0x21  # protocol 1.1
 
 
 #: Longest queue name, key or payload: the length fields are u16.
@@ -73,7 +74,7 @@ _ONE_PACKET_HEADER = struct.Struct(">HHH")  # count 1, key_len, payload_len
 _EMPTY_REPLY = b"\x00\x00"
 
 
-class ProtocolError(ValueError):
+class ProtocolError(PinpriqError, ValueError):
     """The byte stream is not pinpriq: an unknown opcode.
 
     ``offset`` counts bytes from the start of the stream; ``byte`` is the offending value.
@@ -86,16 +87,37 @@ class ProtocolError(ValueError):
         self.byte = byte
 
 
-@attrs.frozen
-class Packet:
+# Frames are named tuples: the decoder builds one per frame on the server's hot path, and
+# ``tuple.__new__`` is the cheapest constructor a typed value has. Two frames of different kinds
+# never compare equal, though their fields may (``Pop(b"q")`` and ``Subscribe(b"q")``).
+
+_F = TypeVar("_F", bound=tuple[Any, ...])
+
+
+def _distinct(cls: type[_F]) -> type[_F]:
+    """Make frames of different classes unequal (plain tuple equality ignores the class)."""
+
+    def __eq__(self: tuple[Any, ...], other: object) -> bool:
+        return self.__class__ is other.__class__ and tuple.__eq__(self, other)
+
+    def __ne__(self: tuple[Any, ...], other: object) -> bool:
+        return not __eq__(self, other)
+
+    cls.__eq__ = __eq__  # type: ignore[method-assign]
+    cls.__ne__ = __ne__  # type: ignore[assignment,method-assign]
+    cls.__hash__ = tuple.__hash__  # type: ignore[method-assign]
+    return cls
+
+
+class Packet(NamedTuple):
     """A key and a payload: what a pop reply or a delivery carries."""
 
     key: bytes
     payload: bytes
 
 
-@attrs.frozen
-class Push:
+@_distinct
+class Push(NamedTuple):
     queue: bytes
     key: bytes
     payload: bytes
@@ -103,46 +125,53 @@ class Push:
     prio: int = 1
 
 
-@attrs.frozen
-class Pop:
+@_distinct
+class Pop(NamedTuple):
     queue: bytes
 
 
-@attrs.frozen
-class Subscribe:
+@_distinct
+class Subscribe(NamedTuple):
     queue: bytes
 
 
-@attrs.frozen
-class Unsubscribe:
+@_distinct
+class Unsubscribe(NamedTuple):
     queue: bytes
 
 
-@attrs.frozen
-class Ready:
+@_distinct
+class Ready(NamedTuple):
     """One delivery credit for subscriptions: the single byte 0x41."""
 
 
-READY = Ready()
-
-
-@attrs.frozen
-class Sync:
+@_distinct
+class Sync(NamedTuple):
     """A barrier (protocol 1.1): answered ``00 00`` once every earlier frame is applied."""
 
 
+READY = Ready()
 SYNC = Sync()
 
 ClientFrame: TypeAlias = Push | Pop | Subscribe | Unsubscribe | Ready | Sync
 
-_NAMED_FRAMES: dict[int, type[Pop] | type[Subscribe] | type[Unsubscribe]] = {
+#: Every client frame the protocol has, by opcode: the one table the decoder decodes by and the
+#: broker dispatches by. A frame class missing here is neither decoded nor handled.
+FRAMES: dict[int, type[ClientFrame]] = {
+    Opcode.PUSH: Push,
     Opcode.POP: Pop,
     Opcode.SUBSCRIBE: Subscribe,
     Opcode.UNSUBSCRIBE: Unsubscribe,
+    Opcode.READY: Ready,
+    Opcode.SYNC: Sync,
 }
-_NAMED_OPCODES = {cls: bytes([op]) for op, cls in _NAMED_FRAMES.items()}
-_READY_BYTE = bytes([Opcode.READY])
-_SYNC_BYTE = bytes([Opcode.SYNC])
+_OPCODE_BYTE = {cls: bytes([op]) for op, cls in FRAMES.items()}
+# The layouts, by the frame's fields: the push; one queue name; the opcode alone.
+_NAMED: dict[int, type[ClientFrame]] = {
+    op: cls for op, cls in FRAMES.items() if cls._fields == ("queue",)
+}
+_SINGLE_BYTE: dict[int, ClientFrame] = {op: cls() for op, cls in FRAMES.items() if not cls._fields}
+assert len(_NAMED) + len(_SINGLE_BYTE) + 1 == len(FRAMES), "a frame with no layout"
 
 
 class KeyedPayload(Protocol):
@@ -157,16 +186,17 @@ class KeyedPayload(Protocol):
 
 def _check_field(name: str, value: bytes) -> None:
     if len(value) > MAX_FIELD:
-        raise ValueError(f"{name} is {len(value)} bytes; the most is {MAX_FIELD}")
+        raise ArgumentError(f"{name} is {len(value)} bytes; the most is {MAX_FIELD}")
 
 
 def _check_int(name: str, value: int, most: int) -> None:
     if not 0 <= value <= most:
-        raise ValueError(f"{name} must be in 0..{most}, not {value}")
+        raise ArgumentError(f"{name} must be in 0..{most}, not {value}")
 
 
 def encode(frame: ClientFrame) -> bytes:
-    """The bytes of one client frame. Raises ``ValueError`` naming a field that cannot fit."""
+    """The bytes of one client frame. Raises ``ArgumentError`` (a ``ValueError``) naming a
+    field that cannot fit."""
     if isinstance(frame, Push):
         _check_field("queue", frame.queue)
         _check_field("key", frame.key)
@@ -182,12 +212,12 @@ def encode(frame: ClientFrame) -> bytes:
             len(frame.payload),
         )
         return b"".join((header, frame.key, frame.payload, frame.queue))
-    if isinstance(frame, Ready):
-        return _READY_BYTE
-    if isinstance(frame, Sync):
-        return _SYNC_BYTE
-    _check_field("queue", frame.queue)
-    return b"".join((_NAMED_OPCODES[type(frame)], _NAME_HEADER.pack(len(frame.queue)), frame.queue))
+    opcode = _OPCODE_BYTE[frame.__class__]
+    if not frame:  # a frame of one byte: ready, sync
+        return opcode
+    (queue,) = frame
+    _check_field("queue", queue)
+    return b"".join((opcode, _NAME_HEADER.pack(len(queue)), queue))
 
 
 def encode_reply(packets: Sequence[KeyedPayload]) -> bytes:
@@ -200,7 +230,7 @@ def encode_reply(packets: Sequence[KeyedPayload]) -> bytes:
     if not count:
         return _EMPTY_REPLY
     if count > MAX_REPLY_PACKETS:
-        raise ValueError(f"a reply holds at most {MAX_REPLY_PACKETS} packets, not {count}")
+        raise ArgumentError(f"a reply holds at most {MAX_REPLY_PACKETS} packets, not {count}")
     parts = [_COUNT.pack(count)]
     for packet in packets:
         parts.append(_PACKET_HEADER.pack(len(packet.key), len(packet.payload)))
@@ -231,46 +261,18 @@ class _Buffer:
         return len(self._data) - self._pos
 
 
-#: A decoded client frame as a plain tuple, the decoder's own output: cheaper to build than an
-#: object, which matters on the server's hot path. By opcode:
-#: ``(PUSH, queue, key, payload, ttl_ms, prio)``, ``(POP, queue)``, ``(SUBSCRIBE, queue)``,
-#: ``(UNSUBSCRIBE, queue)``, ``(READY,)``.
-RawFrame: TypeAlias = tuple[Any, ...]
-
-PUSH, POP, SUBSCRIBE, UNSUBSCRIBE = (
-    Opcode.PUSH.value,
-    Opcode.POP.value,
-    Opcode.SUBSCRIBE.value,
-    Opcode.UNSUBSCRIBE.value,
-)
-READY_OPCODE = Opcode.READY.value
-SYNC_OPCODE = Opcode.SYNC.value
-_RAW_READY: RawFrame = (READY_OPCODE,)
-_RAW_SYNC: RawFrame = (SYNC_OPCODE,)
 _PUSH_HEAD = 1 + _PUSH_HEADER.size
 _NAME_HEAD = 1 + _NAME_HEADER.size
-
-
-def frame_from_raw(raw: RawFrame) -> ClientFrame:
-    """The frame object a raw tuple stands for."""
-    opcode = raw[0]
-    if opcode == PUSH:
-        _, queue, key, payload, ttl_ms, prio = raw
-        return Push(queue, key, payload, ttl_ms, prio)
-    if opcode == READY_OPCODE:
-        return READY
-    if opcode == SYNC_OPCODE:
-        return SYNC
-    return _NAMED_FRAMES[opcode](raw[1])
 
 
 class FrameDecoder:
     """Turns the bytes a client sends into frames.
 
-    ``feed(data)`` stores bytes. ``decode()`` returns every complete frame received so far as
-    raw tuples, in order (the server's way in); iterating, or ``next_frame()``, gives the same
-    frames as frame objects. An unknown opcode ends decoding: ``decode()`` returns the frames
-    before it and sets ``error``; iteration raises that ``ProtocolError`` once it reaches it.
+    ``feed(data)`` stores bytes. ``decode()`` returns every complete frame received so far, in
+    order (the server's way in: one call per received chunk); iterating, or ``next_frame()``,
+    gives the same frames one at a time. An unknown opcode ends decoding: ``decode()`` returns
+    the frames before it and sets ``error``; iteration raises that ``ProtocolError`` once it
+    reaches it.
 
     Cost is linear in the bytes fed, whatever their chunking: bytes that cannot complete the next
     frame are only collected, and joined once enough have arrived, so the decoder holds at most
@@ -283,7 +285,7 @@ class FrameDecoder:
         self._pending = 0  # len(_data) + the lengths of _parts
         self._need = 1  # bytes the next frame needs before decoding can progress
         self._offset = 0  # stream offset of _data[0]
-        self._backlog: list[RawFrame] = []  # decoded, not yet taken by next_frame()
+        self._backlog: list[ClientFrame] = []  # decoded, not yet taken by next_frame()
         #: The unknown opcode that stopped decoding, once reached; the stream is unusable after.
         self.error: ProtocolError | None = None
 
@@ -296,19 +298,21 @@ class FrameDecoder:
         self._parts.append(data)
         self._pending += len(data)
 
-    def decode(self) -> list[RawFrame]:
-        """Every complete frame not yet returned, as raw tuples; ``[]`` if none."""
+    def decode(self) -> list[ClientFrame]:
+        """Every complete frame not yet returned; ``[]`` if none."""
         if self._pending < self._need or self.error is not None:
             return []
         parts = self._parts
         data = b"".join((self._data, *parts)) if self._data or len(parts) > 1 else parts[0]
         parts.clear()
-        frames: list[RawFrame] = []
-        append, unpack_push = frames.append, _PUSH_HEADER.unpack_from  # locals: looked up once
+        frames: list[ClientFrame] = []
+        # Locals, looked up once per chunk rather than once per frame.
+        append, unpack_push, new = frames.append, _PUSH_HEADER.unpack_from, tuple.__new__
+        named, single = _NAMED, _SINGLE_BYTE
         pos, end, need = 0, len(data), 1
         while pos < end:
             opcode = data[pos]
-            if opcode == PUSH:
+            if opcode == 0x70:  # Opcode.PUSH, the hot case
                 if end - pos < _PUSH_HEAD:
                     need = _PUSH_HEAD
                     break
@@ -321,20 +325,22 @@ class FrameDecoder:
                     need = stop - pos
                     break
                 append(
-                    (
-                        PUSH,
-                        data[queue_at:stop],
-                        data[key_at:payload_at],
-                        data[payload_at:queue_at],
-                        ttl_ms,
-                        prio,
+                    new(
+                        Push,
+                        (
+                            data[queue_at:stop],
+                            data[key_at:payload_at],
+                            data[payload_at:queue_at],
+                            ttl_ms,
+                            prio,
+                        ),
                     )
                 )
                 pos = stop
-            elif opcode == READY_OPCODE:
-                append(_RAW_READY)
+            elif (frame := single.get(opcode)) is not None:
+                append(frame)
                 pos += 1
-            elif opcode in (POP, SUBSCRIBE, UNSUBSCRIBE):
+            elif (cls := named.get(opcode)) is not None:
                 if end - pos < _NAME_HEAD:
                     need = _NAME_HEAD
                     break
@@ -342,11 +348,8 @@ class FrameDecoder:
                 if stop > end:
                     need = stop - pos
                     break
-                append((opcode, data[pos + _NAME_HEAD : stop]))
+                append(new(cls, (data[pos + _NAME_HEAD : stop],)))
                 pos = stop
-            elif opcode == SYNC_OPCODE:
-                append(_RAW_SYNC)
-                pos += 1
             else:
                 self.error = ProtocolError(self._offset + pos, opcode)
                 break
@@ -368,7 +371,7 @@ class FrameDecoder:
                 if self.error is not None:
                     raise self.error
                 return None
-        return frame_from_raw(self._backlog.pop())
+        return self._backlog.pop()
 
     def __iter__(self) -> Iterator[ClientFrame]:
         while (frame := self.next_frame()) is not None:
@@ -411,7 +414,9 @@ class ReplyDecoder(_Buffer):
             end = key_end + payload_len
             if end > len(data):
                 return None
-            self._packets.append(Packet(bytes(data[start:key_end]), bytes(data[key_end:end])))
+            self._packets.append(
+                tuple.__new__(Packet, (bytes(data[start:key_end]), bytes(data[key_end:end])))
+            )
             self._pos = end
             self._remaining -= 1
         reply, self._packets, self._remaining = self._packets, [], -1

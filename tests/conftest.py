@@ -18,7 +18,8 @@ class LiveServer:
         self.server = server
         self.port = port
         self._nursery = nursery
-        self.store = server.store
+        self.broker = server.broker
+        self.store = server.broker.store
         self.peers: list[Peer] = []
 
     async def connect(self) -> Peer:

@@ -128,7 +128,7 @@ def test_ttl_ms_reaches_the_server(live: ThreadServer) -> None:
     with connect(live.port) as client:
         client.push("q", "k", "v", ttl_ms=65535)
         client.pop("missing")  # a round trip: the push before it has been applied
-        deadlines = live.call(lambda: live.server.store.next_deadline())
+        deadlines = live.call(lambda: live.server.broker.store.next_deadline())
         assert deadlines is not None
 
 

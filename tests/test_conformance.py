@@ -57,7 +57,7 @@ async def test_our_server_passes_every_fixture_in_any_order(nursery: trio.Nurser
     # Again on the same server, backwards: no fixture depends on another's leftovers...
     assert failures(await run_suite(FIXTURES[::-1], HOST, port)) == []
     # ...because each leaves every queue it used empty.
-    assert len(server.store) == 0
+    assert len(server.broker.store) == 0
 
 
 # -- the runner itself, against a stand-in server --------------------------------------------
@@ -236,15 +236,19 @@ class CloseKeepsSubscriptions(Subscriptions):
 
 
 class _RecordingStore:
-    """A store seen through a window: remembers the queue of the latest pop."""
+    """A store seen through a window: remembers the queue of the latest pop, and what the pops
+    since ``popped`` was last reset returned."""
 
     def __init__(self, store: QueueStore) -> None:
         self.store = store
         self.last_queue = b""
+        self.popped: list[tuple[bytes, list[QueuedPacket]]] = []
 
     def pop(self, queue: bytes) -> list[QueuedPacket]:
         self.last_queue = queue
-        return self.store.pop(queue)
+        packets = self.store.pop(queue)
+        self.popped.append((queue, packets))
+        return packets
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
@@ -258,17 +262,13 @@ class RequeuesOnClose(Subscriptions):
         super().__init__(self._recording)  # type: ignore[arg-type]
         self._sent: dict[int, list[tuple[bytes, list[QueuedPacket]]]] = {}
 
-    def ready(self, sub: Subscriber, credits: int = 1) -> None:
-        if id(sub) not in self._sent:
-            sent = self._sent[id(sub)] = []
-            deliver = sub.deliver
-
-            def record(packets: list[QueuedPacket]) -> None:
-                sent.append((self._recording.last_queue, packets))
-                deliver(packets)
-
-            sub.deliver = record
-        super().ready(sub, credits)
+    def _settle(self, sub: Subscriber, *, once: bool = False) -> bool:
+        # Every pop made while settling one subscriber is delivered to it.
+        self._recording.popped = []
+        served = super()._settle(sub, once=once)
+        sent = [(queue, packets) for queue, packets in self._recording.popped if packets]
+        self._sent.setdefault(id(sub), []).extend(sent)
+        return served
 
     def remove(self, sub: Subscriber) -> None:
         super().remove(sub)
@@ -419,7 +419,7 @@ def clock() -> float:
 def with_subscriptions(kind: type[Subscriptions]) -> Callable[[], PinpriqServer]:
     def build() -> PinpriqServer:
         server = PinpriqServer()
-        server.subscriptions = kind(server.store)
+        server.broker.subscriptions = kind(server.broker.store)
         return server
 
     return build

@@ -223,7 +223,7 @@ async def test_hostile_connections_leave_nothing_behind(
         waiting = {
             q[:40]: len(waiters)
             for q in queues | {GOOD_SUB_QUEUE}
-            if (waiters := live.server.subscriptions.waiting(q))
+            if (waiters := live.server.broker.subscriptions.waiting(q))
         }
         assert not waiting, f"seed {seed}: subscribers left waiting on queues: {waiting}"
         live.store.check_invariants()
@@ -239,5 +239,5 @@ async def test_hostile_connections_leave_nothing_behind(
         for peer in (good, sub, sub_pusher):
             await peer.aclose()
         await wait_for_connections(live, 0)
-        assert live.server.subscriptions.waiting(GOOD_SUB_QUEUE) == []
+        assert live.server.broker.subscriptions.waiting(GOOD_SUB_QUEUE) == []
         live.store.check_invariants()

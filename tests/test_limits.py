@@ -11,9 +11,10 @@ import trio
 import trio.testing
 
 from pinpriq import server as server_module
-from pinpriq.server import OUTPUT_HIGH_WATER, RECEIVE_SIZE, PinpriqServer
+from pinpriq.broker import OUTPUT_HIGH_WATER, Session
+from pinpriq.server import RECEIVE_SIZE, PinpriqServer
 from pinpriq.store import PACKET_OVERHEAD
-from pinpriq.wire import MAX_FRAME, RawFrame
+from pinpriq.wire import MAX_FRAME, ClientFrame
 from tests.conftest import LiveServer, StartServer
 from tests.rawpeer import READY, Peer, pop, push, subscribe
 
@@ -37,7 +38,7 @@ async def settle() -> None:
 
 def server_side(server: PinpriqServer, peer: Peer) -> server_module._Connection:
     """The server's end of a peer's connection; white-box, to read its buffers."""
-    [conn] = [c for c in server._connections if c.peer == f"127.0.0.1:{peer.local_port}"]
+    [conn] = [c for c in server._connections.values() if c.peer == f"127.0.0.1:{peer.local_port}"]
     return conn
 
 
@@ -53,12 +54,12 @@ async def test_a_full_server_stops_reading_a_pusher_and_loses_nothing(
     await producer.send(pushes(30) + pop(b"barrier"))
     await settle()
     assert len(live.store) == 10
-    assert live.server.memory_full
+    assert live.server.broker.memory_full
     await producer.expect_silence()
     popped = [await consumer.request(pop(b"q")) for _ in range(30)]
     assert sorted(p[0][0] for p in popped) == sorted(b"k%02d" % i for i in range(30))
     assert await producer.reply() == []  # the barrier, read once there was room again
-    assert not live.server.memory_full
+    assert not live.server.broker.memory_full
     assert len(live.store) == 0
 
 
@@ -69,7 +70,7 @@ async def test_pops_credits_and_other_connections_carry_on_while_full(
     producer, reader, subscriber = [await live.connect() for _ in range(3)]
     await producer.send(pushes(5, b"full") + push(b"blocked", b"x", b"y"))
     await settle()
-    assert live.server.memory_full
+    assert live.server.broker.memory_full
     await subscriber.send(subscribe(b"full") + READY)
     assert len(await subscriber.reply()) == 1
     await reader.send(b"".join(pop(b"full") for _ in range(4)))
@@ -85,7 +86,7 @@ async def test_full_and_recovered_are_each_logged_once(
     with caplog.at_level(logging.INFO, logger="pinpriq.server"):
         await producer.send(pushes(20))
         await settle()
-        assert live.server.memory_full  # 15 held, 5 pushes waiting
+        assert live.server.broker.memory_full  # 15 held, 5 pushes waiting
         await consumer.send(pop(b"q") * 20)  # one batch: room for all 5 at once
         popped = [len(await consumer.reply()) for _ in range(20)]
         while sum(popped) < 20:
@@ -103,10 +104,10 @@ async def test_expiry_makes_room_for_a_waiting_pusher(
     producer, consumer = await live.connect(), await live.connect()
     await producer.send(pushes(10, b"short", ttl_ms=1000) + push(b"later", b"k", b"v"))
     await settle()
-    assert live.server.memory_full
+    assert live.server.broker.memory_full
     await trio.sleep(1.5)  # no pop: the expiry sweep alone frees the room
     assert await consumer.request(pop(b"later")) == [(b"k", b"v")]
-    assert not live.server.memory_full
+    assert not live.server.broker.memory_full
 
 
 async def test_decoder_holds_at_most_one_frame_and_one_read_while_waiting(
@@ -140,7 +141,7 @@ async def test_a_client_that_does_not_read_its_replies_is_not_read_either(
     await greedy.send(pop(b"q") * count)
     await settle()
     conn = server_side(live.server, greedy)
-    assert len(conn.output) + conn.unsent <= OUTPUT_HIGH_WATER + len(payload) + 64
+    assert len(conn.session.output) + conn.session.unsent <= OUTPUT_HIGH_WATER + len(payload) + 64
     assert len(live.store) > count // 3  # most pops were not even read
     assert await filler.request(pop(b"elsewhere")) == []  # others carry on
     keys = [(await greedy.reply())[0][0] for _ in range(count)]
@@ -173,14 +174,14 @@ async def test_connections_past_the_limit_are_closed_at_once(
 async def test_a_bug_in_one_connection_closes_only_that_one(
     live: LiveServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    apply = live.server.apply
+    receive = Session.receive
 
-    def buggy_apply(conn: server_module._Connection, frames: list[RawFrame], start: int = 0) -> int:
-        if any(frame[1:2] == (b"boom",) for frame in frames[start:]):
+    def buggy_receive(session: Session, frames: list[ClientFrame], start: int = 0) -> int:
+        if any(frame[:1] == (b"boom",) for frame in frames[start:]):
             raise RuntimeError("simulated bug")
-        return apply(conn, frames, start)
+        return receive(session, frames, start)
 
-    monkeypatch.setattr(live.server, "apply", buggy_apply)
+    monkeypatch.setattr(Session, "receive", buggy_receive)
     victim, bystander = await live.connect(), await live.connect()
     await bystander.send(push(b"q", b"k", b"v"))
     with caplog.at_level(logging.ERROR, logger="pinpriq.server"):
@@ -218,7 +219,7 @@ async def test_shutdown_flushes_owed_replies_then_closes(start_server: StartServ
         await idle.expect_closed()
     assert len(replies) * len(payload) >= OUTPUT_HIGH_WATER
     assert all(reply[0][1] == payload for reply in replies)  # every owed reply, whole
-    assert len(replies) + len(server.store) == 100  # the pops never read popped nothing
+    assert len(replies) + len(server.broker.store) == 100  # the pops never read popped nothing
     with pytest.raises(OSError, match="connect"):  # the listener is closed
         await trio.open_tcp_stream("127.0.0.1", live.port)
 

@@ -20,7 +20,8 @@ from functools import partial
 import pytest
 import trio
 
-from pinpriq.server import OUTPUT_HIGH_WATER, PinpriqServer
+from pinpriq.broker import OUTPUT_HIGH_WATER
+from pinpriq.server import PinpriqServer
 from tests.conftest import LiveServer
 from tests.rawpeer import READY, Peer, pop, push, subscribe
 
@@ -155,7 +156,9 @@ async def test_two_thousand_idle_connections_beside_active_traffic(
     with trio.fail_after(60):
         _, subscribers = await open_idle_connections(live)
         await wait_until(
-            lambda: len(live.server.subscriptions.waiting(IDLE_SUB_QUEUE)) == len(subscribers),
+            lambda: (
+                len(live.server.broker.subscriptions.waiting(IDLE_SUB_QUEUE)) == len(subscribers)
+            ),
             "every idle subscriber is waiting",
         )
         # Connected is not yet accepted: the server may still be taking some from the backlog.
@@ -181,7 +184,7 @@ async def test_two_thousand_idle_connections_beside_active_traffic(
         assert sorted(received) == sorted(keys)
 
         await all_closed(live)
-        assert live.server.subscriptions.waiting(IDLE_SUB_QUEUE) == []
+        assert live.server.broker.subscriptions.waiting(IDLE_SUB_QUEUE) == []
 
 
 # -- a subscriber that never reads ------------------------------------------------------------
@@ -194,7 +197,9 @@ async def test_subscriber_that_never_reads_stalls_no_one(tight: LiveServer) -> N
     stuck, healthy = await tight.connect(), await tight.connect()
     shrink_buffers(stuck)
     await stuck.send(subscribe(b"q") + READY * STUCK_CREDITS)
-    await wait_until(lambda: len(tight.server.subscriptions.waiting(b"q")) == 1, "stuck waits")
+    await wait_until(
+        lambda: len(tight.server.broker.subscriptions.waiting(b"q")) == 1, "stuck waits"
+    )
     # The stuck subscriber is served first come, first served until its unsent output passes
     # the server's bound; then it receives nothing more and the healthy one takes the rest.
     pushes = 3 * STUCK_CREDITS
@@ -230,8 +235,8 @@ async def test_subscriber_that_never_reads_stalls_no_one(tight: LiveServer) -> N
             # (white-box) say how many went to it.
             await wait_until(lambda: len(tight.store) == 0, "every push is delivered")
             stuck_peer = f"127.0.0.1:{stuck.local_port}"
-            [conn] = [c for c in tight.server._connections if c.peer == stuck_peer]
-            healthy_total.append(pushes - (STUCK_CREDITS - conn.subscriber.credits))
+            [conn] = [c for c in tight.server._connections.values() if c.peer == stuck_peer]
+            healthy_total.append(pushes - (STUCK_CREDITS - conn.session.credits))
             await wait_until(lambda: len(healthy_keys) == healthy_total[0], "healthy reads all")
             nursery.cancel_scope.cancel()  # the reader is done, or idle between replies
         assert await round_trips(await tight.connect(), b"after", 10, trio.Event()) == 10
@@ -270,7 +275,9 @@ async def fill_past_the_cap(live: LiveServer, cap: int) -> None:
     stuck, pusher = await live.connect(), await live.connect()
     shrink_buffers(stuck)
     await stuck.send(subscribe(b"q") + READY * 1000)  # 1 kB of credits
-    await wait_until(lambda: len(live.server.subscriptions.waiting(b"q")) == 1, "stuck waits")
+    await wait_until(
+        lambda: len(live.server.broker.subscriptions.waiting(b"q")) == 1, "stuck waits"
+    )
     pushes = 300  # 18 MB: four times the cap, beyond what the kernel buffers hold
     assert pushes * len(BIG_PAYLOAD) > 2 * (cap + OUTPUT_HIGH_WATER) + KERNEL_SLACK
 

@@ -286,7 +286,7 @@ async def test_closing_drops_subscriptions_and_credits(live: LiveServer) -> None
     await trio.testing.wait_all_tasks_blocked()
     await pusher.send(push(b"q", b"k", b"v"))
     assert await pusher.request(pop(b"q")) == [(b"k", b"v")]
-    assert live.server.subscriptions.waiting(b"q") == []
+    assert live.server.broker.subscriptions.waiting(b"q") == []
 
 
 async def test_frame_cut_short_by_close_is_discarded(live: LiveServer) -> None:

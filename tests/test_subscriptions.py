@@ -6,13 +6,16 @@ a 0x41 byte is ``subs.ready(sub)``, and a closed connection is ``subs.remove(sub
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pinpriq.store import QueuedPacket, QueueStore
+from pinpriq.store import QueueStore
 from pinpriq.subscriptions import Subscriber, Subscriptions
+from pinpriq.wire import KeyedPayload
 
 
 class FakeClock:
@@ -23,14 +26,27 @@ class FakeClock:
         return self.now
 
 
+class Recorder(Subscriber):
+    """A subscriber that hands each delivery to a function."""
+
+    __slots__ = ("take",)
+
+    def __init__(self, take: Callable[[Sequence[KeyedPayload]], object]) -> None:
+        super().__init__()
+        self.take = take
+
+    def deliver(self, packets: Sequence[KeyedPayload]) -> None:
+        self.take(packets)
+
+
 class Conn:
     """A connection as the subscriptions see it: a Subscriber and the deliveries it got."""
 
     def __init__(self) -> None:
         self.deliveries: list[list[bytes]] = []  # payloads of each delivery
-        self.sub = Subscriber(self._deliver)
+        self.sub: Subscriber = Recorder(self._deliver)
 
-    def _deliver(self, packets: list[QueuedPacket]) -> None:
+    def _deliver(self, packets: Sequence[KeyedPayload]) -> None:
         self.deliveries.append([p.payload for p in packets])
 
 
@@ -465,7 +481,7 @@ test_subscriptions_keep_their_invariants = SubscriptionsInvariants.TestCase
 def test_a_subscriber_paused_in_deliver_receives_nothing_more_until_resumed() -> None:
     server = Server()
     slow, other = Conn(), Conn()
-    slow.sub = Subscriber(lambda packets: (slow._deliver(packets), pause(slow.sub)))
+    slow.sub = Recorder(lambda packets: (slow._deliver(packets), pause(slow.sub)))
     server.subs.subscribe(slow.sub, b"q")
     server.subs.ready(slow.sub, 3)
     server.push(b"q", b"1")  # delivered, and the connection pauses itself

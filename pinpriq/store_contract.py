@@ -1,0 +1,85 @@
+"""What the broker needs from a store of queues, and what it may rely on.
+
+``store.QueueStore`` (in memory) is the store today; a log-backed or Redis-backed store is
+written against this contract, not against that class. The broker (``broker.py``) and the
+subscriptions (``subscriptions.py``) use a store only through ``Store``.
+
+How an asynchronous store fits. ``Store`` is synchronous: each call has done its work when it
+returns, so a ``Session`` applies a whole batch of frames without yielding. A store whose
+operations complete later (Redis: one script call per push or pop, pipelined per batch) sits
+behind the same broker in two parts, with no copy of the broker:
+
+* before handing a connection's batch to ``Session.receive``, its driver runs the batch's store
+  operations, in frame order, as one pipeline (``await store.run(frames)``), and the store keeps
+  their results; ``receive`` then calls ``push`` and ``pop`` as it does today and gets those
+  results back in the same order, so replies keep their places in the output;
+* deliveries, which another connection's push or another front end's causes, come from a
+  subscriptions object of that store's own (the same methods as ``subscriptions.Subscriptions``),
+  which pops asynchronously and hands each result to ``Session.deliver`` when it arrives, as the
+  in-memory one does at once.
+
+Both halves leave ``broker.py`` as it is; they are the Redis store's work, not this module's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from pinpriq.wire import KeyedPayload
+
+__all__ = ["Rank", "Store"]
+
+#: How good the packet a pop of a queue would select is: ``(prio, -seq)``, smaller is better.
+Rank = tuple[int, int]
+
+
+class Store(Protocol):
+    """Named priority queues with key groups and TTLs (decisions 1-5 of docs/protocol.md).
+
+    The broker relies on:
+
+    * **Order.** Calls take effect in the order they are made: a push is visible to the next
+      pop, and "newest" means "pushed by the latest call".
+    * **Time.** The store reads a clock it was given; deadlines it returns are on that clock.
+      An expired packet is never returned, even if ``expire`` has not run since its deadline.
+    * **Cost.** ``push`` and ``pop`` are on the server's hot path: O(log n) or better, and
+      independent of other queues.
+    * **Memory.** ``bytes_held`` is what the memory cap compares against; it changes only in
+      the calls below.
+    """
+
+    #: Estimated bytes held by queued packets; what the server's memory cap compares against.
+    bytes_held: int
+    #: Of those, bytes held by prio-0 packets: they leave only with a selectable packet of their
+    #: key (or by expiring), so a cap full of them never frees itself.
+    unselectable_bytes: int
+    #: Packets removed at their TTL deadline since the store was made, by ``expire`` or by the
+    #: store itself before a read.
+    expired: int
+
+    def __len__(self) -> int:
+        """Packets held, in all queues."""
+        ...
+
+    def push(self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> float:
+        """Queue a packet; returns its deadline on the store's clock (inf for TTL 0)."""
+        ...
+
+    def pop(self, queue: bytes) -> Sequence[KeyedPayload]:
+        """Remove and return the best packet and its key group, the selected packet first
+        (decisions 2-4), at most 65,535 packets; empty if nothing is selectable."""
+        ...
+
+    def peek_rank(self, queue: bytes) -> Rank | None:
+        """The rank of what ``pop(queue)`` would select, comparable across queues of this store
+        (decision 6: best across a subscriber's queues); ``None`` if nothing is selectable."""
+        ...
+
+    def next_deadline(self) -> float | None:
+        """When the earliest live packet expires, on the store's clock; ``None`` if none will."""
+        ...
+
+    def expire(self) -> int:
+        """Remove every packet whose deadline has come; returns how many."""
+        ...
