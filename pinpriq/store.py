@@ -32,9 +32,19 @@ import heapq
 import math
 from collections.abc import Callable, Iterable
 from itertools import islice
-from typing import NamedTuple
+from typing import Final
 
-__all__ = ["DEFAULT_MAX_POP", "PACKET_OVERHEAD", "Clock", "QueueStore", "QueuedPacket"]
+__all__ = [
+    "DEFAULT_MAX_POP",
+    "KEY",
+    "PACKET_OVERHEAD",
+    "PAYLOAD",
+    "PRIO",
+    "SEQ",
+    "Clock",
+    "QueueStore",
+    "QueuedPacket",
+]
 
 Clock = Callable[[], float]
 
@@ -55,29 +65,27 @@ _STALE_SLACK = 64
 _ExpiryEntry = tuple[float, int, bytes, bytes]
 
 
-class QueuedPacket(NamedTuple):
-    """A packet held by the store. ``seq`` is store-wide push order; ``deadline`` is inf for
-    TTL 0. A named tuple because the store builds one per push: ``tuple.__new__`` is several
-    times cheaper than an ``__init__``."""
-
-    key: bytes
-    payload: bytes
-    prio: int
-    seq: int
-    deadline: float
-
-
-_new_packet = tuple.__new__
+#: A packet held by the store: ``(key, payload, prio, seq)``, where ``seq`` is store-wide push
+#: order. A plain tuple, read through the indices below, because the store builds one per push
+#: and reads its fields on every pop: a plain tuple is the cheapest object CPython builds (a
+#: named tuple takes three allocations through ``tuple.__new__``, and its fields are read
+#: through descriptors). Its TTL deadline lives in its expiry-heap entry, the one place that
+#: needs it.
+QueuedPacket = tuple[bytes, bytes, int, int]
+KEY: Final = 0
+PAYLOAD: Final = 1
+PRIO: Final = 2
+SEQ: Final = 3
 
 
 def _held(packets: Iterable[QueuedPacket]) -> int:
     """The bytes ``bytes_held`` counts for these packets."""
-    return sum(len(p.key) + len(p.payload) + PACKET_OVERHEAD for p in packets)
+    return sum(len(p[KEY]) + len(p[PAYLOAD]) + PACKET_OVERHEAD for p in packets)
 
 
 def _unselectable(packets: Iterable[QueuedPacket]) -> int:
     """The bytes ``unselectable_bytes`` counts for these packets: those of prio 0."""
-    return _held(p for p in packets if not p.prio)
+    return _held(p for p in packets if not p[PRIO])
 
 
 #: A key's packets: the lone packet itself, or a dict from sequence number to packet, push order.
@@ -103,8 +111,8 @@ class _Queue:
 
     def holds(self, packet: QueuedPacket) -> bool:
         """Whether ``packet`` is live: still in its key group."""
-        group = self.groups.get(packet.key)
-        return group is packet or (isinstance(group, dict) and packet.seq in group)
+        group = self.groups.get(packet[KEY])
+        return group is packet or (isinstance(group, dict) and packet[SEQ] in group)
 
     def top(self) -> tuple[int, int, QueuedPacket] | None:
         """The best live selectable packet as ``(prio, seq, packet)``, without removing it;
@@ -115,7 +123,7 @@ class _Queue:
             level = self.levels[prio]
             packet = level[-1]
             if self.holds(packet):
-                return prio, packet.seq, packet
+                return prio, packet[SEQ], packet
             self.drop_top(prio, level)
         return None
 
@@ -184,7 +192,7 @@ class QueueStore:
         self._seq += 1
         seq = self._seq
         deadline = self._clock() + ttl_ms / 1000 if ttl_ms else _NEVER
-        packet = _new_packet(QueuedPacket, (key, payload, prio, seq, deadline))
+        packet = (key, payload, prio, seq)
         q = self._queues.get(queue)
         if q is None:
             q = self._queues[queue] = _Queue(queue)
@@ -195,7 +203,7 @@ class QueueStore:
         elif isinstance(group, dict):
             group[seq] = packet
         else:
-            groups[key] = {group.seq: group, seq: packet}
+            groups[key] = {group[SEQ]: group, seq: packet}
         if prio:
             level = q.levels.get(prio)
             if level is None:
@@ -238,14 +246,14 @@ class QueueStore:
             if not level:
                 del levels[prio]
                 q.mask = mask & ~(1 << prio)
-            key = selected.key
+            key = selected[KEY]
             group = groups.get(key)
             if group is selected:  # a key of its own: the common case
                 del groups[key]
                 reply = [selected]
-                self.bytes_held -= len(key) + len(selected.payload) + PACKET_OVERHEAD
+                self.bytes_held -= len(key) + len(selected[PAYLOAD]) + PACKET_OVERHEAD
                 break
-            if isinstance(group, dict) and selected.seq in group:
+            if isinstance(group, dict) and selected[SEQ] in group:
                 reply = self._take_group(q, key, group, selected)
                 break
         q.size -= len(reply)
@@ -262,14 +270,14 @@ class QueueStore:
         self, q: _Queue, key: bytes, group: dict[int, QueuedPacket], selected: QueuedPacket
     ) -> list[QueuedPacket]:
         """Remove the selected packet and up to ``max_pop - 1`` siblings from their group."""
-        del group[selected.seq]
+        del group[selected[SEQ]]
         if len(group) < self._max_pop:  # the whole group goes
             reply = [selected, *group.values()]
             del q.groups[key]
         else:
             reply = [selected, *islice(group.values(), self._max_pop - 1)]
             for sibling in islice(reply, 1, None):
-                del group[sibling.seq]
+                del group[sibling[SEQ]]
             if len(group) == 1:
                 q.groups[key] = next(iter(group.values()))
         self.bytes_held -= _held(reply)
@@ -327,13 +335,14 @@ class QueueStore:
     @staticmethod
     def _ungroup(q: _Queue, packet: QueuedPacket) -> None:
         """Take a live packet out of its key group, which is what removes it."""
-        group = q.groups[packet.key]
+        key = packet[KEY]
+        group = q.groups[key]
         if not isinstance(group, dict):
-            del q.groups[packet.key]
+            del q.groups[key]
             return
-        del group[packet.seq]
+        del group[packet[SEQ]]
         if len(group) == 1:
-            q.groups[packet.key] = next(iter(group.values()))
+            q.groups[key] = next(iter(group.values()))
 
     def _live(self, entry: _ExpiryEntry) -> QueuedPacket | None:
         """The packet an expiry entry stands for, or ``None`` if it has left the store."""
@@ -344,7 +353,7 @@ class QueueStore:
         group = q.groups.get(key)
         if isinstance(group, dict):
             return group.get(seq)
-        return group if group is not None and group.seq == seq else None
+        return group if group is not None and group[SEQ] == seq else None
 
     def _compact_expiry(self) -> None:
         """Drop stale expiry entries; ``pop`` calls this once they outnumber the store's packets
@@ -354,7 +363,7 @@ class QueueStore:
 
     def check_invariants(self) -> None:
         """Assert the internal structures agree with each other. For tests; O(n log n)."""
-        count = timed = 0
+        count = 0
         held: list[QueuedPacket] = []
         for name, q in self._queues.items():
             assert q.groups, f"queue {name!r} is empty but remembered"
@@ -362,34 +371,32 @@ class QueueStore:
             selectable: dict[int, QueuedPacket] = {}
             for key, group in q.groups.items():
                 members = list(_members(group))
-                seqs = [packet.seq for packet in members]
+                seqs = [packet[SEQ] for packet in members]
                 assert seqs == sorted(seqs), "group out of push order"
                 if isinstance(group, dict):
                     assert len(group) > 1, "a dict group of one packet"
                     assert list(group) == seqs, "group filed under the wrong seqs"
                 for packet in members:
-                    assert packet.key == key, "packet filed under the wrong key"
-                    if packet.prio:
-                        selectable[packet.seq] = packet
-                    if packet.deadline != _NEVER:
-                        timed += 1
+                    assert packet[KEY] == key, "packet filed under the wrong key"
+                    if packet[PRIO]:
+                        selectable[packet[SEQ]] = packet
                 held.extend(members)
                 count += len(members)
             assert q.size == sum(len(list(_members(g))) for g in q.groups.values()), "size"
-            entries = {p.seq: p for level in q.levels.values() for p in level}
+            entries = {p[SEQ]: p for level in q.levels.values() for p in level}
             assert q.entries == sum(map(len, q.levels.values())), "entries count is wrong"
             assert len(entries) == q.entries, "a packet is twice in the levels"
             for seq, packet in selectable.items():
                 assert entries.get(seq) is packet, "a live selectable packet is not in its level"
             for prio, level in q.levels.items():
                 assert level, f"empty level {prio}"
-                assert all(p.prio == prio for p in level)
-                seqs = [p.seq for p in level]
+                assert all(p[PRIO] == prio for p in level)
+                seqs = [p[SEQ] for p in level]
                 assert seqs == sorted(seqs), "level out of push order"
             assert q.mask == sum(1 << prio for prio in q.levels), "mask disagrees with levels"
             assert q.entries <= 2 * q.size + _STALE_SLACK + 1, "stale entries not compacted"
         assert count == self._count, f"count {self._count} but {count} packets held"
         assert _held(held) == self.bytes_held, f"bytes_held {self.bytes_held} but {_held(held)}"
         assert _unselectable(held) == self.unselectable_bytes, "unselectable_bytes is wrong"
-        live_entries = [entry for entry in self._expiry if self._live(entry) is not None]
-        assert len(live_entries) == timed, "a timed packet has no expiry entry"
+        live_seqs = [entry[1] for entry in self._expiry if self._live(entry) is not None]
+        assert len(live_seqs) == len(set(live_seqs)), "a packet has two expiry entries"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import struct
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar
+from typing import Any, NamedTuple, TypeAlias, TypeVar
 
 from pinpriq.errors import ArgumentError, PinpriqError
 
@@ -150,8 +150,6 @@ class Sync(NamedTuple):
     """A barrier (protocol 1.1): answered ``00 00`` once every earlier frame is applied."""
 
 
-READY = Ready()
-SYNC = Sync()
 
 ClientFrame: TypeAlias = Push | Pop | Subscribe | Unsubscribe | Ready | Sync
 
@@ -166,22 +164,39 @@ FRAMES: dict[int, type[ClientFrame]] = {
     Opcode.SYNC: Sync,
 }
 _OPCODE_BYTE = {cls: bytes([op]) for op, cls in FRAMES.items()}
-# The layouts, by the frame's fields: the push; one queue name; the opcode alone.
-_NAMED: dict[int, type[ClientFrame]] = {
-    op: cls for op, cls in FRAMES.items() if cls._fields == ("queue",)
-}
-_SINGLE_BYTE: dict[int, ClientFrame] = {op: cls() for op, cls in FRAMES.items() if not cls._fields}
-assert len(_NAMED) + len(_SINGLE_BYTE) + 1 == len(FRAMES), "a frame with no layout"
+
+READY = Ready()
+SYNC = Sync()
+
+# The decoder's view of ``FRAMES``: for each possible first byte, the frame's layout, its class
+# and, for one-byte frames, the frame itself (they carry nothing, so one instance serves every
+# time). Tuples indexed by the byte: an index into a tuple is the cheapest lookup CPython has.
+_UNKNOWN, _PUSH, _NAMED, _SINGLE = range(4)
 
 
-class KeyedPayload(Protocol):
-    """Anything with a key and a payload: wire packets and the store's queued packets."""
+def _layout(cls: type[ClientFrame] | None) -> int:
+    """Not an opcode; the push; a queue name after the opcode; the opcode alone."""
+    if cls is None:
+        return _UNKNOWN
+    if cls is Push:
+        return _PUSH
+    if cls._fields == ("queue",):
+        return _NAMED
+    if not cls._fields:
+        return _SINGLE
+    raise AssertionError(f"no layout for {cls.__name__} frames")
 
-    @property
-    def key(self) -> bytes: ...
 
-    @property
-    def payload(self) -> bytes: ...
+_CLASSES: tuple[Any, ...] = tuple(FRAMES.get(byte) for byte in range(256))
+_LAYOUTS = tuple(_layout(cls) for cls in _CLASSES)
+_SINGLETONS: tuple[Any, ...] = tuple(
+    cls() if layout == _SINGLE else None for cls, layout in zip(_CLASSES, _LAYOUTS, strict=True)
+)
+
+
+#: What a reply is encoded from: tuples whose first two items are a key and a payload, such as
+#: ``Packet`` or the store's queued packets, read by index (the cheapest way to read a tuple).
+KeyedPayload = tuple[Any, ...]
 
 
 def _check_field(name: str, value: bytes) -> None:
@@ -225,7 +240,8 @@ def encode_reply(packets: Sequence[KeyedPayload]) -> bytes:
     count = len(packets)
     if count == 1:  # the common reply: one packet of a unique key
         packet = packets[0]
-        key, payload = packet.key, packet.payload
+        key: bytes = packet[0]
+        payload: bytes = packet[1]
         return _ONE_PACKET_HEADER.pack(1, len(key), len(payload)) + key + payload
     if not count:
         return _EMPTY_REPLY
@@ -233,9 +249,10 @@ def encode_reply(packets: Sequence[KeyedPayload]) -> bytes:
         raise ArgumentError(f"a reply holds at most {MAX_REPLY_PACKETS} packets, not {count}")
     parts = [_COUNT.pack(count)]
     for packet in packets:
-        parts.append(_PACKET_HEADER.pack(len(packet.key), len(packet.payload)))
-        parts.append(packet.key)
-        parts.append(packet.payload)
+        key, payload = packet[0], packet[1]
+        parts.append(_PACKET_HEADER.pack(len(key), len(payload)))
+        parts.append(key)
+        parts.append(payload)
     return b"".join(parts)
 
 
@@ -308,11 +325,12 @@ class FrameDecoder:
         frames: list[ClientFrame] = []
         # Locals, looked up once per chunk rather than once per frame.
         append, unpack_push, new = frames.append, _PUSH_HEADER.unpack_from, tuple.__new__
-        named, single = _NAMED, _SINGLE_BYTE
+        layouts, classes = _LAYOUTS, _CLASSES
         pos, end, need = 0, len(data), 1
         while pos < end:
             opcode = data[pos]
-            if opcode == 0x70:  # Opcode.PUSH, the hot case
+            layout = layouts[opcode]
+            if layout == _PUSH:
                 if end - pos < _PUSH_HEAD:
                     need = _PUSH_HEAD
                     break
@@ -337,10 +355,7 @@ class FrameDecoder:
                     )
                 )
                 pos = stop
-            elif (frame := single.get(opcode)) is not None:
-                append(frame)
-                pos += 1
-            elif (cls := named.get(opcode)) is not None:
+            elif layout == _NAMED:
                 if end - pos < _NAME_HEAD:
                     need = _NAME_HEAD
                     break
@@ -348,8 +363,11 @@ class FrameDecoder:
                 if stop > end:
                     need = stop - pos
                     break
-                append(new(cls, (data[pos + _NAME_HEAD : stop],)))
+                append(new(classes[opcode], (data[pos + _NAME_HEAD : stop],)))
                 pos = stop
+            elif layout == _SINGLE:
+                append(_SINGLETONS[opcode])
+                pos += 1
             else:
                 self.error = ProtocolError(self._offset + pos, opcode)
                 break

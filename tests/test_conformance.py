@@ -33,7 +33,7 @@ from pinpriq.conformance import (
     run_suite,
 )
 from pinpriq.server import PinpriqServer
-from pinpriq.store import QueuedPacket, QueueStore
+from pinpriq.store import KEY, PAYLOAD, PRIO, SEQ, QueuedPacket, QueueStore
 from pinpriq.subscriptions import Subscriber, Subscriptions
 
 FIXTURES = load_fixtures(DEFAULT_FIXTURES)
@@ -274,7 +274,8 @@ class RequeuesOnClose(Subscriptions):
         super().remove(sub)
         for queue, packets in self._sent.pop(id(sub), []):
             for packet in packets:
-                self._recording.store.push(queue, packet.key, packet.payload, 0, packet.prio or 1)
+                key, payload, prio = packet[KEY], packet[PAYLOAD], packet[PRIO]
+                self._recording.store.push(queue, key, payload, 0, prio or 1)
             self.offer(queue)
 
 
@@ -459,7 +460,7 @@ VARIANTS: dict[str, Variant] = {
         {"key-group"},
     ),
     "key group in push order, selected not first": Variant(
-        with_store(lambda: ReorderedGroup(clock, lambda r: sorted(r, key=lambda p: p.seq))),
+        with_store(lambda: ReorderedGroup(clock, lambda r: sorted(r, key=lambda p: p[SEQ]))),
         {"key-group", "pop-prio0-only"},
     ),
     "replies not capped at 65,535 packets": Variant(

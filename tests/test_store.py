@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pinpriq import wire
-from pinpriq.store import DEFAULT_MAX_POP, QueuedPacket, QueueStore
+from pinpriq.store import DEFAULT_MAX_POP, KEY, PAYLOAD, PRIO, QueuedPacket, QueueStore
 
 YEAR = 365 * 24 * 3600.0
 
@@ -43,7 +43,7 @@ def store(clock: FakeClock) -> QueueStore:
 
 
 def payloads(packets: list[QueuedPacket]) -> list[bytes]:
-    return [p.payload for p in packets]
+    return [p[PAYLOAD] for p in packets]
 
 
 def push(
@@ -237,7 +237,7 @@ def test_reply_is_selected_first_then_siblings_oldest_first(store: QueueStore) -
     push(store, b"k4", key=b"k", prio=5)
     reply = store.pop(b"q")
     assert payloads(reply) == [b"k3", b"k1", b"k2", b"k4"]
-    assert [p.key for p in reply] == [b"k"] * 4
+    assert [p[KEY] for p in reply] == [b"k"] * 4
     assert payloads(store.pop(b"q")) == [b"other"]
 
 
@@ -287,7 +287,7 @@ def test_default_store_pops_at_most_65535_packets(store: QueueStore) -> None:
     store.push(b"q", b"k", b"sel", 0, 1)
     reply = store.pop(b"q")
     assert len(reply) == 65535
-    assert (reply[0].payload, reply[1].payload, reply[-1].payload) == (b"sel", b"0", b"65533")
+    assert (reply[0][PAYLOAD], reply[1][PAYLOAD], reply[-1][PAYLOAD]) == (b"sel", b"0", b"65533")
     assert store.depth(b"q") == 3
 
 
@@ -312,7 +312,7 @@ def test_empty_queue_name_and_key_work(store: QueueStore) -> None:
     store.push(b"", b"", b"", 0, 0)
     assert store.queue_count == 1
     reply = store.pop(b"")
-    assert [(p.key, p.payload) for p in reply] == [(b"", b"payload"), (b"", b"")]
+    assert [p[:2] for p in reply] == [(b"", b"payload"), (b"", b"")]
     assert store.queue_count == 0
 
 
@@ -462,7 +462,11 @@ QUEUES = (b"", b"a", b"b")
 KEYS = (b"", b"x", b"y")
 
 
-def described(packets: list[QueuedPacket] | list[ModelPacket]) -> list[tuple[bytes, bytes, int]]:
+def described(packets: list[QueuedPacket]) -> list[tuple[bytes, bytes, int]]:
+    return [(p[KEY], p[PAYLOAD], p[PRIO]) for p in packets]
+
+
+def described_model(packets: list[ModelPacket]) -> list[tuple[bytes, bytes, int]]:
     return [(p.key, p.payload, p.prio) for p in packets]
 
 
@@ -490,7 +494,7 @@ class StoreVersusModel(RuleBasedStateMachine):
 
     @rule(queue=st.sampled_from(QUEUES))
     def pop(self, queue: bytes) -> None:
-        assert described(self.store.pop(queue)) == described(self.model.pop(queue))
+        assert described(self.store.pop(queue)) == described_model(self.model.pop(queue))
 
     @rule(seconds=st.sampled_from([0.125, 0.25, 0.5]))
     def advance(self, seconds: float) -> None:

@@ -47,7 +47,7 @@ class Conn:
         self.sub: Subscriber = Recorder(self._deliver)
 
     def _deliver(self, packets: Sequence[KeyedPayload]) -> None:
-        self.deliveries.append([p.payload for p in packets])
+        self.deliveries.append([p[1] for p in packets])  # each packet's payload
 
 
 class Server:

@@ -140,13 +140,12 @@ def test_two_packet_reply_bytes() -> None:
     assert decode_replies(one_byte_at_a_time(data)) == [packets]
 
 
-def test_encode_reply_accepts_any_key_payload_objects() -> None:
-    class Queued:
-        def __init__(self, key: bytes, payload: bytes) -> None:
-            self.key = key
-            self.payload = payload
-
-    assert encode_reply([Queued(b"kk", b"")]) == bytes.fromhex("0001 0002 0000 6b6b")
+def test_encode_reply_takes_any_tuples_that_start_with_key_and_payload() -> None:
+    queued = (b"kk", b"", 7, 42)  # the store's (key, payload, prio, seq)
+    assert encode_reply([queued]) == bytes.fromhex("0001 0002 0000 6b6b")
+    assert encode_reply([queued, Packet(b"k", b"v")]) == bytes.fromhex(
+        "0002 0002 0000 6b6b 0001 0001 6b 76"
+    )
 
 
 def test_reply_decoder_separates_consecutive_replies() -> None:
