@@ -50,7 +50,7 @@ import attrs
 import trio
 
 from pinpriq import wire
-from pinpriq.bench.runner import die_with_parent
+from pinpriq.bench.lifetime import start_child
 from pinpriq.wire import Packet
 
 __all__ = ["main"]
@@ -75,6 +75,8 @@ FOREVER, SHORT_LIVED = b"0", b"t"
 LEVEL_GROWTH = 0.05
 LEVEL_SLACK_BYTES = 2 * 1024 * 1024
 LISTENING = re.compile(rb"pinpriq listening on \S+ port (\d+)")
+#: How often ``ServerProcess.wait`` looks whether the server has exited.
+WAIT_POLL_SECONDS = 0.02
 #: Hard stop beyond the planned run, in case a task ignores its deadline (a stuck server).
 GRACE_SECONDS = 30.0
 
@@ -305,10 +307,16 @@ def listener_pid(port: int) -> int | None:
 
 
 class ServerProcess:
-    """``pinpriq-server`` on a free loopback port; its log lines are kept for the report."""
+    """``pinpriq-server`` on a free loopback port; its log lines are kept for the report.
 
-    def __init__(self, process: trio.Process) -> None:
+    The server is forked on the main thread, not through ``trio.lowlevel.open_process``: it
+    dies with the thread that forked it (``pinpriq.bench.lifetime``), and trio forks from a
+    worker thread that exits after 10 s idle. trio did not start it, so it cannot wait for it
+    either: ``wait`` polls."""
+
+    def __init__(self, process: subprocess.Popen[bytes], stderr: trio.lowlevel.FdStream) -> None:
         self.process = process
+        self.stderr = stderr
         self.port = 0
         self.log: list[str] = []
         self.listening = trio.Event()
@@ -316,37 +324,50 @@ class ServerProcess:
     @classmethod
     async def start(cls, nursery: trio.Nursery) -> ServerProcess:
         command = [sys.executable, "-m", "pinpriq.cli", "--host", HOST, "--port", "0"]
-        process = await trio.lowlevel.open_process(
-            command, stderr=subprocess.PIPE, preexec_fn=die_with_parent
-        )
-        server = cls(process)
+        log_end, server_end = os.pipe()
+        try:
+            process = start_child(command, stderr=server_end)
+        except BaseException:
+            os.close(log_end)
+            raise
+        finally:
+            os.close(server_end)
+        server = cls(process, trio.lowlevel.FdStream(log_end))
         nursery.start_soon(server._read_log)
         with trio.move_on_after(15):
             await server.listening.wait()
         if not server.port:
             process.kill()
+            await server.wait()
             raise SoakError("pinpriq-server did not start: " + " | ".join(server.log[-5:]))
         return server
 
     async def _read_log(self) -> None:
-        assert self.process.stderr is not None
         pending = b""
-        while chunk := await self.process.stderr.receive_some(RECEIVE_SIZE):
-            *lines, pending = (pending + chunk).split(b"\n")
-            for line in lines:
-                if match := LISTENING.search(line):
-                    self.port = int(match.group(1))
-                    self.listening.set()
-                self.log.append(line.decode(errors="replace"))
+        async with self.stderr:
+            while chunk := await self.stderr.receive_some(RECEIVE_SIZE):
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    if match := LISTENING.search(line):
+                        self.port = int(match.group(1))
+                        self.listening.set()
+                    self.log.append(line.decode(errors="replace"))
         self.listening.set()  # exited before listening: start() reports it
+
+    async def wait(self) -> int:
+        """The exit status, once the server has exited; polls without blocking trio."""
+        # Nothing could set a trio.Event when it exits: trio does not know this child.
+        while (status := self.process.poll()) is None:  # noqa: ASYNC110
+            await trio.sleep(WAIT_POLL_SECONDS)
+        return status
 
     async def stop(self) -> int:
         """SIGTERM, then the exit status (killed after 10 s: a graceful stop takes ~1 s)."""
         self.process.send_signal(signal.SIGTERM)
         with trio.move_on_after(10):
-            return await self.process.wait()
+            return await self.wait()
         self.process.kill()
-        await self.process.wait()
+        await self.wait()
         raise SoakError("pinpriq-server did not exit within 10 s of SIGTERM")
 
 

@@ -22,6 +22,7 @@ One module per concept, imports going one way (each imports only those listed af
     plans      what one client sends, built before the clock starts
     dialects   pinpriq frames vs Redis RESP, and counting replies
     workload   the scenarios, ``Workload``, ``BenchError``
+    lifetime   child processes that die with their parent, forked on the main thread
 """
 
 from pinpriq.bench.cli import main
