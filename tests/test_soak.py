@@ -1,5 +1,6 @@
-"""The soak script (``python -m pinpriq.soak``) still runs: a few seconds of it, so it cannot rot.
-And its server lives exactly as long as the soak: through a whole run, and not past a killed one.
+"""The soak script (``python -m pinpriq.soak``, in ``pinpriq.bench.soak``) still runs: a few
+seconds of it, so it cannot rot. And its server lives exactly as long as the soak: through a
+whole run, and not past a killed one.
 
 The real soak is a minute or more and is run by hand; see README, "Soak test". The lifetime tests
 run on real time, as they must: they are about processes and signals, not logic.
@@ -19,7 +20,7 @@ import pytest
 import trio
 
 from pinpriq.bench.lifetime import start_child
-from pinpriq.soak import ServerProcess
+from pinpriq.bench.soak import ServerProcess
 
 RSS_LINE = re.compile(r"^\s*\d+\.\d+s  ops .* rss \d+\.\d MiB$", re.MULTILINE)
 #: Longer than trio keeps an idle worker thread (10 s in trio._core._thread_cache): a child

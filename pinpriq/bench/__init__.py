@@ -23,6 +23,9 @@ One module per concept, imports going one way (each imports only those listed af
     dialects   pinpriq frames vs Redis RESP, and counting replies
     workload   the scenarios, ``Workload``, ``BenchError``
     lifetime   child processes that die with their parent, forked on the main thread
+
+Beside the bench, and sharing only ``lifetime`` with it, ``soak`` churns a server for minutes
+and watches its memory (``python -m pinpriq.soak``, through the shim ``pinpriq/soak.py``).
 """
 
 from pinpriq.bench.cli import main
