@@ -43,8 +43,18 @@ __all__ = [
     "run_suite",
 ]
 
-#: The fixtures of the checkout this module was loaded from (an editable or in-tree install).
-DEFAULT_FIXTURES = Path(__file__).resolve().parent.parent / "wire-fixtures"
+
+def _default_fixtures() -> Path:
+    """The fixtures installed with this module: ``pinpriq/fixtures/``, where a regular install
+    (a wheel, ``pip install .``, the Docker image) puts wire-fixtures/ as package data; or, in a
+    checkout or an editable install, which install no copy, the checkout's ``wire-fixtures/``."""
+    package = Path(__file__).resolve().parent
+    installed = package / "fixtures"
+    return installed if installed.is_dir() else package.parent / "wire-fixtures"
+
+
+#: Where ``pinpriq-conformance`` reads the fixtures unless given ``--fixtures``.
+DEFAULT_FIXTURES = _default_fixtures()
 #: Seconds an ``expect``, ``expect-closed`` or ``send`` step (or opening a connection) may take.
 DEFAULT_TIMEOUT = 2.0
 #: Pause between the writes of ``send-bytewise``, so each byte normally reaches the server in
@@ -508,7 +518,7 @@ def _argument_parser() -> argparse.ArgumentParser:
         type=Path,
         default=DEFAULT_FIXTURES,
         metavar="DIR",
-        help="directory of *.txt fixtures (default: the checkout's wire-fixtures/, %(default)s)",
+        help="directory of *.txt fixtures (default: those installed with pinpriq, %(default)s)",
     )
     parser.add_argument(
         "--timeout",
