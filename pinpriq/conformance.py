@@ -302,7 +302,7 @@ def _hex(data: bytes | bytearray, start: int, *, limit: int = EXCERPT) -> str:
     return f"{before}{part}{after}" if part else "(nothing)"
 
 
-class _Connection:
+class _Link:
     """One connection of a fixture, with the bytes received but not yet matched."""
 
     def __init__(self, name: str, stream: trio.SocketStream) -> None:
@@ -386,9 +386,9 @@ class _Player:
         self.host = host
         self.port = port
         self.step_timeout = step_timeout
-        self.connections: dict[str, _Connection] = {}
+        self.connections: dict[str, _Link] = {}
 
-    async def connection(self, name: str) -> _Connection:
+    async def connection(self, name: str) -> _Link:
         conn = self.connections.get(name)
         if conn is None:
             with trio.move_on_after(self.step_timeout):
@@ -396,7 +396,7 @@ class _Player:
                     stream = await trio.open_tcp_stream(self.host, self.port)
                 except OSError as error:
                     raise StepFailed(f"cannot connect: {_reason(error)}") from None
-                conn = self.connections[name] = _Connection(name, stream)
+                conn = self.connections[name] = _Link(name, stream)
                 return conn
             raise StepFailed(f"cannot connect within {self.step_timeout:g} s")
         return conn
@@ -423,7 +423,7 @@ class _Player:
             case Action.CLOSE:
                 await self.close(conn)
 
-    async def close(self, conn: _Connection) -> None:
+    async def close(self, conn: _Link) -> None:
         del self.connections[conn.name]
         await trio.aclose_forcefully(conn.stream)
 

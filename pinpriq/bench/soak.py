@@ -161,7 +161,7 @@ def random_push(rng: random.Random, queue: bytes, forever: bool) -> wire.Push:
     return wire.Push(queue, key, payload, ttl, rng.randint(1 if forever else 0, 10))
 
 
-class Workload:
+class ChurnTasks:
     """The client tasks, sharing a deadline and the stats."""
 
     def __init__(self, port: int, deadline: float, stats: Stats, seed: int) -> None:
@@ -473,7 +473,7 @@ async def churn(port: int, pid: int | None, args: argparse.Namespace) -> tuple[S
     stats = Stats()
     started = trio.current_time()
     deadline = started + args.seconds
-    workload = Workload(port, deadline, stats, args.seed)
+    tasks = ChurnTasks(port, deadline, stats, args.seed)
     sampler = Sampler(pid, stats, args.interval, print_flush)
     workers = max(1, args.connections // 2)
     ttl_pushers = max(1, args.connections // 4)
@@ -487,11 +487,11 @@ async def churn(port: int, pid: int | None, args: argparse.Namespace) -> tuple[S
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sampler.run, started, deadline)
             for i in range(workers):
-                nursery.start_soon(workload.worker, i)
+                nursery.start_soon(tasks.worker, i)
             for i in range(ttl_pushers):
-                nursery.start_soon(workload.ttl_pusher, i)
+                nursery.start_soon(tasks.ttl_pusher, i)
             for i in range(subscribers):
-                nursery.start_soon(workload.subscriber, i)
+                nursery.start_soon(tasks.subscriber, i)
         await trio.sleep(MAX_TTL_SECONDS + 0.2)  # every short-lived packet has expired
         drained = await drain(port, stats)
     return sampler, drained
