@@ -5,6 +5,8 @@ RUN useradd --create-home --uid 10001 pinpriq
 WORKDIR /opt/pinpriq
 COPY pyproject.toml README.md ./
 COPY pinpriq ./pinpriq
+# wire-fixtures/ is package data (pinpriq.fixtures): pinpriq-conformance reads it in the image.
+COPY wire-fixtures ./wire-fixtures
 RUN pip install --no-cache-dir . && rm -rf /opt/pinpriq/build
 
 USER pinpriq

@@ -43,8 +43,18 @@ __all__ = [
     "run_suite",
 ]
 
-#: The fixtures of the checkout this module was loaded from (an editable or in-tree install).
-DEFAULT_FIXTURES = Path(__file__).resolve().parent.parent / "wire-fixtures"
+
+def _default_fixtures() -> Path:
+    """The fixtures installed with this module: ``pinpriq/fixtures/``, where a regular install
+    (a wheel, ``pip install .``, the Docker image) puts wire-fixtures/ as package data; or, in a
+    checkout or an editable install, which install no copy, the checkout's ``wire-fixtures/``."""
+    package = Path(__file__).resolve().parent
+    installed = package / "fixtures"
+    return installed if installed.is_dir() else package.parent / "wire-fixtures"
+
+
+#: Where ``pinpriq-conformance`` reads the fixtures unless given ``--fixtures``.
+DEFAULT_FIXTURES = _default_fixtures()
 #: Seconds an ``expect``, ``expect-closed`` or ``send`` step (or opening a connection) may take.
 DEFAULT_TIMEOUT = 2.0
 #: Pause between the writes of ``send-bytewise``, so each byte normally reaches the server in
@@ -292,7 +302,7 @@ def _hex(data: bytes | bytearray, start: int, *, limit: int = EXCERPT) -> str:
     return f"{before}{part}{after}" if part else "(nothing)"
 
 
-class _Connection:
+class _Link:
     """One connection of a fixture, with the bytes received but not yet matched."""
 
     def __init__(self, name: str, stream: trio.SocketStream) -> None:
@@ -376,9 +386,9 @@ class _Player:
         self.host = host
         self.port = port
         self.step_timeout = step_timeout
-        self.connections: dict[str, _Connection] = {}
+        self.connections: dict[str, _Link] = {}
 
-    async def connection(self, name: str) -> _Connection:
+    async def connection(self, name: str) -> _Link:
         conn = self.connections.get(name)
         if conn is None:
             with trio.move_on_after(self.step_timeout):
@@ -386,7 +396,7 @@ class _Player:
                     stream = await trio.open_tcp_stream(self.host, self.port)
                 except OSError as error:
                     raise StepFailed(f"cannot connect: {_reason(error)}") from None
-                conn = self.connections[name] = _Connection(name, stream)
+                conn = self.connections[name] = _Link(name, stream)
                 return conn
             raise StepFailed(f"cannot connect within {self.step_timeout:g} s")
         return conn
@@ -413,7 +423,7 @@ class _Player:
             case Action.CLOSE:
                 await self.close(conn)
 
-    async def close(self, conn: _Connection) -> None:
+    async def close(self, conn: _Link) -> None:
         del self.connections[conn.name]
         await trio.aclose_forcefully(conn.stream)
 
@@ -508,7 +518,7 @@ def _argument_parser() -> argparse.ArgumentParser:
         type=Path,
         default=DEFAULT_FIXTURES,
         metavar="DIR",
-        help="directory of *.txt fixtures (default: the checkout's wire-fixtures/, %(default)s)",
+        help="directory of *.txt fixtures (default: those installed with pinpriq, %(default)s)",
     )
     parser.add_argument(
         "--timeout",

@@ -1,7 +1,7 @@
 """The server over real TCP on an ephemeral loopback port, spoken to in raw bytes.
 
-Each protocol decision (docs: PROTOCOL-DECISIONS.md) has at least one test here; TTL tests run
-on virtual time (the ``mock_clock`` fixture), never real sleeps.
+Each protocol decision (docs/protocol.md, "Decisions") has at least one test here; TTL tests
+run on virtual time (the ``mock_clock`` fixture), never real sleeps.
 """
 
 from __future__ import annotations

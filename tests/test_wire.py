@@ -1,4 +1,4 @@
-"""The wire codec against the protocol table (PROTOCOL-DECISIONS.md, docs/protocol.md).
+"""The wire codec against the protocol table (docs/protocol.md, "Frames").
 
 Expected bytes are written out by hand from the frame layouts, never produced by the encoder;
 the round-trip and chunking properties then lean on those pinned bytes.

@@ -22,6 +22,10 @@ One module per concept, imports going one way (each imports only those listed af
     plans      what one client sends, built before the clock starts
     dialects   pinpriq frames vs Redis RESP, and counting replies
     workload   the scenarios, ``Workload``, ``BenchError``
+    lifetime   child processes that die with their parent, forked on the main thread
+
+Beside the bench, and sharing only ``lifetime`` with it, ``soak`` churns a server for minutes
+and watches its memory (``python -m pinpriq.soak``, through the shim ``pinpriq/soak.py``).
 """
 
 from pinpriq.bench.cli import main

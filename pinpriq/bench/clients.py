@@ -53,7 +53,7 @@ class Sync:
         return sum(self.progress[i] for i in self.subscriber_slots)
 
 
-class _Conn:
+class _Link:
     """A blocking socket and the replies counted on it."""
 
     def __init__(self, w: Workload, replies: Replies) -> None:
@@ -103,12 +103,12 @@ class _Conn:
 
 
 def _run_batches(
-    conn: _Conn, batches: list[Batch], progress: Any, slot: int, op_ns: float = 0.0
+    link: _Link, batches: list[Batch], progress: Any, slot: int, op_ns: float = 0.0
 ) -> array.array[int]:
     """The timed loop: send a batch, wait for its replies, note its round trip. With
     ``op_ns``, batches leave on a schedule of one op per ``op_ns`` instead of at once."""
     times = array.array("q")
-    sendall, receive, now = conn.sock.sendall, conn.receive, time.monotonic_ns
+    sendall, receive, now = link.sock.sendall, link.receive, time.monotonic_ns
     done = 0
     begun = now()
     for data, ops, replies in batches:
@@ -117,8 +117,8 @@ def _run_batches(
         started = now()
         if data:
             sendall(data)
-        wanted = conn.replies + replies
-        while conn.replies < wanted:
+        wanted = link.replies + replies
+        while link.replies < wanted:
             receive()
         times.append(now() - started)
         done += ops
@@ -128,19 +128,19 @@ def _run_batches(
 
 def throughput_client(w: Workload, index: int, queue: bytes, sync: Sync) -> dict[str, Any]:
     plan = build_plan(w, index, queue)
-    conn = _Conn(w, dialect_of(w).replies(w))
-    with conn.sock:
-        conn.stream(plan.fill, plan.fill_replies)
-        conn.replies = conn.packets = conn.empty = 0
+    link = _Link(w, dialect_of(w).replies(w))
+    with link.sock:
+        link.stream(plan.fill, plan.fill_replies)
+        link.replies = link.packets = link.empty = 0
         sync.barrier.wait(SETUP_SECONDS)
         cpu, started = time.process_time(), time.monotonic_ns()
         op_ns = w.clients * 1e9 / w.rate if w.rate else 0.0
-        times = _run_batches(conn, plan.batches, sync.progress, index, op_ns)
+        times = _run_batches(link, plan.batches, sync.progress, index, op_ns)
         ended, cpu = time.monotonic_ns(), time.process_time() - cpu
     return {
         "ops": sum(ops for _, ops, _ in plan.batches),
-        "packets": conn.packets,
-        "empty": conn.empty - plan.barriers,
+        "packets": link.packets,
+        "empty": link.empty - plan.barriers,
         "start": started,
         "end": ended,
         "cpu": cpu,
@@ -169,16 +169,16 @@ def publisher(w: Workload, index: int, queue: bytes, sync: Sync) -> dict[str, An
     padding = b"." * (w.payload_size - 8)
     barrier = PinpriqDialect.barrier or b""
     interval = w.pipeline * w.clients / w.rate if w.rate else 0.0
-    conn = _Conn(w, PinpriqReplies())
-    with conn.sock:
+    link = _Link(w, PinpriqReplies())
+    with link.sock:
         sync.barrier.wait(SETUP_SECONDS)
         cpu, started = time.process_time(), time.monotonic_ns()
         for number, i in enumerate(range(0, count, w.pipeline)):
             if interval:
                 _sleep_until(started + int(number * interval * 1e9))
             tail = time.monotonic_ns().to_bytes(8, "big") + padding + queue
-            conn.sock.sendall(tail.join(heads[i : i + w.pipeline]) + tail + barrier)
-            conn.wait_for(number + 1)
+            link.sock.sendall(tail.join(heads[i : i + w.pipeline]) + tail + barrier)
+            link.wait_for(number + 1)
             sync.progress[index] = i + w.pipeline
         ended, cpu = time.monotonic_ns(), time.process_time() - cpu
     return {"ops": count, "start": started, "end": ended, "cpu": cpu}
@@ -231,11 +231,11 @@ def _subscribe(w: Workload, queue: bytes, count: int) -> list[_Deliveries]:
     the subscribe proves the server has applied it before anything is published."""
     subscribers = []
     for _ in range(count):
-        conn = _Conn(w, PinpriqReplies())
-        conn.sock.sendall(encode(Subscribe(queue)) + (PinpriqDialect.barrier or b""))
-        conn.wait_for(1)
-        conn.sock.sendall(encode(READY) * w.prefetch)
-        subscribers.append(_Deliveries(w, conn.sock))
+        link = _Link(w, PinpriqReplies())
+        link.sock.sendall(encode(Subscribe(queue)) + (PinpriqDialect.barrier or b""))
+        link.wait_for(1)
+        link.sock.sendall(encode(READY) * w.prefetch)
+        subscribers.append(_Deliveries(w, link.sock))
     return subscribers
 
 

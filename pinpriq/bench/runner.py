@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import ctypes
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -33,10 +32,10 @@ from pinpriq.bench.clients import (
     subscriber_processes,
     throughput_client,
 )
+from pinpriq.bench.lifetime import die_with_parent, require_main_thread
 from pinpriq.bench.workload import BenchError, Workload
 
 OTHER_FAILED = "another client process failed"
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 ClientFn = Callable[[Workload, int, bytes, Sync], dict[str, Any]]
 
@@ -62,15 +61,6 @@ def _child(
         out.send(("error", f"{type(error).__name__}: {error}"))
     finally:
         out.close()
-
-
-def die_with_parent() -> None:  # pragma: no cover - runs in a child process
-    """Ask Linux for SIGTERM when the parent dies, even by SIGKILL, so that no child outlives
-    it: a bench client waiting on the barrier would otherwise wait ``SETUP_SECONDS``, and the
-    soak's server would serve nobody forever. Call it in the child (``preexec_fn``)."""
-    if sys.platform == "linux":
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Progress:
@@ -114,7 +104,9 @@ def _roles(w: Workload) -> list[ClientFn]:
 def _start(
     w: Workload, queue: bytes
 ) -> tuple[list[multiprocessing.process.BaseProcess], list[Any], Sync]:
-    # fork starts a client in milliseconds; the parent holds no threads or sockets then.
+    # fork starts a client in milliseconds; the parent holds no threads or sockets then. The
+    # clients die with the thread that forks them: only the main thread lives as long as we do.
+    require_main_thread("run_scenario")
     ctx: Any = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     roles = _roles(w)
     sync = Sync(

@@ -1,0 +1,132 @@
+"""What an install of pinpriq holds, built as the Docker image builds it: the wire fixtures ride
+along as package data, and the installed ``pinpriq-conformance`` finds them from any directory.
+
+The wheel is built from a copy of exactly what the Dockerfile copies, offline (no index, no
+build isolation: the test extras bring setuptools), and installed with ``pip install --target``,
+which unpacks it and writes its scripts as into a venv, without the seconds a venv costs. The
+checkout itself (this editable install) reads wire-fixtures/ in place: test_conformance.py
+runs every fixture that way.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import trio
+
+from pinpriq.conformance import DEFAULT_FIXTURES
+from tests.conftest import LiveServer
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "wire-fixtures"
+PIP_SECONDS = 120
+
+
+def dockerfile_sources() -> list[str]:
+    """The paths the Dockerfile copies into the image, before its ``pip install .``."""
+    sources = []
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"]:
+            sources += words[1:-1]
+    return sources
+
+
+def pip(*args: str | Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=PIP_SECONDS,
+    )
+    assert done.returncode == 0, f"pip {args[0]} failed:\n{done.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    source = tmp_path_factory.mktemp("image")
+    for name in dockerfile_sources():
+        if (REPO / name).is_dir():
+            ignore = shutil.ignore_patterns("__pycache__")
+            shutil.copytree(REPO / name, source / name, ignore=ignore)
+        else:
+            shutil.copy2(REPO / name, source / name)
+    out = tmp_path_factory.mktemp("wheel")
+    pip("wheel", "--no-deps", "--no-index", "--no-build-isolation", "-w", out, source)
+    [built] = out.glob("*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel installed into a directory of its own; put it first on PYTHONPATH to use it."""
+    target = tmp_path_factory.mktemp("installed") / "site"
+    pip("install", "--no-deps", "--no-index", "--target", target, wheel)
+    return target
+
+
+def test_the_checkout_reads_wire_fixtures_in_place() -> None:
+    assert DEFAULT_FIXTURES == FIXTURES
+    # The one copy: pinpriq/fixtures exists in installs only, made from wire-fixtures/.
+    assert not (REPO / "pinpriq" / "fixtures").exists()
+
+
+def test_the_wheel_ships_the_fixtures_and_their_readme(wheel: Path) -> None:
+    expected = {path.name for path in FIXTURES.glob("*.txt")} | {"README.md"}
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = {
+            name.removeprefix("pinpriq/fixtures/"): archive.read(name)
+            for name in archive.namelist()
+            if name.startswith("pinpriq/fixtures/")
+        }
+    assert set(shipped) == expected
+    assert all(shipped[name] == (FIXTURES / name).read_bytes() for name in expected)
+
+
+def test_the_wheel_ships_every_module(wheel: Path) -> None:
+    # pyproject lists pinpriq's subpackages by hand (the fixtures' mapping needs it): a new
+    # subpackage missing from that list would be missing from every install.
+    modules = {path.relative_to(REPO).as_posix() for path in (REPO / "pinpriq").rglob("*.py")}
+    with zipfile.ZipFile(wheel) as archive:
+        assert modules <= set(archive.namelist())
+
+
+async def run_installed(installed: Path, cwd: Path, *argv: str | Path) -> tuple[int, str, str]:
+    env = {**os.environ, "PYTHONPATH": str(installed)}
+    with trio.fail_after(60):
+        done = await trio.run_process(
+            list(map(str, argv)),
+            cwd=cwd,
+            env=env,
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+
+async def test_an_installed_conformance_runner_finds_its_fixtures_from_any_directory(
+    installed: Path, tmp_path: Path, live: LiveServer
+) -> None:
+    code = "import pinpriq.conformance as c; print(c.__file__); print(c.DEFAULT_FIXTURES)"
+    status, out, err = await run_installed(installed, tmp_path, sys.executable, "-c", code)
+    assert status == 0, err
+    module, default = map(Path, out.splitlines())
+    assert module.is_relative_to(installed)  # the installed copy, not this checkout
+    assert default == installed / "pinpriq" / "fixtures"
+
+    script = installed / "bin" / "pinpriq-conformance"
+    status, out, err = await run_installed(installed, tmp_path, script, "--help")
+    assert status == 0, err
+    assert "pinpriq/fixtures" in "".join(out.split())  # the default shown, however wrapped
+
+    status, out, err = await run_installed(installed, tmp_path, script, f"127.0.0.1:{live.port}")
+    assert status == 0, out + err
+    count = len(list(FIXTURES.glob("*.txt")))
+    assert out.splitlines()[-1].startswith(f"{count} fixtures: {count} passed, 0 failed")
