@@ -27,7 +27,7 @@ import sys
 import time
 
 from pinpriq.bench.dialects import BARRIER_QUEUE
-from pinpriq.cli import OneLineParser, port_number
+from pinpriq.cli.args import OneLineParser, port_number
 from pinpriq.wire import Opcode, Packet, Pop, encode, encode_reply
 
 _PUSH_HEADER = struct.Struct(">HHBHH")  # after the opcode: queue, ttl, prio, key, payload

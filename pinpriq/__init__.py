@@ -1,16 +1,45 @@
-"""pinpriq: a networked priority queue speaking a small binary protocol."""
+"""pinpriq: a networked priority queue speaking a small binary protocol.
+
+The Trio client (``PinpriqClient``, ``Subscription``) is imported on first use, so that
+``import pinpriq`` and the blocking client do not load trio.
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from pinpriq.blocking import BlockingPinpriqClient, BlockingSubscription
-from pinpriq.client import PinpriqClient, PinpriqConnectionError, Subscription
+from pinpriq.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    PinpriqConnectionError,
+    PinpriqError,
+    PinpriqTimeoutError,
+)
 from pinpriq.wire import Packet, ProtocolError
 
+if TYPE_CHECKING:
+    from pinpriq.client import PinpriqClient, Subscription
+
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "BlockingPinpriqClient",
     "BlockingSubscription",
     "Packet",
     "PinpriqClient",
     "PinpriqConnectionError",
+    "PinpriqError",
+    "PinpriqTimeoutError",
     "ProtocolError",
     "Subscription",
 ]
 __version__ = "0.1.0"
+
+_TRIO_CLIENT = {"PinpriqClient", "Subscription"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TRIO_CLIENT:
+        from pinpriq import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'pinpriq' has no attribute {name!r}")

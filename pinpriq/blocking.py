@@ -1,12 +1,12 @@
 """The blocking client: the same calls as ``PinpriqClient``, over plain sockets, for code that
-is not async (scripts, web apps, worker threads).
+is not async (scripts, web apps, worker threads). It does not import trio.
 
-It shares everything but the I/O with ``client.py``: frames come from the same argument helpers
-and ``wire.encode``, replies from ``wire.ReplyDecoder``. One ``BlockingPinpriqClient`` is one
-connection; threads that share it take turns, one whole call at a time. A pop that times out or
-is interrupted after its request went out leaves a reply owed on the connection, which the next
-pop reads and drops first; a failed send closes the connection (a frame cut short cannot be
-repaired).
+It owns only the socket I/O; arguments, frames, reply matching and credits are
+``_client_core``'s, shared with the Trio client. One ``BlockingPinpriqClient`` is one
+connection; threads that share it take turns, one whole call at a time. A call that times out
+or is interrupted after its request went out leaves its reply owed on the connection, and the
+next call reads and drops it first; a failed send closes the connection (a frame cut short
+cannot be repaired).
 """
 
 from __future__ import annotations
@@ -18,56 +18,61 @@ import time
 from types import TracebackType
 
 from pinpriq import wire
-from pinpriq.client import (
+from pinpriq._client_core import (
     DEFAULT_HOST,
     DEFAULT_PORT,
     DEFAULT_TIMEOUT,
     RECEIVE_SIZE,
+    Credits,
     Data,
-    PinpriqConnectionError,
+    Exchange,
+    Expect,
+    Queues,
+    check_address,
     check_timeout,
     connect_error,
     format_address,
     pop_frame,
     push_frame,
     subscribe_frames,
+    sync_frame,
 )
+from pinpriq.errors import PinpriqConnectionError, PinpriqError, PinpriqTimeoutError
 from pinpriq.wire import Packet
 
 __all__ = ["BlockingPinpriqClient", "BlockingSubscription"]
 
 
-class _SocketLink:
-    """A connected socket, the address to name in errors, and the timeout to apply."""
+class _Link:
+    """A connected socket, the exchange of requests and replies on it, and the timeout."""
 
-    def __init__(self, sock: socket.socket, host: str, port: int, timeout: float | None) -> None:
+    def __init__(self, sock: socket.socket, exchange: Exchange, timeout: float | None) -> None:
         self.sock = sock
-        self.host = host
-        self.port = port
+        self.exchange = exchange
         self.timeout = timeout
-        self.address = format_address(host, port)
+        self.address = exchange.address
         self.closed = False
 
     @classmethod
-    def open(cls, host: str, port: int, timeout: float | None) -> _SocketLink:
+    def open(cls, host: str, port: int, timeout: float | None) -> _Link:
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except TimeoutError:
             address = format_address(host, port)
-            raise TimeoutError(
-                f"cannot connect to {address}: no answer within {timeout} s"
+            raise PinpriqTimeoutError(
+                f"cannot connect to {address}: no answer within {timeout:g} s"
             ) from None
         except OSError as error:
             raise connect_error(host, port, error) from None
         # Small request frames must not wait for the ACK of the previous one (Nagle).
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return cls(sock, host, port, timeout)
+        return cls(sock, Exchange(host, port, time.monotonic()), timeout)
 
     def deadline(self) -> float | None:
         return None if self.timeout is None else time.monotonic() + self.timeout
 
     def error(self, message: str) -> PinpriqConnectionError:
-        return PinpriqConnectionError(message, self.host, self.port)
+        return self.exchange.error(message)
 
     def _arm(self, deadline: float | None, what: str) -> None:
         """Give the socket what is left of ``deadline``, or raise ``TimeoutError``."""
@@ -81,41 +86,52 @@ class _SocketLink:
             raise self._timeout(what)
         self.sock.settimeout(remaining)
 
-    def _timeout(self, what: str) -> TimeoutError:
-        return TimeoutError(f"{what} {self.address}: no answer within {self.timeout} s")
+    def _timeout(self, what: str) -> PinpriqTimeoutError:
+        return PinpriqTimeoutError(f"{what} {self.address}: no answer within {self.timeout:g} s")
 
     def send(self, data: bytes, deadline: float | None, what: str) -> None:
         """Send all of ``data``; any failure closes the connection (the frame may be cut)."""
-        self._arm(deadline, what)
         try:
+            self._arm(deadline, what)
             self.sock.sendall(data)
+        except PinpriqError:
+            self.close()
+            raise
         except TimeoutError:
             self.close()
             raise self._timeout(what) from None
         except OSError as error:
-            self.close()
-            raise self.error(f"connection to {self.address} broke: {error}") from None
+            raise self._lost(error) from None
         except BaseException:
             self.close()  # KeyboardInterrupt mid-frame
             raise
 
     def receive(self, deadline: float | None, what: str) -> bytes:
-        self._arm(deadline, what)
+        # Arming inside the try: a close() from another thread may come between the check of
+        # ``closed`` and settimeout, which then fails on the closed socket.
         try:
+            self._arm(deadline, what)
             data = self.sock.recv(RECEIVE_SIZE)
+        except PinpriqError:
+            raise
         except TimeoutError:
             raise self._timeout(what) from None
         except OSError as error:
-            raise self._lost(f"broke: {error}") from None
+            raise self._lost(error) from None
         if not data:
-            raise self._lost("was closed by the server")
+            raise self._lost(None)
+        self.exchange.received_any = True
         return data
 
-    def _lost(self, how: str) -> PinpriqConnectionError:
-        # Closed by another thread while this one waited: say so, not what recv saw.
-        how = "is closed" if self.closed else how
+    def _lost(self, error: OSError | None) -> PinpriqConnectionError:
+        """The connection ended: closed by another thread, or by the server (``error`` None),
+        or broken."""
+        if self.closed:  # closed by another thread while this one used it: say so
+            lost = self.error(f"connection to {self.address} is closed")
+        else:
+            lost = self.exchange.broken(time.monotonic(), error)
         self.close()
-        return self.error(f"connection to {self.address} {how}")
+        return lost
 
     def close(self) -> None:
         """Close the socket; a thread blocked reading it wakes up (shutdown does that)."""
@@ -132,15 +148,14 @@ class BlockingPinpriqClient:
     ``BlockingPinpriqClient.connect(host, port)`` returns a connected client; use it in a
     ``with`` block or call ``close()``. ``timeout`` (seconds, ``None`` for no limit) bounds
     connecting and every call, and raises ``TimeoutError``; a refused, broken or closed
-    connection raises ``PinpriqConnectionError``; values out of range raise ``ValueError``
-    before anything is sent.
+    connection raises ``PinpriqConnectionError``; arguments of the wrong type or out of range
+    raise ``TypeError`` or ``ValueError`` naming the argument, before anything is sent. Every
+    error derives from ``pinpriq.PinpriqError`` too.
     """
 
-    def __init__(self, link: _SocketLink) -> None:
+    def __init__(self, link: _Link) -> None:
         self._link = link
         self._lock = threading.Lock()
-        self._decoder = wire.ReplyDecoder()
-        self._owed = 0  # replies to pops whose callers stopped waiting; dropped when they come
 
     @classmethod
     def connect(
@@ -151,8 +166,8 @@ class BlockingPinpriqClient:
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> BlockingPinpriqClient:
         """Connect to ``host:port``."""
-        check_timeout(timeout)
-        return cls(_SocketLink.open(host, port, timeout))
+        host, port = check_address(host, port)
+        return cls(_Link.open(host, port, check_timeout(timeout)))
 
     @property
     def address(self) -> str:
@@ -162,7 +177,7 @@ class BlockingPinpriqClient:
     def close(self) -> None:
         """Close the connection. Safe from any thread: a call waiting for a reply in another
         thread raises ``PinpriqConnectionError``."""
-        self._link.close()  # without the lock, which a waiting pop holds
+        self._link.close()  # without the lock, which a waiting call holds
 
     def __enter__(self) -> BlockingPinpriqClient:
         return self
@@ -176,66 +191,79 @@ class BlockingPinpriqClient:
         self.close()
 
     def push(
-        self, queue: Data, key: Data, payload: Data, *, ttl_ms: int = 0, prio: int = 1
+        self,
+        queue: Data,
+        key: Data,
+        payload: Data,
+        *,
+        ttl_ms: int = 0,
+        prio: int = 1,
+        confirm: bool = False,
     ) -> None:
-        """Queue ``payload`` under ``key`` (see ``PinpriqClient.push``)."""
-        frame = push_frame(queue, key, payload, ttl_ms, prio)
-        with self._lock:
-            self._link.send(frame, self._link.deadline(), "push to")
+        """Queue ``payload`` under ``key`` (see ``PinpriqClient.push``); with ``confirm=True``,
+        return once the server has applied it."""
+        frame = push_frame(queue, key, payload, ttl_ms, prio, confirm=confirm)
+        if confirm:
+            self._request(frame, Expect.NOTHING, "push to")
+        else:
+            with self._lock:
+                self._link.send(frame, self._link.deadline(), "push to")
 
     def pop(self, queue: Data) -> list[Packet]:
         """Take the best packet of ``queue`` and the others with its key (see
         ``PinpriqClient.pop``); an empty list when nothing can be selected."""
-        frame = pop_frame(queue)
-        with self._lock:
-            deadline = self._link.deadline()
-            self._link.send(frame, deadline, "pop from")
-            try:
-                return self._next_reply(deadline)
-            except BaseException:
-                self._owed += 1  # our reply is still on its way: the next pop drops it
-                raise
+        return self._request(pop_frame(queue), Expect.PACKETS, "pop from")
+
+    def sync(self) -> None:
+        """Return once the server has applied every frame this client sent before (see
+        ``PinpriqClient.sync``)."""
+        self._request(sync_frame(), Expect.NOTHING, "sync with")
 
     def subscribe(
-        self, *queues: Data, prefetch: int = 1, limit: int | None = None
+        self, queues: Queues, *, prefetch: int = 1, limit: int | None = None
     ) -> BlockingSubscription:
-        """Receive packets from ``queues`` as they arrive, on a connection of its own.
+        """Receive packets from one queue, or a list of queues, as they arrive, on a connection
+        of its own.
 
         Use as ``with client.subscribe("jobs") as deliveries: for packets in deliveries: ...``.
         ``prefetch`` and ``limit`` mean what they mean for ``PinpriqClient.subscribe``; waiting
         for a delivery has no timeout.
         """
         opening, credits = subscribe_frames(queues, prefetch, limit)
-        link = _SocketLink.open(self._link.host, self._link.port, self._link.timeout)
+        exchange = self._link.exchange
+        link = _Link.open(exchange.host, exchange.port, self._link.timeout)
         try:
             link.send(opening, link.deadline(), "subscribe at")
         except BaseException:
             link.close()
             raise
-        return BlockingSubscription(link, credits, limit)
+        return BlockingSubscription(link, credits)
 
-    def _next_reply(self, deadline: float | None) -> list[Packet]:
-        while True:
-            reply = self._decoder.next_reply()
-            if reply is None:
-                self._decoder.feed(self._link.receive(deadline, "pop from"))
-            elif self._owed:
-                self._owed -= 1
-            else:
-                return reply
+    def _request(self, frame: bytes, expect: Expect, what: str) -> list[Packet]:
+        """Send a frame with a reply and wait for it; replies owed to earlier calls that
+        stopped waiting are read and dropped on the way."""
+        link = self._link
+        with self._lock:
+            deadline = link.deadline()
+            slot = link.exchange.expect(expect)
+            link.send(frame, deadline, what)
+            while slot.reply is None:
+                try:
+                    link.exchange.feed(link.receive(deadline, what))
+                except PinpriqConnectionError:
+                    link.close()
+                    raise
+            return slot.reply
 
 
 class BlockingSubscription:
     """The deliveries of one subscription: an iterator of ``list[Packet]`` that owns a
     connection. Use it in a ``with`` block, or call ``close()``; iteration ends once closed."""
 
-    def __init__(self, link: _SocketLink, credits: int, limit: int | None) -> None:
+    def __init__(self, link: _Link, credits: Credits) -> None:
         self._link = link
+        self._credits = credits
         self._decoder = wire.ReplyDecoder()
-        self._granted = credits
-        self._limit = limit
-        self._received = 0
-        self._unfinished = False  # a delivery was handed out and its credit not yet returned
         self._closed = False  # by close(), as opposed to by the server or a broken socket
 
     @property
@@ -246,15 +274,13 @@ class BlockingSubscription:
         return self
 
     def __next__(self) -> list[Packet]:
-        if self._received == self._limit or self._closed:
+        credits = self._credits
+        if credits.done or self._closed:
             raise StopIteration
-        if self._unfinished:
-            # The caller is back for more, so the last delivery is finished: return its credit.
-            if self._limit is None or self._granted < self._limit:
-                link = self._link
-                link.send(wire.encode(wire.READY), link.deadline(), "subscription at")
-                self._granted += 1
-            self._unfinished = False
+        if credit := credits.to_return():
+            link = self._link
+            link.send(credit, link.deadline(), "subscription at")
+            credits.returned()
         while (reply := self._decoder.next_reply()) is None:
             try:
                 data = self._link.receive(None, "subscription at")
@@ -263,8 +289,7 @@ class BlockingSubscription:
                     raise StopIteration from None  # close() from another thread ends the loop
                 raise
             self._decoder.feed(data)
-        self._received += 1
-        self._unfinished = True
+        credits.delivered()
         return reply
 
     def close(self) -> None:

@@ -1,19 +1,19 @@
-"""The Python client for Trio, and what it shares with the blocking client (``blocking.py``).
+"""The Python client for Trio.
 
-This module owns the client side of a connection: turning arguments into frames, matching pop
-replies to the calls that asked for them, and keeping a subscription's delivery credits. Every
-byte goes through ``pinpriq.wire`` (``encode`` out, ``ReplyDecoder`` in); nothing here knows a
-byte layout, and nothing here knows the server.
+This module owns only the client's Trio I/O: connecting, sending whole frames, reading replies,
+timeouts and locks. Arguments, frames, reply matching and credits are ``_client_core``'s, shared
+with the blocking client (``blocking.py``); nothing here knows a byte layout.
 
 Theory of operation. One ``PinpriqClient`` is one TCP connection that any number of tasks may
-use at once. Requests are *pipelined*: a call takes the send lock, appends a slot to the FIFO of
-unanswered pops, sends its frame and releases the lock, so frames never interleave and the FIFO
-is in request order, which is the reply order (decision 8). A caller then takes the receive lock
-and reads until its own slot is filled; every reply read on the way fills the oldest slot, so a
-caller often finds its reply already there. No background task is needed, and a cancelled or
-timed-out pop just stops waiting: its reply still arrives, fills its slot, and is dropped, so
-the connection stays in step. A frame cut short by a failed send cannot be repaired
-(the server cannot tell where the next frame starts), so a failed send closes the connection.
+use at once. Requests are *pipelined*: a call takes the send lock, files a slot for its reply
+(pops and syncs have one), sends its frame and releases the lock, so frames never interleave and
+the slots are in request order, which is the reply order (decision 8). A caller then takes the
+receive lock and reads until its own slot is filled; every reply read on the way fills the
+oldest slot, so a caller often finds its reply already there. No background task is needed, and
+a cancelled or timed-out call just stops waiting: its reply still arrives, fills its slot, and
+is dropped, so the connection stays in step. A frame cut short by a failed send cannot be
+repaired (the server cannot tell where the next frame starts), so a failed send closes the
+connection.
 
 Subscriptions get a connection of their own (decision 8: a delivery looks like a pop reply).
 ``prefetch`` credits are granted up front and one more each time the caller comes back for the
@@ -23,151 +23,63 @@ next delivery, so at most ``prefetch`` deliveries are ever taken from the server
 from __future__ import annotations
 
 import math
-import os
-import socket
-from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+import time
+from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 
 import trio
 
 from pinpriq import wire
+from pinpriq._client_core import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    DEFAULT_TIMEOUT,
+    RECEIVE_SIZE,
+    Credits,
+    Data,
+    Exchange,
+    Expect,
+    Queues,
+    Slot,
+    check_address,
+    check_timeout,
+    connect_error,
+    format_address,
+    pop_frame,
+    push_frame,
+    subscribe_frames,
+    sync_frame,
+)
+from pinpriq.errors import PinpriqConnectionError, PinpriqTimeoutError
 from pinpriq.wire import Packet
 
-__all__ = [
-    "DEFAULT_HOST",
-    "DEFAULT_PORT",
-    "DEFAULT_TIMEOUT",
-    "PinpriqClient",
-    "PinpriqConnectionError",
-    "Subscription",
-]
-
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 7000
-#: Seconds to wait for a connection or an answer before ``TimeoutError``.
-DEFAULT_TIMEOUT = 10.0
-#: Bytes asked of the socket per read.
-RECEIVE_SIZE = 65536
-#: Most credits a subscription may keep outstanding; each is a byte on the wire.
-MAX_PREFETCH = 0xFFFF
-
-Data = bytes | bytearray | memoryview | str
-
-
-class PinpriqConnectionError(ConnectionError):
-    """The server could not be reached, or the connection to it broke or was closed.
-
-    The message names the server as ``host:port``; ``host`` and ``port`` hold it too.
-    """
-
-    def __init__(self, message: str, host: str, port: int) -> None:
-        super().__init__(message)
-        self.host = host
-        self.port = port
-
-
-# -- shared by both clients: arguments to frames, addresses, errors ---------------------------
-
-
-def as_bytes(field: str, value: Data) -> bytes:
-    """A queue, key or payload as bytes; ``str`` is encoded as UTF-8."""
-    if isinstance(value, str):
-        try:
-            return value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"{field} is not encodable as UTF-8") from None
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value)
-    raise TypeError(f"{field} must be bytes or str, not {type(value).__name__}")
-
-
-def push_frame(queue: Data, key: Data, payload: Data, ttl_ms: int, prio: int) -> bytes:
-    """The bytes of a push; ``ValueError`` names a field out of range."""
-    push = wire.Push(
-        as_bytes("queue", queue), as_bytes("key", key), as_bytes("payload", payload), ttl_ms, prio
-    )
-    return wire.encode(push)
-
-
-def pop_frame(queue: Data) -> bytes:
-    return wire.encode(wire.Pop(as_bytes("queue", queue)))
-
-
-def subscribe_frames(queues: Sequence[Data], prefetch: int, limit: int | None) -> tuple[bytes, int]:
-    """The bytes that open a subscription, and how many credits they grant."""
-    if not queues:
-        raise ValueError("subscribe needs at least one queue")
-    if not 1 <= prefetch <= MAX_PREFETCH:
-        raise ValueError(f"prefetch must be in 1..{MAX_PREFETCH}, not {prefetch}")
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be at least 1, not {limit}")
-    frames = [wire.encode(wire.Subscribe(as_bytes("queue", queue))) for queue in queues]
-    credits = prefetch if limit is None else min(prefetch, limit)
-    return b"".join(frames) + wire.encode(wire.READY) * credits, credits
-
-
-def format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def connect_error(host: str, port: int, error: OSError) -> PinpriqConnectionError:
-    """``cannot connect to host:port: reason``, from whatever the socket layer raised."""
-    cause = error.__cause__
-    # trio reports a failure to connect to every address as one OSError caused by a group.
-    if isinstance(cause, ExceptionGroup) and isinstance(cause.exceptions[0], OSError):
-        error = cause.exceptions[0]
-    if isinstance(error, socket.gaierror) or not error.errno:
-        reason = error.strerror or str(error)
-    else:
-        reason = os.strerror(error.errno)  # trio's strerror repeats the address
-    address = format_address(host, port)
-    return PinpriqConnectionError(f"cannot connect to {address}: {reason}", host, port)
-
-
-def check_timeout(timeout: float | None) -> None:
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout}")
-
-
-# -- the Trio client --------------------------------------------------------------------------
-
-
-class _Slot:
-    """Where one pop's reply lands. A caller that stops waiting just forgets its slot, which
-    keeps its place in the FIFO until the reply fills it and nobody reads it."""
-
-    __slots__ = ("reply",)
-
-    def __init__(self) -> None:
-        self.reply: list[Packet] | None = None
+__all__ = ["PinpriqClient", "PinpriqConnectionError", "Subscription"]
 
 
 class _Link:
-    """A stream to a server, with the address to name in errors and the timeout to apply."""
+    """A stream to a server, the exchange of requests and replies on it, and the timeout."""
 
     def __init__(
-        self, stream: trio.SocketStream, host: str, port: int, timeout: float | None
+        self, stream: trio.SocketStream, exchange: Exchange, timeout: float | None
     ) -> None:
         self.stream = stream
-        self.host = host
-        self.port = port
+        self.exchange = exchange
         self.timeout = timeout
-        self.address = format_address(host, port)
+        self.address = exchange.address
 
     @contextmanager
     def time_limit(self, what: str) -> Iterator[None]:
-        """Turn the client's timeout into a builtin ``TimeoutError`` naming the server."""
+        """Turn the client's timeout into a ``TimeoutError`` naming the server."""
         try:
             with trio.fail_after(math.inf if self.timeout is None else self.timeout):
                 yield
         except trio.TooSlowError:
-            raise TimeoutError(
-                f"{what} {self.address}: no answer within {self.timeout} s"
+            raise PinpriqTimeoutError(
+                f"{what} {self.address}: no answer within {self.timeout:g} s"
             ) from None
 
     def error(self, message: str) -> PinpriqConnectionError:
-        return PinpriqConnectionError(message, self.host, self.port)
+        return self.exchange.error(message)
 
     async def receive(self) -> bytes:
         """Some bytes from the server; ``PinpriqConnectionError`` if it closed or broke."""
@@ -176,9 +88,10 @@ class _Link:
         except trio.ClosedResourceError:
             raise self.error(f"connection to {self.address} is closed") from None
         except (trio.BrokenResourceError, OSError) as error:
-            raise self.error(f"connection to {self.address} broke: {error}") from None
+            raise self.exchange.broken(time.monotonic(), error) from None
         if not data:
-            raise self.error(f"connection to {self.address} was closed by the server")
+            raise self.exchange.broken(time.monotonic(), None)
+        self.exchange.received_any = True
         return data
 
     async def send(self, data: bytes) -> None:
@@ -187,7 +100,7 @@ class _Link:
         except trio.ClosedResourceError:
             raise self.error(f"connection to {self.address} is closed") from None
         except (trio.BrokenResourceError, OSError) as error:
-            raise self.error(f"connection to {self.address} broke: {error}") from None
+            raise self.exchange.broken(time.monotonic(), error) from None
 
 
 async def _open_link(host: str, port: int, seconds: float | None) -> _Link:
@@ -197,10 +110,12 @@ async def _open_link(host: str, port: int, seconds: float | None) -> _Link:
             stream = await trio.open_tcp_stream(host, port)
     except trio.TooSlowError:
         address = format_address(host, port)
-        raise TimeoutError(f"cannot connect to {address}: no answer within {seconds} s") from None
+        raise PinpriqTimeoutError(
+            f"cannot connect to {address}: no answer within {seconds:g} s"
+        ) from None
     except OSError as error:
         raise connect_error(host, port, error) from None
-    return _Link(stream, host, port, seconds)
+    return _Link(stream, Exchange(host, port, time.monotonic()), seconds)
 
 
 class PinpriqClient:
@@ -209,16 +124,15 @@ class PinpriqClient:
     Open it with ``async with PinpriqClient.connect(host, port) as client:``. ``timeout`` (in
     seconds, ``None`` for no limit) bounds connecting and every call; a call that runs out of
     time raises ``TimeoutError``. A refused, broken or closed connection raises
-    ``PinpriqConnectionError``. Values out of range raise ``ValueError`` before anything is
-    sent.
+    ``PinpriqConnectionError``. Arguments of the wrong type or out of range raise ``TypeError``
+    or ``ValueError`` naming the argument, before anything is sent. Every error derives from
+    ``pinpriq.PinpriqError`` too.
     """
 
     def __init__(self, link: _Link) -> None:
         self._link = link
         self._send_lock = trio.StrictFIFOLock()
         self._receive_lock = trio.Lock()
-        self._decoder = wire.ReplyDecoder()
-        self._unanswered: deque[_Slot] = deque()
         self._closed: str | None = None  # why, once the connection is unusable
 
     @classmethod
@@ -228,13 +142,12 @@ class PinpriqClient:
         host: str = DEFAULT_HOST,
         port: int = DEFAULT_PORT,
         *,
-        # A timeout option rather than only cancel scopes: issue 3 asks for one, and it gives
-        # errors that name the server.
+        # A timeout option rather than only cancel scopes: it gives errors that name the server.
         timeout: float | None = DEFAULT_TIMEOUT,  # noqa: ASYNC109
     ) -> AsyncIterator[PinpriqClient]:
         """Connect to ``host:port``; the connection closes when the block exits."""
-        check_timeout(timeout)
-        client = cls(await _open_link(host, port, timeout))
+        host, port = check_address(host, port)
+        client = cls(await _open_link(host, port, check_timeout(timeout)))
         try:
             yield client
         finally:
@@ -250,16 +163,29 @@ class PinpriqClient:
         await self._close(f"connection to {self.address} is closed")
 
     async def push(
-        self, queue: Data, key: Data, payload: Data, *, ttl_ms: int = 0, prio: int = 1
+        self,
+        queue: Data,
+        key: Data,
+        payload: Data,
+        *,
+        ttl_ms: int = 0,
+        prio: int = 1,
+        confirm: bool = False,
     ) -> None:
-        """Queue ``payload`` under ``key``. The server does not answer a push.
+        """Queue ``payload`` under ``key``.
 
         ``prio`` 1 is the highest, 255 the lowest; 0 is never popped on its own but leaves with
         the next popped packet of the same key. ``ttl_ms`` 0 means the packet never expires.
+        The server does not answer a push: without ``confirm`` this returns once the frame is
+        sent. With ``confirm=True`` a sync follows it, and this returns once the server has
+        applied the push (and stored it, on a server that persists packets).
         """
-        frame = push_frame(queue, key, payload, ttl_ms, prio)
+        frame = push_frame(queue, key, payload, ttl_ms, prio, confirm=confirm)
         with self._link.time_limit("push to"):
-            await self._send(frame, None)
+            if confirm:
+                await self._wait_for(await self._send(frame, Expect.NOTHING))
+            else:
+                await self._send(frame, None)
 
     async def pop(self, queue: Data) -> list[Packet]:
         """Take the best packet of ``queue`` and every other packet with its key.
@@ -269,72 +195,72 @@ class PinpriqClient:
         was sent, whatever the server popped for it is lost (delivery is at most once).
         """
         frame = pop_frame(queue)
-        slot = _Slot()
         with self._link.time_limit("pop from"):
-            await self._send(frame, slot)
-            return await self._wait_for(slot)
+            return await self._wait_for(await self._send(frame, Expect.PACKETS))
+
+    async def sync(self) -> None:
+        """Return once the server has applied every frame this client sent before (and stored
+        it, on a server that persists packets): the way to confirm earlier pushes. Needs a
+        server speaking protocol 1.1; an older one closes the connection."""
+        with self._link.time_limit("sync with"):
+            await self._wait_for(await self._send(sync_frame(), Expect.NOTHING))
 
     def subscribe(
-        self, *queues: Data, prefetch: int = 1, limit: int | None = None
+        self, queues: Queues, *, prefetch: int = 1, limit: int | None = None
     ) -> AbstractAsyncContextManager[Subscription]:
-        """Receive packets from ``queues`` as they arrive, on a connection of its own.
+        """Receive packets from one queue, or a list of queues, as they arrive, on a connection
+        of its own.
 
         Use as ``async with client.subscribe("jobs", prefetch=3) as deliveries: async for
-        packets in deliveries: ...``. Each delivery is a ``list[Packet]``, like a pop's reply.
-        At most ``prefetch`` deliveries are taken from the server and not yet finished; a
-        delivery is finished when you ask for the next one. ``limit`` ends the iteration after
-        that many deliveries, and no more are ever requested. Deliveries received but not yet
-        handed to you when the block exits are lost, so a small ``prefetch`` loses least.
-        Waiting for a delivery has no timeout: wrap it in ``trio.move_on_after`` if you need
-        one.
+        packets in deliveries: ...``. Each delivery is a ``list[Packet]``, like a pop's reply;
+        across several queues the best packet comes first. At most ``prefetch`` deliveries are
+        taken from the server and not yet finished; a delivery is finished when you ask for the
+        next one. ``limit`` ends the iteration after that many deliveries, and no more are ever
+        requested. Deliveries received but not yet handed to you when the block exits are lost,
+        so a small ``prefetch`` loses least. Waiting for a delivery has no timeout: wrap it in
+        ``trio.move_on_after`` if you need one.
         """
         opening, credits = subscribe_frames(queues, prefetch, limit)
         self._check_open()
-        return self._subscription(opening, credits, limit)
+        return self._subscription(opening, credits)
 
     @asynccontextmanager
-    async def _subscription(
-        self, opening: bytes, credits: int, limit: int | None
-    ) -> AsyncIterator[Subscription]:
-        link = self._link
-        link = await _open_link(link.host, link.port, link.timeout)
+    async def _subscription(self, opening: bytes, credits: Credits) -> AsyncIterator[Subscription]:
+        exchange = self._link.exchange
+        link = await _open_link(exchange.host, exchange.port, self._link.timeout)
         try:
             with link.time_limit("subscribe at"):
                 await link.send(opening)
-            yield Subscription(link, credits, limit)
+            yield Subscription(link, credits)
         finally:
             await trio.aclose_forcefully(link.stream)
 
-    async def _send(self, frame: bytes, slot: _Slot | None) -> None:
-        """Send one frame whole; a pop's ``slot`` joins the FIFO in the same step."""
+    async def _send(self, frame: bytes, expect: Expect | None) -> Slot | None:
+        """Send one frame whole; the slot for its reply, if it has one, is filed in the same
+        step."""
         async with self._send_lock:
             self._check_open()
             # Raise a pending cancellation here, where nothing has been sent yet, rather than
             # inside send_all, where part of the frame may already be on its way.
             await trio.lowlevel.checkpoint_if_cancelled()
-            if slot is not None:
-                self._unanswered.append(slot)
+            slot = None if expect is None else self._link.exchange.expect(expect)
             try:
                 await self._link.send(frame)
             except BaseException:
                 await self._close(f"connection to {self.address} was lost during a send")
                 raise
+            return slot
 
-    async def _wait_for(self, slot: _Slot) -> list[Packet]:
+    async def _wait_for(self, slot: Slot | None) -> list[Packet]:
+        assert slot is not None
         async with self._receive_lock:
             while slot.reply is None:
                 self._check_open()
                 try:
-                    data = await self._link.receive()
+                    self._link.exchange.feed(await self._link.receive())
                 except PinpriqConnectionError as error:
                     await self._close(str(error))
                     raise self._closed_error() from None  # the first reason, if there were two
-                self._decoder.feed(data)
-                for reply in self._decoder:
-                    if not self._unanswered:
-                        await self._close(f"{self.address} sent a reply nobody asked for")
-                        raise self._closed_error()
-                    self._unanswered.popleft().reply = reply
         return slot.reply
 
     def _check_open(self) -> None:
@@ -347,7 +273,7 @@ class PinpriqClient:
     async def _close(self, reason: str) -> None:
         if self._closed is None:
             self._closed = reason
-            self._unanswered.clear()
+            self._link.exchange.drop_waiting()
         await trio.aclose_forcefully(self._link.stream)
 
 
@@ -357,13 +283,10 @@ class Subscription:
     Made by ``PinpriqClient.subscribe``; one task at a time may iterate it.
     """
 
-    def __init__(self, link: _Link, credits: int, limit: int | None) -> None:
+    def __init__(self, link: _Link, credits: Credits) -> None:
         self._link = link
+        self._credits = credits
         self._decoder = wire.ReplyDecoder()
-        self._granted = credits
-        self._limit = limit
-        self._received = 0
-        self._unfinished = False  # a delivery was handed out and its credit not yet returned
 
     @property
     def address(self) -> str:
@@ -373,17 +296,14 @@ class Subscription:
         return self
 
     async def __anext__(self) -> list[Packet]:
-        if self._received == self._limit:
+        credits = self._credits
+        if credits.done:
             raise StopAsyncIteration
-        if self._unfinished:
-            # The caller is back for more, so the last delivery is finished: return its credit.
-            if self._limit is None or self._granted < self._limit:
-                with self._link.time_limit("subscription at"):
-                    await self._link.send(wire.encode(wire.READY))
-                self._granted += 1
-            self._unfinished = False
+        if credit := credits.to_return():
+            with self._link.time_limit("subscription at"):
+                await self._link.send(credit)
+            credits.returned()
         while (reply := self._decoder.next_reply()) is None:
             self._decoder.feed(await self._link.receive())
-        self._received += 1
-        self._unfinished = True
+        credits.delivered()
         return reply

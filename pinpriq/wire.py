@@ -150,7 +150,6 @@ class Sync(NamedTuple):
     """A barrier (protocol 1.1): answered ``00 00`` once every earlier frame is applied."""
 
 
-
 ClientFrame: TypeAlias = Push | Pop | Subscribe | Unsubscribe | Ready | Sync
 
 #: Every client frame the protocol has, by opcode: the one table the decoder decodes by and the
@@ -408,7 +407,14 @@ class ReplyDecoder(_Buffer):
     def __init__(self) -> None:
         super().__init__()
         self._remaining = -1  # packets still to read in the current reply; -1 before its count
+        self._count = 0  # packets in the current reply, once its count is read
         self._packets: list[Packet] = []
+
+    @property
+    def count_in_progress(self) -> int:
+        """The packet count of a reply whose count has arrived but not all of its packets,
+        after ``next_reply`` returned ``None``; 0 if no reply is under way."""
+        return self._count if self._remaining > 0 else 0
 
     def __iter__(self) -> Iterator[list[Packet]]:
         while (reply := self.next_reply()) is not None:
@@ -421,6 +427,7 @@ class ReplyDecoder(_Buffer):
             if len(data) - self._pos < _COUNT.size:
                 return None
             (self._remaining,) = _COUNT.unpack_from(data, self._pos)
+            self._count = self._remaining
             self._pos += _COUNT.size
         while self._remaining:
             pos = self._pos

@@ -20,7 +20,7 @@ import pytest
 import trio
 import trio.testing
 
-from pinpriq import BlockingPinpriqClient, Packet, PinpriqConnectionError
+from pinpriq import BlockingPinpriqClient, Packet, PinpriqConnectionError, PinpriqError
 from pinpriq.server import PinpriqServer
 from tests.rawpeer import READY, pop, push, reply, subscribe
 
@@ -31,8 +31,8 @@ TIMEOUT = 10
 class ThreadServer:
     """A pinpriq server on 127.0.0.1 and an ephemeral port, in a Trio loop on its own thread."""
 
-    def __init__(self) -> None:
-        self.server = PinpriqServer()
+    def __init__(self, server: PinpriqServer | None = None) -> None:
+        self.server = server if server is not None else PinpriqServer()
         started: queue.Queue[tuple[int, trio.lowlevel.TrioToken, trio.CancelScope]] = queue.Queue()
         self._thread = threading.Thread(target=trio.run, args=(self._main, started))
         self._thread.start()
@@ -149,7 +149,7 @@ def test_threads_sharing_a_client_each_get_their_own_reply(live: ThreadServer) -
 def test_subscribe_delivers_pushes(live: ThreadServer) -> None:
     with connect(live.port) as client:
         client.push("a", "a1", "1")
-        with client.subscribe("a", "b") as deliveries:
+        with client.subscribe(["a", "b"]) as deliveries:
             assert next(deliveries) == [Packet(b"a1", b"1")]
             client.push("b", "b1", "2")
             assert next(deliveries) == [Packet(b"b1", b"2")]
@@ -228,6 +228,9 @@ def test_dropped_connection_raises_and_stays_closed(fake: socket.socket) -> None
         with accept(fake) as server:
             client.push("q", "k", "")
             assert receive_exactly(server, 12) == push(b"q", b"k", b"")
+            server.sendall(reply())  # the answer to the pop below: a server that has spoken
+            assert client.pop("x") == []  # is not refusing the connection
+            assert receive_exactly(server, 4) == pop(b"x")
         with pytest.raises(PinpriqConnectionError, match=f"127.0.0.1:{port_of(fake)} was closed"):
             client.pop("q")
         with pytest.raises(PinpriqConnectionError, match="is closed"):
@@ -305,3 +308,72 @@ def test_refused_connection_names_the_address() -> None:
         with pytest.raises(PinpriqConnectionError, match=rf"127\.0\.0\.1:{port}: ") as info:
             connect(port)
     assert isinstance(info.value, ConnectionError)
+
+
+# -- wrong types, sync, and servers that are not what they seem -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"ttl_ms": 1.5}, "ttl_ms"), ({"ttl_ms": "5"}, "ttl_ms"), ({"prio": None}, "prio")],
+)
+def test_arguments_of_the_wrong_type_name_the_field_before_sending(
+    fake: socket.socket, kwargs: dict[str, object], field: str
+) -> None:
+    with connect(port_of(fake)) as client, accept(fake) as server:
+        with pytest.raises(TypeError, match=rf"^{field} must be an integer") as info:
+            client.push("q", "k", "p", **kwargs)  # type: ignore[arg-type]
+        assert isinstance(info.value, PinpriqError)
+        client.push("q", "k", "p")
+        assert receive_exactly(server, 13) == push(b"q", b"k", b"p")
+
+
+@pytest.mark.parametrize("port", [0, 65536])
+def test_a_port_out_of_range_is_a_value_error_at_connect(port: int) -> None:
+    with pytest.raises(ValueError, match=rf"^port must be in 1\.\.65535, not {port}$"):
+        connect(port)
+
+
+def test_sync_and_confirm_return_once_pushes_are_applied(live: ThreadServer) -> None:
+    with connect(live.port) as client:
+        for i in range(100):
+            client.push("q", f"k{i}", "")
+        client.sync()
+        assert live.call(lambda: len(live.server.broker.store)) == 100
+        client.push("q", "confirmed", "", confirm=True)
+        assert live.call(lambda: len(live.server.broker.store)) == 101
+
+
+def test_a_sync_answered_by_something_else_fails_at_once(fake: socket.socket) -> None:
+    with connect(port_of(fake), timeout=None) as client, accept(fake) as server:
+        server.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        with pytest.raises(PinpriqConnectionError, match="answered a sync with 48 54"):
+            client.sync()  # no timeout: it fails by itself
+        with pytest.raises(PinpriqConnectionError, match="is closed"):
+            client.pop("q")
+
+
+def test_a_server_at_its_connection_limit_is_named_as_the_likely_cause() -> None:
+    live = ThreadServer(PinpriqServer(max_connections=1))
+    try:
+        with connect(live.port) as holder, connect(live.port) as client:
+            holder.sync()  # the first connection has the one slot
+            with pytest.raises(PinpriqConnectionError) as info:
+                client.pop("q")
+        assert str(info.value) == (
+            f"127.0.0.1:{live.port}: the server closed the connection at once "
+            "(it may be at its connection limit)"
+        )
+    finally:
+        live.stop()
+
+
+def test_a_close_racing_a_call_is_a_connection_error_not_a_raw_os_error(
+    fake: socket.socket,
+) -> None:
+    """``close()`` from another thread can land between a call's check that the connection is
+    open and its ``settimeout``, which then fails on the closed socket (seen under load)."""
+    with connect(port_of(fake)) as client, accept(fake):
+        client._link.sock.close()  # the race, made certain: closed, not yet marked closed
+        with pytest.raises(PinpriqConnectionError):
+            client.pop("q")

@@ -15,8 +15,9 @@ import pytest
 import trio
 import trio.testing
 
-from pinpriq import Packet, PinpriqClient, PinpriqConnectionError
-from tests.conftest import LiveServer
+from pinpriq import Packet, PinpriqClient, PinpriqConnectionError, PinpriqError
+from pinpriq.server import PinpriqServer
+from tests.conftest import LiveServer, StartServer
 from tests.rawpeer import READY, Peer, pop, push, reply, subscribe
 
 TIMEOUT = 10
@@ -167,7 +168,7 @@ async def test_concurrent_pushes_never_interleave(live: LiveServer) -> None:
 async def test_subscribe_delivers_pushes_in_selection_order(live: LiveServer) -> None:
     async with connect(live.port) as client:
         await client.push("a", "a1", "1", prio=5)
-        async with client.subscribe("a", "b") as deliveries:
+        async with client.subscribe(["a", "b"]) as deliveries:
             assert await anext(deliveries) == [Packet(b"a1", b"1")]
             await client.push("b", "b1", "2")  # pushed while the subscriber waits
             assert await anext(deliveries) == [Packet(b"b1", b"2")]
@@ -254,7 +255,7 @@ async def test_credits_return_when_the_caller_asks_for_the_next(fake: FakeServer
 async def test_limit_caps_the_credits_granted(fake: FakeServer) -> None:
     async with connect(fake.port) as client:
         await fake.accept()
-        async with client.subscribe("a", "b", prefetch=5, limit=2) as deliveries:
+        async with client.subscribe(("a", "b"), prefetch=5, limit=2) as deliveries:
             sub = await fake.accept()
             await sub.send(reply((b"1", b"")) + reply((b"2", b"")))
             assert len([packets async for packets in deliveries]) == 2
@@ -338,9 +339,9 @@ async def test_bad_pop_and_subscribe_arguments_raise_before_sending(fake: FakeSe
         with pytest.raises(TypeError, match=r"^queue must be bytes or str, not int"):
             await client.pop(7)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=r"^queue"):
-            client.subscribe("ok", TOO_LONG)
+            client.subscribe(["ok", TOO_LONG])
         with pytest.raises(ValueError, match="at least one queue"):
-            client.subscribe()
+            client.subscribe([])
         with pytest.raises(ValueError, match=r"^prefetch"):
             client.subscribe("q", prefetch=0)
         with pytest.raises(ValueError, match=r"^limit"):
@@ -367,6 +368,14 @@ async def test_timeout_must_be_positive(seconds: float) -> None:
             pass  # pragma: no cover
 
 
+async def answered_pop(client: PinpriqClient, server: Peer) -> None:
+    """A pop of ``x`` that the fake server answers ``00 00``."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.pop, "x")
+        assert await server.receive_exactly(4) == pop(b"x")
+        await server.send(reply())
+
+
 async def test_dropped_connection_fails_every_waiting_pop(fake: FakeServer) -> None:
     errors: list[Exception] = []
 
@@ -378,6 +387,7 @@ async def test_dropped_connection_fails_every_waiting_pop(fake: FakeServer) -> N
 
     async with connect(fake.port) as client:
         server = await fake.accept()
+        await answered_pop(client, server)  # a server that has spoken is not refusing
         async with trio.open_nursery() as nursery:
             nursery.start_soon(pop_and_record, "a")
             nursery.start_soon(pop_and_record, "b")
@@ -396,9 +406,17 @@ async def test_subscription_reports_a_closed_server(fake: FakeServer) -> None:
         async with client.subscribe("q") as deliveries:
             sub = await fake.accept()
             await sub.receive_exactly(5)  # unread bytes would make the close a reset
-            await sub.aclose()
-            with pytest.raises(PinpriqConnectionError, match="closed by the server"):
-                await anext(deliveries)
+            await sub.send(reply((b"k", b"")))  # a server that has spoken is not refusing
+            assert await anext(deliveries) == [Packet(b"k", b"")]
+
+            async def close_once_the_credit_is_back() -> None:
+                assert await sub.receive_exactly(1) == READY  # unread, it would make a reset
+                await sub.aclose()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(close_once_the_credit_is_back)
+                with pytest.raises(PinpriqConnectionError, match="closed by the server"):
+                    await anext(deliveries)
 
 
 async def test_calls_after_close_raise(live: LiveServer) -> None:
@@ -406,3 +424,80 @@ async def test_calls_after_close_raise(live: LiveServer) -> None:
         pass
     with pytest.raises(PinpriqConnectionError, match="is closed"):
         await client.pop("q")
+
+
+# -- wrong types, sync, and servers that are not what they seem -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"ttl_ms": 1.5}, "ttl_ms"), ({"ttl_ms": "5"}, "ttl_ms"), ({"prio": None}, "prio")],
+)
+async def test_arguments_of_the_wrong_type_name_the_field_before_sending(
+    fake: FakeServer, kwargs: dict[str, object], field: str
+) -> None:
+    async with connect(fake.port) as client:
+        server = await fake.accept()
+        with pytest.raises(TypeError, match=rf"^{field} must be an integer") as info:
+            await client.push("q", "k", "p", **kwargs)  # type: ignore[arg-type]
+        assert isinstance(info.value, PinpriqError)
+        await client.push("q", "k", "p")
+        assert await server.receive_exactly(13) == push(b"q", b"k", b"p")
+
+
+@pytest.mark.parametrize("port", [0, 65536, -1])
+async def test_a_port_out_of_range_is_a_value_error_at_connect(port: int) -> None:
+    with pytest.raises(ValueError, match=rf"^port must be in 1\.\.65535, not {port}$"):
+        async with connect(port):
+            pass  # pragma: no cover
+
+
+async def test_sync_returns_once_earlier_pushes_are_applied(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        for i in range(100):
+            await client.push("q", f"k{i}", "")
+        await client.sync()
+        assert len(live.store) == 100  # no other barrier: the sync's answer is the proof
+        await client.push("q", "confirmed", "", confirm=True)
+        assert len(live.store) == 101
+
+
+async def test_sync_answers_stay_in_order_with_pop_replies(fake: FakeServer) -> None:
+    async with connect(fake.port) as client, trio.open_nursery() as nursery:
+        server = await fake.accept()
+        results: list[object] = []
+
+        async def pop_then_record() -> None:
+            results.append(await client.pop("a"))
+
+        nursery.start_soon(pop_then_record)
+        await server.receive_exactly(4)
+        nursery.start_soon(client.sync)
+        assert await server.receive_exactly(1) == b"\x21"
+        await server.send(reply((b"k", b"v")) + reply())
+    assert results == [[Packet(b"k", b"v")]]
+
+
+async def test_a_sync_answered_by_something_else_fails_at_once(fake: FakeServer) -> None:
+    async with connect(fake.port, timeout=None) as client:
+        server = await fake.accept()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.send, b"-ERR unknown command '\\x70'\r\n")
+            with pytest.raises(PinpriqConnectionError, match="answered a sync with 2d 45"):
+                await client.push("q", "k", "v", confirm=True)  # no timeout: fails by itself
+        with pytest.raises(PinpriqConnectionError, match="answered a sync"):
+            await client.pop("q")  # the connection is out of step, so closed
+
+
+async def test_a_server_at_its_connection_limit_is_named_as_the_likely_cause(
+    start_server: StartServer,
+) -> None:
+    live = await start_server(PinpriqServer(max_connections=1))
+    await live.connect()  # takes the one slot
+    async with connect(live.port) as client:
+        with pytest.raises(PinpriqConnectionError) as info:
+            await client.pop("q")
+    assert str(info.value) == (
+        f"127.0.0.1:{live.port}: the server closed the connection at once "
+        "(it may be at its connection limit)"
+    )

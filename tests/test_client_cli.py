@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -173,12 +174,21 @@ def test_pinpriq_url_names_the_server_and_options_override_it(port: int) -> None
     assert (done.returncode, done.stdout) == (0, "k\tv\n")
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:7000", "pinpriq://h:99999", "pinpriq://h/x"])
-def test_a_bad_pinpriq_url_is_one_line(url: str) -> None:
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://127.0.0.1:7000", "PINPRIQ_URL must look like pinpriq://HOST:PORT"),
+        ("pinpriq://h/x", "PINPRIQ_URL must look like pinpriq://HOST:PORT"),
+        ("pinpriq://h:port", "PINPRIQ_URL must look like pinpriq://HOST:PORT"),
+        ("pinpriq://127.0.0.1:99999", "PINPRIQ_URL: port 99999 is out of range (1..65535)"),
+        ("pinpriq://h:0", "PINPRIQ_URL: port 0 is out of range (1..65535)"),
+    ],
+)
+def test_a_bad_pinpriq_url_is_one_line(url: str, message: str) -> None:
     done = pinpriq(None, "pop", "q", PINPRIQ_URL=url)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1
-    assert "PINPRIQ_URL must look like pinpriq://HOST:PORT" in done.stderr
+    assert message in done.stderr
 
 
 def test_refused_connection_is_one_line_and_exit_1() -> None:
@@ -200,6 +210,7 @@ def test_refused_connection_is_one_line_and_exit_1() -> None:
         (["subscribe"], "the following arguments are required: QUEUE"),
         (["pop", "q", "--timeout", "0"], "argument --timeout: 0 is not a positive number"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["--port", "0", "pop", "q"], "argument --port: invalid port 0: must be 1..65535"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(args: list[str], message: str) -> None:
@@ -215,3 +226,70 @@ def test_a_field_too_long_is_one_line_and_exit_2(port: int) -> None:
         2,
         "pinpriq: error: payload is 65536 bytes; the most is 65535\n",
     )
+
+
+# -- push is confirmed; ping --------------------------------------------------------------------
+
+
+@pytest.fixture
+def silent_server() -> Iterator[socket.socket]:
+    """A TCP server that accepts connections and answers nothing (its backlog accepts them)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        yield listener
+
+
+def test_push_fails_unless_the_server_confirms_it(silent_server: socket.socket) -> None:
+    port = silent_server.getsockname()[1]
+    done = pinpriq(port, "--timeout", "0.3", "push", "q", "k", "v")
+    assert done.returncode == 1
+    assert done.stderr == f"pinpriq: push to 127.0.0.1:{port}: no answer within 0.3 s\n"
+
+
+def test_push_to_something_that_is_not_pinpriq_fails_loudly() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        command = subprocess.Popen(
+            [PINPRIQ, "--port", str(port), "push", "q", "k", "v"],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env(),
+        )
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(b"-ERR unknown command\r\n")  # what a Redis server would say
+            _, stderr = command.communicate(timeout=TIMEOUT)
+    assert command.returncode == 1
+    assert "answered a sync with 2d 45 instead of 00 00" in stderr
+    assert stderr.count("\n") == 1
+
+
+def test_push_to_a_server_at_its_connection_limit_says_so() -> None:
+    server = subprocess.Popen(
+        [str(BIN / "pinpriq-server"), "--port", "0", "--max-connections", "1"],
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    assert server.stderr is not None
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while b"listening on" not in (line := read_line(server.stderr, deadline)):
+            pass
+        port = int(line.split()[-1])
+        with socket.create_connection(("127.0.0.1", port)) as holder:
+            holder.sendall(b"\x21")
+            assert holder.recv(2) == b"\x00\x00"  # it holds the one slot
+            done = pinpriq(port, "push", "q", "k", "v")
+    finally:
+        server.kill()
+        server.wait(TIMEOUT)
+        server.stderr.close()
+    assert done.returncode == 1
+    assert done.stderr == (
+        f"pinpriq: 127.0.0.1:{port}: the server closed the connection at once (it may be at "
+        "its connection limit, or not speak protocol 1.1, which sync needs)\n"
+    )
+
+
+def test_ping_prints_the_round_trip(port: int) -> None:
+    out = ok(port, "ping")
+    assert re.fullmatch(rf"pong from 127\.0\.0\.1:{port} in \d+\.\d ms\n", out), out

@@ -126,6 +126,85 @@ async def test_decoder_holds_at_most_one_frame_and_one_read_while_waiting(
     assert len(live.store) == 1
 
 
+# -- frame timeout ----------------------------------------------------------------------------
+
+
+def timing_out(seconds: float, **limits: int) -> PinpriqServer:
+    return PinpriqServer(frame_timeout=seconds, **limits)
+
+
+async def test_half_a_frame_held_for_the_frame_timeout_closes_only_that_connection(
+    start_server: StartServer, mock_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    live = await start_server(timing_out(30))
+    stalled, idle = await live.connect(), await live.connect()
+    frame = push(b"q", b"k", b"v")
+    await stalled.send(pop(b"none") + frame[:7])
+    assert await stalled.reply() == []  # the frames before the cut one are answered
+    await trio.sleep(29)
+    await stalled.expect_silence()  # not yet
+    with caplog.at_level(logging.WARNING, logger="pinpriq.server"):
+        await trio.sleep(2)
+        await stalled.expect_closed()
+    [record] = caplog.records
+    assert f"closing 127.0.0.1:{stalled.local_port}: an incomplete frame" in record.getMessage()
+    assert "(7 bytes so far) for 30 s of reading" in record.getMessage()
+    await trio.sleep(100)  # an idle connection between frames is never timed out
+    assert await idle.request(pop(b"q")) == []
+    assert len(live.store) == 0  # the cut push was never applied
+
+
+async def test_a_frame_trickled_in_times_out_though_bytes_keep_coming(
+    start_server: StartServer, mock_clock: trio.testing.MockClock
+) -> None:
+    live = await start_server(timing_out(30))
+    slow = await live.connect()
+    frame = push(b"q", b"k", b"x" * 100)
+    started = trio.current_time()
+
+    async def trickle() -> None:
+        for byte in frame:
+            await slow.send(bytes([byte]))
+            await trio.sleep(5)
+
+    with pytest.raises(trio.BrokenResourceError):  # the server closed it: sends are reset
+        await trickle()
+    assert 30 <= trio.current_time() - started <= 40
+    assert len(live.store) == 0
+
+
+async def test_each_complete_frame_starts_the_clock_again(
+    start_server: StartServer, mock_clock: trio.testing.MockClock
+) -> None:
+    live = await start_server(timing_out(30))
+    client = await live.connect()
+    for i in range(5):  # 100 s in all, never 30 s on one frame
+        frame = push(b"q", b"k%d" % i, b"v")
+        await client.send(frame[:5])
+        await trio.sleep(20)
+        await client.send(frame[5:])
+    assert await client.request(pop(b"q")) == [(b"k4", b"v")]
+    assert len(live.store) == 4
+
+
+async def test_a_producer_the_server_paused_is_not_timed_out_for_it(
+    start_server: StartServer, mock_clock: trio.testing.MockClock
+) -> None:
+    live = await start_server(timing_out(1, max_memory=10 * PACKET_COST))
+    producer, consumer = await live.connect(), await live.connect()
+    last = push(b"q", b"last", PAYLOAD)
+    await producer.send(pushes(12) + last[:5])  # 10 fit; the rest wait, with half a frame
+    await settle()
+    assert live.server.broker.memory_full
+    await trio.sleep(60)  # paused by the server for a minute: its reading clock is stopped
+    for _ in range(5):
+        assert len(await consumer.request(pop(b"q"))) == 1
+    await settle()
+    await producer.send(last[5:] + pop(b"none"))
+    assert await producer.reply() == []
+    assert len(live.store) == 10 - 5 + 2 + 1
+
+
 # -- output bound -----------------------------------------------------------------------------
 
 

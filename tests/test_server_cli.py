@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pinpriq.cli import byte_size
+from pinpriq.cli.args import byte_size
 
 # The console script installed beside this interpreter: what a user runs.
 SERVER = [str(Path(sys.executable).parent / "pinpriq-server")]

@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pinpriq import wire
-from pinpriq.store import DEFAULT_MAX_POP, KEY, PAYLOAD, PRIO, QueuedPacket, QueueStore
+from pinpriq.store import (
+    DEFAULT_MAX_POP,
+    KEY,
+    PACKET_OVERHEAD,
+    PAYLOAD,
+    PRIO,
+    QueuedPacket,
+    QueueStore,
+)
 
 YEAR = 365 * 24 * 3600.0
 
@@ -289,6 +297,35 @@ def test_default_store_pops_at_most_65535_packets(store: QueueStore) -> None:
     assert len(reply) == 65535
     assert (reply[0][PAYLOAD], reply[1][PAYLOAD], reply[-1][PAYLOAD]) == (b"sel", b"0", b"65533")
     assert store.depth(b"q") == 3
+
+
+def test_a_stale_entry_of_a_key_pushed_again_is_skipped(store: QueueStore) -> None:
+    """A packet taken along with its group leaves a stale entry in its level. When its key is
+    pushed again, that entry names a key the queue holds again, but not that packet: it must be
+    skipped when it reaches the top, never popped a second time."""
+    push(store, b"A", key=b"k", prio=5)
+    push(store, b"B", key=b"k", prio=3)
+    assert payloads(store.pop(b"q")) == [b"B", b"A"]  # A's prio-5 entry is now stale
+    push(store, b"C", key=b"k", prio=7)  # key k is live again, at a worse prio
+    assert store.peek_rank(b"q") == (7, -3)
+    assert payloads(store.pop(b"q")) == [b"C"]
+    assert store.pop(b"q") == []
+    store.check_invariants()
+
+
+def test_unselectable_bytes_count_prio_zero_packets_until_they_leave(
+    store: QueueStore, clock: FakeClock
+) -> None:
+    push(store, b"rider", key=b"k", prio=0)
+    push(store, b"timed", prio=0, ttl_ms=125)
+    assert store.unselectable_bytes == store.bytes_held
+    push(store, b"selectable", key=b"k", prio=1)
+    clock.advance(0.125)
+    store.expire()
+    assert store.unselectable_bytes == len(b"k" + b"rider") + PACKET_OVERHEAD
+    assert store.expired == 1
+    assert payloads(store.pop(b"q")) == [b"selectable", b"rider"]
+    assert (store.unselectable_bytes, store.bytes_held) == (0, 0)
 
 
 # --- decisions 4 and 5: empty results and queues -------------------------------------------------

@@ -24,7 +24,7 @@ from pinpriq.bench.workload import (
     BenchError,
     Workload,
 )
-from pinpriq.cli import OneLineParser, int_in, port_number
+from pinpriq.cli.args import OneLineParser, int_in, port_number
 from pinpriq.wire import MAX_PRIO, MAX_TTL_MS
 
 

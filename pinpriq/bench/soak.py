@@ -325,7 +325,7 @@ class ServerProcess:
 
     @classmethod
     async def start(cls, nursery: trio.Nursery) -> ServerProcess:
-        command = [sys.executable, "-m", "pinpriq.cli", "--host", HOST, "--port", "0"]
+        command = [sys.executable, "-m", "pinpriq.cli.server", "--host", HOST, "--port", "0"]
         log_end, server_end = os.pipe()
         try:
             process = start_child(command, stderr=server_end)

@@ -1,0 +1,308 @@
+"""What both Python clients share, with no I/O: arguments to frames, defaults, reply matching
+and credit accounting.
+
+``client.py`` (Trio) and ``blocking.py`` (plain sockets) differ only in how they move bytes;
+everything else is here, once, as redis-py shares one parser between its sync and async clients.
+Nothing here imports trio or socket, and nothing here knows a byte layout: frames come from
+``wire.encode`` and replies from ``wire.ReplyDecoder``.
+
+Theory of operation.
+
+* **Arguments** are checked before anything is sent; an error names the argument
+  (``ArgumentTypeError`` for a wrong type, ``ArgumentError`` for a value out of range).
+* **Replies** come in request order on a connection (decision 8). ``Exchange`` keeps the FIFO
+  of requests awaiting a reply (pops and syncs), each a ``Slot``: ``feed`` decodes what the
+  server sent and fills the oldest slots. A caller that stops waiting (a timeout, a
+  cancellation) just forgets its slot, which keeps its place until its reply arrives and is
+  dropped, so the connection stays in step. A sync must be answered ``00 00``: anything else
+  means the peer is not a pinpriq 1.1 server, and is reported at its first two bytes.
+* **Credits**: a subscription grants ``prefetch`` credits up front and returns one each time the
+  caller comes back for the next delivery (``Credits``), so at most ``prefetch`` deliveries are
+  ever taken from the server and not yet finished, the one in hand included.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import socket
+from collections import deque
+from collections.abc import Sequence
+
+from pinpriq import wire
+from pinpriq.errors import ArgumentError, ArgumentTypeError, PinpriqConnectionError
+from pinpriq.wire import Packet
+
+__all__ = [
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "DEFAULT_TIMEOUT",
+    "MAX_PREFETCH",
+    "RECEIVE_SIZE",
+    "Credits",
+    "Data",
+    "Exchange",
+    "Queues",
+    "Slot",
+]
+
+DEFAULT_HOST = "127.0.0.1"
+#: The port a server listens on and a client connects to unless told otherwise.
+DEFAULT_PORT = 7000
+#: Seconds to wait for a connection or an answer before ``TimeoutError``.
+DEFAULT_TIMEOUT = 10.0
+#: Bytes asked of the socket per read.
+RECEIVE_SIZE = 65536
+#: Most credits a subscription may keep outstanding; each is a byte on the wire.
+MAX_PREFETCH = 0xFFFF
+#: A server that closes a connection this soon after it opened, having sent nothing, most
+#: likely refused it (a server at its connection limit accepts and closes at once).
+AT_ONCE_SECONDS = 1.0
+
+#: A queue name, key or payload: ``str`` is sent as UTF-8.
+Data = bytes | bytearray | memoryview | str
+#: What ``subscribe`` takes: one queue name, or a sequence (a list, a tuple) of them.
+Queues = Data | Sequence[Data]
+
+_SYNC = wire.encode(wire.SYNC)
+_READY = wire.encode(wire.READY)
+
+
+# -- arguments --------------------------------------------------------------------------------
+
+
+def as_bytes(field: str, value: Data) -> bytes:
+    """A queue, key or payload as bytes; ``str`` is encoded as UTF-8."""
+    if isinstance(value, str):
+        try:
+            return value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ArgumentError(f"{field} is not encodable as UTF-8") from None
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    raise ArgumentTypeError(f"{field} must be bytes or str, not {type(value).__name__}")
+
+
+def check_int(field: str, value: object, low: int, high: int | None = None) -> int:
+    """``value`` if it is an integer in ``low..high`` (no upper bound if ``high`` is None)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ArgumentTypeError(f"{field} must be an integer, not {type(value).__name__} {value!r}")
+    if high is None:
+        if value < low:
+            raise ArgumentError(f"{field} must be at least {low}, not {value}")
+    elif not low <= value <= high:
+        raise ArgumentError(f"{field} must be in {low}..{high}, not {value}")
+    return value
+
+
+def check_timeout(timeout: object) -> float | None:
+    """A client's ``timeout``: a positive number of seconds, or ``None`` for no limit."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool):
+        raise ArgumentTypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
+    if not timeout > 0:
+        raise ArgumentError(f"timeout must be a positive number of seconds or None, not {timeout}")
+    return float(timeout)
+
+
+def check_address(host: object, port: object) -> tuple[str, int]:
+    """A server address to connect to: a host name and a port in 1..65535."""
+    if not isinstance(host, str) or not host:
+        raise ArgumentTypeError(f"host must be a non-empty str, not {host!r}")
+    return host, check_int("port", port, 1, 65535)
+
+
+def push_frame(
+    queue: Data, key: Data, payload: Data, ttl_ms: object, prio: object, *, confirm: bool = False
+) -> bytes:
+    """The bytes of a push, followed by a sync if ``confirm``."""
+    push = wire.Push(
+        as_bytes("queue", queue),
+        as_bytes("key", key),
+        as_bytes("payload", payload),
+        check_int("ttl_ms", ttl_ms, 0, wire.MAX_TTL_MS),
+        check_int("prio", prio, 0, wire.MAX_PRIO),
+    )
+    return wire.encode(push) + _SYNC if confirm else wire.encode(push)
+
+
+def pop_frame(queue: Data) -> bytes:
+    return wire.encode(wire.Pop(as_bytes("queue", queue)))
+
+
+def sync_frame() -> bytes:
+    return _SYNC
+
+
+def subscribe_frames(queues: Queues, prefetch: object, limit: object) -> tuple[bytes, Credits]:
+    """The bytes that open a subscription to one queue or a list of them, and its credits."""
+    names: list[Data] = [queues] if isinstance(queues, Data) else list(queues)
+    if not names:
+        raise ArgumentError("subscribe needs at least one queue")
+    prefetch = check_int("prefetch", prefetch, 1, MAX_PREFETCH)
+    limit = None if limit is None else check_int("limit", limit, 1)
+    frames = [wire.encode(wire.Subscribe(as_bytes("queue", name))) for name in names]
+    credits = Credits(prefetch, limit)
+    return b"".join(frames) + _READY * credits.granted, credits
+
+
+# -- addresses and connection errors ----------------------------------------------------------
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def connect_error(host: str, port: int, error: OSError) -> PinpriqConnectionError:
+    """``cannot connect to host:port: reason``, from whatever the socket layer raised."""
+    cause = error.__cause__
+    # trio reports a failure to connect to every address as one OSError caused by a group.
+    if isinstance(cause, ExceptionGroup) and isinstance(cause.exceptions[0], OSError):
+        error = cause.exceptions[0]
+    if isinstance(error, socket.gaierror) or not error.errno:
+        reason = error.strerror or str(error)
+    else:
+        reason = os.strerror(error.errno)  # trio's strerror repeats the address
+    address = format_address(host, port)
+    return PinpriqConnectionError(f"cannot connect to {address}: {reason}", host, port)
+
+
+# -- replies ----------------------------------------------------------------------------------
+
+
+class Expect(enum.Enum):
+    """What a request's reply must be."""
+
+    PACKETS = "a pop reply"
+    NOTHING = "00 00, the answer to a sync"
+
+
+class Slot:
+    """Where one request's reply lands. A caller that stops waiting just forgets its slot,
+    which keeps its place in the FIFO until the reply fills it and nobody reads it."""
+
+    __slots__ = ("expect", "reply")
+
+    def __init__(self, expect: Expect) -> None:
+        self.expect = expect
+        self.reply: list[Packet] | None = None
+
+
+class Exchange:
+    """One connection's requests awaiting replies, in order, and the decoder of its replies."""
+
+    def __init__(self, host: str, port: int, opened_at: float) -> None:
+        """``opened_at``: when the connection was made, in ``time.monotonic`` seconds."""
+        self.host = host
+        self.port = port
+        self.address = format_address(host, port)
+        self._opened_at = opened_at
+        self._decoder = wire.ReplyDecoder()
+        self._waiting: deque[Slot] = deque()
+        #: Whether any byte has come from the server; the client's I/O layer sets it.
+        self.received_any = False
+
+    def expect(self, what: Expect) -> Slot:
+        """A request was (or is about to be) sent: its reply will fill the returned slot."""
+        slot = Slot(what)
+        self._waiting.append(slot)
+        return slot
+
+    def feed(self, data: bytes) -> None:
+        """Bytes from the server: fill the oldest slots with the replies they complete.
+
+        Raises ``PinpriqConnectionError`` when the server sends what nobody asked for or
+        answers a sync with anything but ``00 00`` (known from the reply's first two bytes);
+        the connection is out of step after either.
+        """
+        decoder = self._decoder
+        decoder.feed(data)
+        while True:
+            reply = decoder.next_reply()
+            head = self._waiting[0] if self._waiting else None
+            if reply is None:
+                if head is not None and head.expect is Expect.NOTHING:
+                    self._check_sync(decoder.count_in_progress)
+                return
+            if head is None:
+                raise self.error(f"{self.address} sent a reply nobody asked for")
+            if head.expect is Expect.NOTHING:
+                self._check_sync(len(reply))
+            self._waiting.popleft().reply = reply
+
+    def _check_sync(self, count: int) -> None:
+        if count:
+            raise self.error(
+                f"{self.address} answered a sync with {count.to_bytes(2, 'big').hex(' ')} "
+                "instead of 00 00: it is not a pinpriq server speaking protocol 1.1"
+            )
+
+    def drop_waiting(self) -> None:
+        """The connection is closed: no slot will be filled."""
+        self._waiting.clear()
+
+    def refused(self, now: float) -> bool:
+        """Whether a close (or reset) by the server at ``now`` looks like a refusal: nothing
+        came from the server, and the connection is less than ``AT_ONCE_SECONDS`` old."""
+        return not self.received_any and now - self._opened_at < AT_ONCE_SECONDS
+
+    def closed_by_server(self, now: float) -> str:
+        """Why the connection ended, when the server closed it at ``now``."""
+        if self.refused(now):
+            why = "the server closed the connection at once (it may be at its connection limit"
+            if any(slot.expect is Expect.NOTHING for slot in self._waiting):
+                why += ", or not speak protocol 1.1, which sync needs"
+            return f"{self.address}: {why})"
+        return f"connection to {self.address} was closed by the server"
+
+    def broken(self, now: float, error: BaseException | None) -> PinpriqConnectionError:
+        """The error for a connection the server closed (``error`` None) or reset, or that
+        broke otherwise, at ``now``."""
+        if error is None or self.refused(now):
+            return self.error(self.closed_by_server(now))
+        return self.error(f"connection to {self.address} broke: {error}")
+
+    def error(self, message: str) -> PinpriqConnectionError:
+        return PinpriqConnectionError(message, self.host, self.port)
+
+
+# -- subscription credits ---------------------------------------------------------------------
+
+
+class Credits:
+    """A subscription's delivery credits: granted, returned, and the deliveries handed out."""
+
+    __slots__ = ("granted", "limit", "received", "unfinished")
+
+    def __init__(self, prefetch: int, limit: int | None) -> None:
+        self.limit = limit
+        self.granted = prefetch if limit is None else min(prefetch, limit)
+        self.received = 0
+        self.unfinished = False  # a delivery was handed out and its credit not yet returned
+
+    @property
+    def done(self) -> bool:
+        """Whether the caller has had ``limit`` deliveries."""
+        return self.received == self.limit
+
+    def to_return(self) -> bytes:
+        """The caller is back for the next delivery, so the last one is finished: the byte to
+        send to return its credit, or ``b""`` if none is due (none handed out yet, or ``limit``
+        already granted). Count it as sent only once it is: call ``returned``."""
+        if not self.unfinished:
+            return b""
+        if self.limit is not None and self.granted >= self.limit:
+            self.unfinished = False
+            return b""
+        return _READY
+
+    def returned(self) -> None:
+        """The credit ``to_return`` asked for has been sent."""
+        self.granted += 1
+        self.unfinished = False
+
+    def delivered(self) -> None:
+        """A delivery was handed to the caller."""
+        self.received += 1
+        self.unfinished = True

@@ -1,0 +1,111 @@
+"""Argument types and the parser shared by pinpriq's command lines (server, client, bench).
+
+Each type raises ``argparse.ArgumentTypeError`` with a message that names the value, so a bad
+argument is one line from ``OneLineParser``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import NoReturn
+
+__all__ = [
+    "OneLineParser",
+    "byte_size",
+    "client_port",
+    "int_in",
+    "port_number",
+    "seconds",
+]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: ``prog: error: message (see --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _port(text: str, low: int) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: not a number") from None
+    if not low <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {port}: must be {low}..65535")
+    return port
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port to listen on, 0..65535 (0: any free port)."""
+    return _port(text, 0)
+
+
+def client_port(text: str) -> int:
+    """An argparse type: a TCP port to connect to, 1..65535."""
+    return _port(text, 1)
+
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "k": 1024,
+    "kib": 1024,
+    "m": 1024**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tib": 1024**4,
+}
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: a size in bytes, such as ``512MiB``, ``2GB`` or ``65536``.
+
+    KiB/MiB/GiB/TiB (and K/M/G/T) are powers of 1024; kB/MB/GB/TB powers of 1000; case does not
+    matter; a fraction is allowed (``1.5GiB``).
+    """
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number) :].lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use e.g. 512MiB, 2GB or 65536")
+    return int(value * _SIZE_UNITS[unit])
+
+
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``low..high`` (no upper bound if ``high`` is None)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+        if high is None and value < low:
+            raise argparse.ArgumentTypeError(f"{value} is less than {low}")
+        if high is not None and not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
+        return value
+
+    return parse
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value

@@ -1,0 +1,234 @@
+"""``pinpriq``: push, pop, subscribe and ping from the shell.
+
+A thin shell over ``BlockingPinpriqClient``: it parses, calls the library, and prints; it knows
+no byte layout. Argument errors and connection errors print one line and exit non-zero; no
+traceback reaches the user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable
+from typing import TextIO
+from urllib.parse import urlsplit
+
+from pinpriq import __version__
+from pinpriq._client_core import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TIMEOUT, MAX_PREFETCH
+from pinpriq.blocking import BlockingPinpriqClient
+from pinpriq.cli.args import OneLineParser, client_port, int_in, seconds
+from pinpriq.errors import ArgumentError, ArgumentTypeError, PinpriqError
+from pinpriq.wire import MAX_PRIO, MAX_TTL_MS, Packet
+
+__all__ = ["client_parser", "main"]
+
+URL_VARIABLE = "PINPRIQ_URL"
+#: Exit status after Ctrl-C, as shells report a process ended by SIGINT.
+INTERRUPTED = 130
+
+CLIENT_EPILOG = f"""\
+The server is --host and --port if given, else the {URL_VARIABLE} environment variable
+(pinpriq://HOST:PORT, the port defaulting to {DEFAULT_PORT}), else {DEFAULT_HOST}:{DEFAULT_PORT}.
+
+`push` waits until the server confirms it has the packet (a protocol 1.1 sync), so exit status
+0 means the packet is queued. Output is one line per packet, KEY<tab>PAYLOAD, with backslash
+escapes for bytes that are not printable text. With --json, each line is a JSON object
+{{"key": ..., "payload": ...}} whose values are strings when the bytes are UTF-8, else
+{{"base64": "..."}}. Popping an empty queue prints nothing and exits 0. Exit status: 0 done,
+1 server unreachable, connection lost, or no answer within --timeout, 2 bad arguments,
+{INTERRUPTED} interrupted (Ctrl-C)."""
+
+
+def parse_url(text: str) -> tuple[str, int]:
+    """``pinpriq://host:port`` (port optional; IPv6 hosts in brackets) as ``(host, port)``."""
+    usage = f"{URL_VARIABLE} must look like pinpriq://HOST:PORT, not {text!r}"
+    parts = urlsplit(text)
+    extra = parts.path.strip("/") or parts.query or parts.fragment or parts.username
+    if parts.scheme != "pinpriq" or not parts.hostname or extra:
+        raise ValueError(usage)
+    port = parts.netloc.rpartition("]")[2].rpartition(":")[2] if ":" in parts.netloc else ""
+    if not port:
+        return parts.hostname, DEFAULT_PORT
+    if not port.isdigit():
+        raise ValueError(usage)
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"{URL_VARIABLE}: port {port} is out of range (1..65535) in {text!r}")
+    return parts.hostname, int(port)
+
+
+def client_parser() -> argparse.ArgumentParser:
+    # The connection options are accepted before and after the command (pinpriq --json pop q,
+    # pinpriq pop q --json); SUPPRESS keeps a subcommand from resetting what the main parser got.
+    common = OneLineParser(add_help=False)
+    connection = common.add_argument_group("connection and output")
+    connection.add_argument("--host", default=argparse.SUPPRESS, help="server host name or address")
+    connection.add_argument(
+        "--port", type=client_port, default=argparse.SUPPRESS, help="server TCP port"
+    )
+    connection.add_argument(
+        "--timeout",
+        type=seconds,
+        default=argparse.SUPPRESS,
+        help=f"seconds to wait for the server to connect or answer (default: {DEFAULT_TIMEOUT:g})",
+    )
+    connection.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="one JSON object per line"
+    )
+    parser = OneLineParser(
+        prog="pinpriq",
+        description="Push to, pop from and subscribe to the queues of a pinpriq server.",
+        epilog=CLIENT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[common],
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    push = commands.add_parser(
+        "push", parents=[common], help="queue a packet, and wait until the server has it"
+    )
+    push.add_argument("queue", metavar="QUEUE")
+    push.add_argument("key", metavar="KEY")
+    push.add_argument("payload", metavar="PAYLOAD")
+    push.add_argument(
+        "--ttl",
+        type=int_in(0, MAX_TTL_MS),
+        default=0,
+        metavar="MS",
+        help="milliseconds to live; 0, the default, never expires",
+    )
+    push.add_argument(
+        "--prio",
+        type=int_in(0, MAX_PRIO),
+        default=1,
+        metavar="N",
+        help="priority, 1 (highest, the default) to 255; 0 only leaves with its key",
+    )
+
+    pop = commands.add_parser(
+        "pop", parents=[common], help="take the best packet and the others with its key"
+    )
+    pop.add_argument("queue", metavar="QUEUE")
+
+    subscribe = commands.add_parser(
+        "subscribe", parents=[common], help="print packets as they arrive, until Ctrl-C"
+    )
+    subscribe.add_argument("queues", nargs="+", metavar="QUEUE")
+    subscribe.add_argument(
+        "--count",
+        type=int_in(1),
+        metavar="N",
+        help="exit after N deliveries, taking no more than that from the server",
+    )
+    subscribe.add_argument(
+        "--prefetch",
+        type=int_in(1, MAX_PREFETCH),
+        default=1,
+        metavar="N",
+        help="deliveries to have on their way at once (default: %(default)s)",
+    )
+
+    commands.add_parser(
+        "ping",
+        parents=[common],
+        help="check that the server answers (a sync): prints the round trip, exits 0 if it does",
+    )
+    return parser
+
+
+def server_address(args: argparse.Namespace) -> tuple[str, int]:
+    """--host and --port, falling back to PINPRIQ_URL, then to the defaults."""
+    host, port = DEFAULT_HOST, DEFAULT_PORT
+    url = os.environ.get(URL_VARIABLE)
+    if url:
+        host, port = parse_url(url)
+    return getattr(args, "host", host), getattr(args, "port", port)
+
+
+def escape(data: bytes) -> str:
+    """``data`` as one line of text: UTF-8 shown as text, anything else as backslash escapes."""
+    out = []
+    for char in data.decode("utf-8", "surrogateescape"):
+        code = ord(char)
+        if char == "\\":
+            out.append("\\\\")
+        elif 0xDC80 <= code <= 0xDCFF:  # a byte that is not UTF-8, smuggled by surrogateescape
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif char.isprintable():
+            out.append(char)
+        else:
+            out.append(char.encode("unicode_escape").decode("ascii"))
+    return "".join(out)
+
+
+def json_value(data: bytes) -> str | dict[str, str]:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return {"base64": base64.b64encode(data).decode("ascii")}
+
+
+def print_packets(packets: Iterable[Packet], as_json: bool, out: TextIO) -> None:
+    for packet in packets:
+        if as_json:
+            line = json.dumps(
+                {"key": json_value(packet.key), "payload": json_value(packet.payload)}
+            )
+        else:
+            line = f"{escape(packet.key)}\t{escape(packet.payload)}"
+        out.write(line + "\n")
+    out.flush()  # a subscriber's reader sees each delivery as it comes
+
+
+def run_client(args: argparse.Namespace, host: str, port: int, out: TextIO) -> None:
+    timeout = getattr(args, "timeout", DEFAULT_TIMEOUT)
+    as_json = getattr(args, "json", False)
+    with BlockingPinpriqClient.connect(host, port, timeout=timeout) as client:
+        if args.command == "push":
+            queue, key, payload = (os.fsencode(arg) for arg in (args.queue, args.key, args.payload))
+            client.push(queue, key, payload, ttl_ms=args.ttl, prio=args.prio, confirm=True)
+        elif args.command == "pop":
+            print_packets(client.pop(os.fsencode(args.queue)), as_json, out)
+        elif args.command == "ping":
+            started = time.perf_counter()
+            client.sync()
+            elapsed_ms = (time.perf_counter() - started) * 1000
+            out.write(f"pong from {client.address} in {elapsed_ms:.1f} ms\n")
+        else:
+            queues = [os.fsencode(queue) for queue in args.queues]
+            subscription = client.subscribe(queues, prefetch=args.prefetch, limit=args.count)
+            client.close()  # the subscription has a connection of its own
+            with subscription as deliveries:
+                for packets in deliveries:
+                    print_packets(packets, as_json, out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``pinpriq``."""
+    parser = client_parser()
+    try:
+        args = parser.parse_args(argv)
+        try:
+            host, port = server_address(args)
+        except ValueError as error:
+            parser.error(str(error))
+        run_client(args, host, port, sys.stdout)
+    except (ArgumentError, ArgumentTypeError) as error:  # a field longer than the protocol allows
+        parser.exit(2, f"pinpriq: error: {error}\n")
+    except PinpriqError as error:  # unreachable, lost, timed out, not a pinpriq 1.1 server
+        sys.exit(f"pinpriq: {error}")
+    except KeyboardInterrupt:
+        sys.exit(INTERRUPTED)
+    except BrokenPipeError:
+        # The reader went away (pinpriq subscribe q | head -1). Point stdout at /dev/null so
+        # the interpreter's final flush does not complain a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""``pinpriq-server``: parse the options, set up the process, run the Trio server until a
+signal.
+
+Argument errors and startup failures print one line and exit non-zero; no traceback reaches the
+user. ``python -m pinpriq.cli.server`` runs it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import resource
+import signal
+import sys
+
+import trio
+
+from pinpriq import __version__
+from pinpriq._client_core import DEFAULT_PORT
+from pinpriq.cli.args import OneLineParser, byte_size, int_in, port_number, seconds
+from pinpriq.server import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_CONNECTIONS, PinpriqServer
+from pinpriq.store import PACKET_OVERHEAD
+
+__all__ = ["main", "server_parser"]
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def server_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="pinpriq-server",
+        description="Run a pinpriq priority-queue server.",
+        epilog="SIGINT or SIGTERM stops the server gracefully: it stops accepting, flushes the "
+        "replies it owes (for up to a second), closes every connection and exits 0. A second "
+        "signal exits at once with status 1.",
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: %(default)s; 0.0.0.0 for every interface)",
+    )
+    parser.add_argument(
+        "--port",
+        type=port_number,
+        default=DEFAULT_PORT,
+        help="TCP port to listen on, 0 for any free port (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-memory",
+        type=byte_size,
+        default="1GiB",
+        metavar="SIZE",
+        help="cap on the memory queued packets may hold (keys, payloads and about "
+        f"{PACKET_OVERHEAD} bytes of bookkeeping each), e.g. 512MiB or 2GB; when reached, "
+        "pushes wait until pops or expiry free room. 0 for no cap (default: 1GiB)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int_in(1),
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help="most concurrent connections; further ones are accepted and closed at once "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--frame-timeout",
+        type=seconds,
+        default=DEFAULT_FRAME_TIMEOUT,
+        metavar="SECONDS",
+        help="close a connection that has held an incomplete frame for this many seconds of "
+        "reading (time the server itself makes it wait does not count; default: %(default)g)",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="least severe messages to log (default: %(default)s)",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    return parser
+
+
+#: Exit status when a second signal cuts a graceful shutdown short.
+FORCED_EXIT = 1
+
+
+async def run_server(server: PinpriqServer, host: str, port: int) -> int | str:
+    """Serve until a signal. Returns the exit status, or why the server could not start."""
+    log = logging.getLogger("pinpriq.server")
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def serve_then_stop(task_status: trio.TaskStatus[object]) -> None:
+                await server.serve(port, host=host, task_status=task_status)
+                nursery.cancel_scope.cancel()  # serving ended: stop watching for signals
+
+            try:
+                await nursery.start(serve_then_stop)
+            except OSError as error:
+                return f"cannot listen on {host} port {port}: {error.strerror or error}"
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if nursery.cancel_scope.cancel_called or server.stopping:
+                    log.warning("received %s again; exiting now", name)
+                    nursery.cancel_scope.cancel()
+                    return FORCED_EXIT
+                log.info("received %s; shutting down", name)
+                server.shutdown()
+    return 0
+
+
+def raise_open_file_limit(wanted: int) -> None:
+    """Let the process hold ``wanted`` descriptors if the hard limit allows; soft limits are
+    often 1024, below a server's connection limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+
+
+def tune_garbage_collector() -> None:
+    """Run the cyclic garbage collector rarely, not never.
+
+    A queue server allocates a container per queued packet, and the collector's passes over
+    millions of them cost more than the work itself (store pushes measured at 4.1 us with the
+    default thresholds, 1.8 us with these). The store's structures hold no reference cycles, but
+    each connection leaves ~17 objects in cycles (trio's tasks, scopes and exceptions) that only
+    the collector frees: the older generations keep their default ratios, so a 10-minute soak
+    with 10,000 connections still levels off (it did not with ratios of 50 and 100).
+    """
+    gc.freeze()  # what exists after start-up lives as long as the process
+    gc.set_threshold(100_000, 10, 10)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``pinpriq-server``."""
+    args = server_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    raise_open_file_limit(args.max_connections + 64)
+    tune_garbage_collector()
+    server = PinpriqServer(
+        max_memory=args.max_memory,
+        max_connections=args.max_connections,
+        frame_timeout=args.frame_timeout,
+    )
+    try:
+        outcome = trio.run(run_server, server, args.host, args.port)
+    except KeyboardInterrupt:
+        outcome = 0  # Ctrl-C before the signal handler was installed
+    if isinstance(outcome, str):
+        sys.exit(f"pinpriq-server: {outcome}")
+    sys.exit(outcome)
+
+
+if __name__ == "__main__":
+    main()
