@@ -169,12 +169,6 @@ function closeError(endpoint, { closedByUs, error }) {
 }
 
 /**
- * Write one whole frame; resolves once Node has handed it to the operating system.
- * @param {net.Socket} socket
- * @param {Buffer} frame
- * @returns {Promise<void>}
- */
-/**
  * Wires a connection's socket: chunks to `onData`, its first error and the server's end of
  * stream into `state` (calls fail from the end of stream on, even before the socket is closed).
  * @param {import('node:net').Socket} socket
@@ -193,6 +187,12 @@ function watchSocket(socket, state, onData, onClose) {
   }));
 }
 
+/**
+ * Write one whole frame; resolves once Node has handed it to the operating system.
+ * @param {net.Socket} socket
+ * @param {Buffer} frame
+ * @returns {Promise<void>}
+ */
 function writeFrame(socket, frame) {
   return new Promise((resolve, reject) => {
     socket.write(frame, (error) => (error ? reject(error) : resolve()));
