@@ -1,14 +1,16 @@
-// The pinpriq wire format (protocol 1.0, docs/protocol.md), sans I/O: functions from arguments
-// to frame bytes, and a decoder from received bytes to replies. Nothing here touches a socket,
-// so every byte layout lives in this one file and can be tested without a server.
+// The pinpriq wire format (protocol 1.0 and the sync frame of 1.1, docs/protocol.md), sans I/O:
+// functions from arguments to frame bytes, and a decoder from received bytes to replies.
+// Nothing here touches a socket, so every byte layout lives in this one file and can be tested
+// without a server.
 
-/** Opcodes of the five client frames. */
+/** Opcodes of the client frames: the five of protocol 1.0, and sync from 1.1. */
 export const OPCODE = Object.freeze({
   PUSH: 0x70,
   POP: 0x50,
   SUBSCRIBE: 0x73,
   UNSUBSCRIBE: 0x75,
   READY: 0x41,
+  SYNC: 0x21,
 });
 
 /** Largest queue name, key or payload, in bytes (a u16 length). */
@@ -138,6 +140,15 @@ export const encodeUnsubscribe = (queue) => queueFrame(OPCODE.UNSUBSCRIBE, queue
 export function encodeReady(credits = 1) {
   checkInteger('credits', credits, 0, Number.MAX_SAFE_INTEGER);
   return Buffer.alloc(credits, OPCODE.READY);
+}
+
+/**
+ * A sync frame (protocol 1.1): the server answers it with the empty reply `00 00` once every
+ * earlier frame of the connection has been applied. A 1.0 server closes the connection instead.
+ * @returns {Buffer}
+ */
+export function encodeSync() {
+  return Buffer.from([OPCODE.SYNC]);
 }
 
 /**

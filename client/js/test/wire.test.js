@@ -5,8 +5,9 @@ import assert from 'node:assert/strict';
 
 import {
   MAX_FIELD_BYTES, ReplyDecoder, encodePop, encodePush, encodeReady, encodeSubscribe,
-  encodeUnsubscribe,
+  encodeSync, encodeUnsubscribe,
 } from '../src/wire.js';
+import * as pinpriq from '../index.js';
 
 /** Asserts that fn throws a RangeError whose message names `field`. */
 function assertRangeError(fn, field) {
@@ -80,6 +81,13 @@ describe('encoder inputs', () => {
   test('ready: one 0x41 byte per credit', () => {
     assert.deepEqual(encodeReady(), Buffer.from([0x41]));
     assert.deepEqual(encodeReady(3), Buffer.from([0x41, 0x41, 0x41]));
+  });
+
+  test('sync (protocol 1.1): the single byte 0x21, a Buffer of its own each time', () => {
+    assert.deepEqual(encodeSync(), Buffer.from([0x21]));
+    encodeSync()[0] = 0; // a caller scribbling on one frame must not change the next
+    assert.deepEqual(encodeSync(), Buffer.from([0x21]));
+    assert.equal(pinpriq.encodeSync, encodeSync, 'pinpriq re-exports it, as it does the others');
   });
 });
 
