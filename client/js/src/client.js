@@ -40,17 +40,18 @@ const REASONS = {
 };
 
 /**
- * The server could not be reached, or the connection broke or was closed. The message names
- * the server as `host:port`.
+ * The base of the errors this client raises about a server: catch it to catch them all.
+ * Arguments a call refuses before sending anything are `RangeError`s and `TypeError`s instead.
+ * The message names the server as `host:port`.
  */
-export class PinpriqConnectionError extends Error {
+export class PinpriqError extends Error {
   /**
    * @param {string} message
    * @param {{ host: string, port: number, code?: string, cause?: unknown }} details
    */
   constructor(message, { host, port, code, cause }) {
     super(message, cause === undefined ? undefined : { cause });
-    this.name = 'PinpriqConnectionError';
+    this.name = 'PinpriqError';
     this.host = host;
     this.port = port;
     this.address = formatAddress(host, port);
@@ -59,16 +60,27 @@ export class PinpriqConnectionError extends Error {
   }
 }
 
+/**
+ * The server could not be reached, or the connection broke or was closed. The message names
+ * the server as `host:port`.
+ */
+export class PinpriqConnectionError extends PinpriqError {
+  /**
+   * @param {string} message
+   * @param {{ host: string, port: number, code?: string, cause?: unknown }} details
+   */
+  constructor(message, details) {
+    super(message, details);
+    this.name = 'PinpriqConnectionError';
+  }
+}
+
 /** No connection or answer within the client's `timeout`. The message names the server. */
-export class PinpriqTimeoutError extends Error {
+export class PinpriqTimeoutError extends PinpriqError {
   /** @param {string} message @param {{ host: string, port: number }} details */
   constructor(message, { host, port }) {
-    super(message);
+    super(message, { host, port, code: 'ETIMEDOUT' });
     this.name = 'PinpriqTimeoutError';
-    this.host = host;
-    this.port = port;
-    this.address = formatAddress(host, port);
-    this.code = 'ETIMEDOUT';
   }
 }
 

@@ -6,8 +6,8 @@ import { afterEach, beforeEach, test } from 'node:test';
 import assert from 'node:assert/strict';
 
 import {
-  PinpriqClient, PinpriqConnectionError, PinpriqTimeoutError, encodePop, encodeReady,
-  encodeSubscribe,
+  PinpriqClient, PinpriqConnectionError, PinpriqError, PinpriqTimeoutError, encodePop,
+  encodeReady, encodeSubscribe,
 } from '../index.js';
 import { FakeServer, replyBytes, sleep, waitFor } from '../test-support/helpers.js';
 
@@ -80,7 +80,11 @@ test('pop replies arriving one byte at a time go to their pops in request order'
 
 test('an out-of-range argument sends nothing at all', async () => {
   const client = await connect();
-  await assert.rejects(client.push('q', 'k', 'p', { prio: 300 }), RangeError);
+  await assert.rejects(client.push('q', 'k', 'p', { prio: 300 }), (error) => {
+    assert.ok(error instanceof RangeError);
+    assert.ok(!(error instanceof PinpriqError), 'argument errors are not PinpriqErrors');
+    return true;
+  });
   await assert.rejects(client.push('q', 'k', 'p', { ttlMs: -1 }), RangeError);
   await assert.rejects(client.push('q'.repeat(70000), 'k', 'p'), RangeError);
   const popped = client.pop('q');
@@ -95,6 +99,10 @@ test('a pop that times out leaves the connection in step: its late reply is drop
   const client = await connect({ timeout: 150 });
   await assert.rejects(client.pop('slow'), (error) => {
     assert.ok(error instanceof PinpriqTimeoutError);
+    assert.ok(error instanceof PinpriqError, 'a PinpriqError, like every error about the server');
+    assert.equal(error.name, 'PinpriqTimeoutError');
+    assert.equal(error.code, 'ETIMEDOUT');
+    assert.equal(error.address, `127.0.0.1:${fake.port}`);
     assert.match(error.message, new RegExp(`127\\.0\\.0\\.1:${fake.port}`));
     return true;
   });
@@ -111,6 +119,8 @@ test('the server closing rejects waiting pops with an error naming the server', 
   (await fake.connection(0)).socket.end();
   await assert.rejects(waiting, (error) => {
     assert.ok(error instanceof PinpriqConnectionError);
+    assert.ok(error instanceof PinpriqError);
+    assert.equal(error.name, 'PinpriqConnectionError');
     assert.equal(error.message, `connection to 127.0.0.1:${fake.port} was closed by the server`);
     return true;
   });
