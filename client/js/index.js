@@ -2,7 +2,8 @@
 // the sync frame of 1.1).
 export {
   DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TIMEOUT, MAX_PREFETCH,
-  PinpriqClient, PinpriqConnectionError, PinpriqError, PinpriqTimeoutError, Subscription,
+  PinpriqClient, PinpriqConnectionError, PinpriqError, PinpriqProtocolError, PinpriqTimeoutError,
+  Subscription,
 } from './src/client.js';
 export {
   MAX_FIELD_BYTES, MAX_PRIO, MAX_TTL_MS, OPCODE, ReplyDecoder,

@@ -3,9 +3,9 @@
 // One PinpriqClient is one TCP connection that any number of callers may use at once. Requests
 // are pipelined: each call writes its whole frame with a single socket.write (Node keeps writes
 // in call order and never splits one write among others, so frames never interleave), and each
-// pop appends its resolver to a FIFO in the same synchronous step. The server answers pops in
-// request order (protocol decision 8), so the reply parser simply hands each reply to the oldest
-// resolver. A pop that times out stays in the FIFO, marked abandoned, so the reply it was owed
+// pop or sync appends its resolver to a FIFO in the same synchronous step. The server answers
+// pops and syncs in request order (protocol decisions 8 and 11), so the reply parser simply
+// hands each reply to the oldest resolver. A pop that times out stays in the FIFO, marked abandoned, so the reply it was owed
 // still lands in its place and the connection stays in step.
 //
 // Subscriptions get a connection of their own, because a delivery and a pop reply are the same
@@ -14,7 +14,7 @@
 
 import net from 'node:net';
 import {
-  ReplyDecoder, checkInteger, encodePop, encodePush, encodeReady, encodeSubscribe,
+  ReplyDecoder, checkInteger, encodePop, encodePush, encodeReady, encodeSubscribe, encodeSync,
 } from './wire.js';
 
 /** @typedef {import('./wire.js').Data} Data */
@@ -81,6 +81,18 @@ export class PinpriqTimeoutError extends PinpriqError {
   constructor(message, { host, port }) {
     super(message, { host, port, code: 'ETIMEDOUT' });
     this.name = 'PinpriqTimeoutError';
+  }
+}
+
+/**
+ * The server answered in a way no pinpriq server does: a sync answered with anything but
+ * `00 00`, as another kind of server (Redis, HTTP) would. The client is closed.
+ */
+export class PinpriqProtocolError extends PinpriqError {
+  /** @param {string} message @param {{ host: string, port: number }} details */
+  constructor(message, { host, port }) {
+    super(message, { host, port });
+    this.name = 'PinpriqProtocolError';
   }
 }
 
@@ -164,20 +176,41 @@ class Endpoint {
   }
 }
 
+// A pinpriq 1.0 server closes the connection on the opcode of sync, which it does not know.
+const SYNC_HINT = '; it had not answered a sync, and a protocol 1.0 server closes the connection '
+  + 'on sync';
+
 /**
  * Why a connection ended, as the error to give callers.
  * @param {Endpoint} endpoint
- * @param {{ closedByUs: boolean, error: Error | null }} state
+ * @param {{ closedByUs: boolean, error: Error | null, syncUnanswered?: boolean }} state
  */
-function closeError(endpoint, { closedByUs, error }) {
+function closeError(endpoint, { closedByUs, error, syncUnanswered }) {
   if (closedByUs) return endpoint.connectionError(`connection to ${endpoint.address} is closed`);
+  // Ours, and it already says what went wrong and where.
+  if (error instanceof PinpriqError) return error;
+  const hint = syncUnanswered ? SYNC_HINT : '';
   if (error) {
     const reason = REASONS[error.code] ?? error.message;
-    return endpoint.connectionError(`connection to ${endpoint.address} broke: ${reason}`, {
+    return endpoint.connectionError(`connection to ${endpoint.address} broke: ${reason}${hint}`, {
       code: error.code, cause: error,
     });
   }
-  return endpoint.connectionError(`connection to ${endpoint.address} was closed by the server`);
+  return endpoint.connectionError(
+    `connection to ${endpoint.address} was closed by the server${hint}`,
+  );
+}
+
+/**
+ * The first two bytes of a reply, from its count, in hex and, when printable, as text: what a
+ * server of another kind sent, for the message that says so.
+ * @param {number} count
+ */
+function describeStart(count) {
+  const bytes = Buffer.from([count >> 8, count & 0xff]);
+  const hex = [...bytes].map((byte) => byte.toString(16).padStart(2, '0')).join(' ');
+  const printable = bytes.every((byte) => byte >= 0x20 && byte < 0x7f);
+  return printable ? `${hex} (${JSON.stringify(bytes.toString('latin1'))})` : hex;
 }
 
 /**
@@ -219,11 +252,18 @@ export class PinpriqClient {
   #endpoint;
   #socket;
   #decoder = new ReplyDecoder();
-  /** @type {{ resolve: (reply: Packet[]) => void, reject: (e: Error) => void, abandoned: boolean }[]} */
+  /**
+   * Pops and syncs awaiting their replies, oldest first.
+   * @type {{ resolve: (reply: Packet[]) => void, reject: (e: Error) => void, abandoned: boolean,
+   *   sync: boolean }[]}
+   */
   #pending = [];
   /** @type {Set<Subscription>} */
   #subscriptions = new Set();
-  #state = { closedByUs: false, error: /** @type {Error | null} */ (null), ended: false };
+  #state = {
+    closedByUs: false, error: /** @type {Error | null} */ (null), ended: false,
+    syncUnanswered: false,
+  };
   #ended;
 
   /**
@@ -260,18 +300,30 @@ export class PinpriqClient {
 
   /**
    * Queue `payload` under `key`. The server does not answer a push: the promise resolves once
-   * the frame has been handed to the operating system.
+   * the frame has been handed to the operating system, or with `confirm`, once the server has
+   * applied it.
    * @param {Data} queue
    * @param {Data} key
    * @param {Data} payload
-   * @param {{ ttlMs?: number, prio?: number }} [options] `prio` 1 (the default) is the
-   *   highest, 255 the lowest, 0 never popped on its own but leaves with the next popped packet
-   *   of its key; `ttlMs` 0 (the default) never expires, else 1..65535 ms
+   * @param {{ ttlMs?: number, prio?: number, confirm?: boolean }} [options] `prio` 1 (the
+   *   default) is the highest, 255 the lowest, 0 never popped on its own but leaves with the
+   *   next popped packet of its key; `ttlMs` 0 (the default) never expires, else 1..65535 ms;
+   *   `confirm: true` sends a sync with the push and resolves when its answer comes
+   *   (protocol 1.1)
    * @returns {Promise<void>}
    */
   async push(queue, key, payload, options = {}) {
     const frame = encodePush(queue, key, payload, options);
+    const confirm = options.confirm ?? false;
+    if (typeof confirm !== 'boolean') {
+      throw new TypeError(`confirm must be true or false, not ${typeof confirm}`);
+    }
     this.#checkOpen();
+    if (confirm) {
+      // One write: the sync's answer comes once the push before it is applied.
+      await this.#request(Buffer.concat([frame, encodeSync()]), 'push to', true);
+      return;
+    }
     try {
       await this.#endpoint.limit(writeFrame(this.#socket, frame), 'push to');
     } catch (error) {
@@ -288,13 +340,18 @@ export class PinpriqClient {
   async pop(queue) {
     const frame = encodePop(queue);
     this.#checkOpen();
-    const waiter = { resolve: null, reject: null, abandoned: false };
-    const reply = new Promise((resolve, reject) => Object.assign(waiter, { resolve, reject }));
-    // Same synchronous step as the write: the FIFO order is the order frames go out.
-    this.#pending.push(waiter);
-    this.#socket.write(frame);
-    // A timed-out pop keeps its place: its reply arrives later and is dropped (at most once).
-    return this.#endpoint.limit(reply, 'pop from', () => { waiter.abandoned = true; });
+    return this.#request(frame, 'pop from', false);
+  }
+
+  /**
+   * Resolves once the server has applied every frame this client sent before it: the way to
+   * know that earlier pushes are in their queues (protocol 1.1, sync). Rejects with
+   * `PinpriqProtocolError`, and closes the client, if the answer is not a pinpriq server's.
+   * @returns {Promise<void>}
+   */
+  async sync() {
+    this.#checkOpen();
+    await this.#request(encodeSync(), 'sync with', true);
   }
 
   /**
@@ -356,20 +413,65 @@ export class PinpriqClient {
     for (const subscription of this.#subscriptions) subscription.close();
   }
 
+  /**
+   * Writes `frame`, whose last frame is a pop or a sync, and waits for that one's reply.
+   * @param {Buffer} frame
+   * @param {string} what the start of a timeout's message, such as `pop from`
+   * @param {boolean} sync whether the reply must be a sync's `00 00`
+   * @returns {Promise<Packet[]>}
+   */
+  #request(frame, what, sync) {
+    const waiter = { resolve: null, reject: null, abandoned: false, sync };
+    const reply = new Promise((resolve, reject) => Object.assign(waiter, { resolve, reject }));
+    // Same synchronous step as the write: the FIFO order is the order frames go out.
+    this.#pending.push(waiter);
+    this.#socket.write(frame);
+    // A timed-out request keeps its place: its reply arrives later and is dropped (for a pop,
+    // whatever it took is lost: at most once).
+    return this.#endpoint.limit(reply, what, () => { waiter.abandoned = true; });
+  }
+
   #onData(chunk) {
     for (const reply of this.#decoder.feed(chunk)) {
-      const waiter = this.#pending.shift();
+      const waiter = this.#pending[0];
       if (waiter === undefined) {
         this.#state.error ??= new Error('the server sent a reply nobody asked for');
         this.#socket.destroy();
         return;
       }
+      if (waiter.sync && reply.length > 0) {
+        this.#notPinpriq(reply.length);
+        return;
+      }
+      this.#pending.shift();
       if (!waiter.abandoned) waiter.resolve(reply);
     }
+    // A sync's answer is 00 00: judge it by its first two bytes, because another kind of
+    // server's answer (an error line) reads as a huge count whose packets never come.
+    const count = this.#decoder.incomingCount;
+    if (count !== null && this.#pending[0]?.sync) this.#notPinpriq(count);
+  }
+
+  /**
+   * The server answered a sync with a reply of `count` packets: it is no pinpriq 1.1 server.
+   * Closes the client as `destroy()` does, keeping the error for every call.
+   * @param {number} count
+   */
+  #notPinpriq(count) {
+    this.#state.error ??= new PinpriqProtocolError(
+      `the server at ${this.address} did not answer like a pinpriq 1.1 server: its answer to `
+        + `a sync began ${describeStart(count)}, not 00 00`,
+      this.#endpoint,
+    );
+    this.#state.ended = true; // calls fail from now on, before the socket has closed
+    this.#socket.destroy();
+    for (const subscription of this.#subscriptions) subscription.close();
   }
 
   #onClose() {
     this.#state.ended = true;
+    // The oldest request left unanswered was a sync: the close may be a 1.0 server's answer.
+    this.#state.syncUnanswered = this.#pending[0]?.sync ?? false;
     const error = closeError(this.#endpoint, this.#state);
     for (const waiter of this.#pending.splice(0)) waiter.reject(error);
   }

@@ -170,6 +170,8 @@ export class ReplyDecoder {
   #buffered = 0;
   /** @type {'count' | 'header' | 'body'} what the next bytes are */
   #state = 'count';
+  /** the packet count of the current reply, as its first two bytes said */
+  #count = 0;
   /** packets still to read in the current reply */
   #remaining = 0;
   #keyLength = 0;
@@ -186,6 +188,17 @@ export class ReplyDecoder {
    */
   get pendingBytes() {
     return this.#buffered + this.#partial;
+  }
+
+  /**
+   * The packet count of the reply being read, once its two count bytes have arrived and
+   * before the reply is whole; null between replies. It lets a caller judge a reply by its
+   * first two bytes (a sync's answer must be `00 00`) without waiting for bytes that a server
+   * of another kind may never send.
+   * @returns {number | null}
+   */
+  get incomingCount() {
+    return this.#state === 'count' ? null : this.#count;
   }
 
   /**
@@ -218,7 +231,8 @@ export class ReplyDecoder {
   #step() {
     if (this.#state === 'count') {
       if (this.#buffered < 2) return null;
-      this.#remaining = this.#take(2).readUInt16BE(0);
+      this.#count = this.#take(2).readUInt16BE(0);
+      this.#remaining = this.#count;
       this.#packets = [];
       this.#state = 'header';
     } else if (this.#state === 'header') {

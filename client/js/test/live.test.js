@@ -145,6 +145,48 @@ describe('pipelining on one client', () => {
   });
 });
 
+describe('sync (protocol 1.1)', () => {
+  test('a sync resolves in its place among the pops, once the frames before it are applied', async () => {
+    const q = fresh('sync');
+    const settled = [];
+    const after = (label) => () => settled.push(label);
+    client.push(q, 'old', '', { prio: 1 });
+    client.push(q, 'new', '', { prio: 1 });
+    const calls = [
+      client.sync().then(after('sync 1')),
+      client.pop(q).then((reply) => settled.push(`pop ${text(reply)[0][0]}`)),
+      client.sync().then(after('sync 2')),
+      client.sync().then(after('sync 3')),
+      client.pop(q).then((reply) => settled.push(`pop ${text(reply)[0][0]}`)),
+    ];
+    await Promise.all(calls);
+    assert.deepEqual(settled, ['sync 1', 'pop new', 'sync 2', 'sync 3', 'pop old']);
+  });
+
+  test('once sync resolves, another connection sees the pushes made before it', async () => {
+    const q = fresh('sync-seen');
+    const other = await connect();
+    try {
+      client.push(q, 'k', 'v');
+      await client.sync();
+      assert.deepEqual(text(await other.pop(q)), [['k', 'v']]);
+    } finally {
+      await other.close();
+    }
+  });
+
+  test('push with confirm resolves once the packet is queued, for every connection to see', async () => {
+    const q = fresh('confirm');
+    const other = await connect();
+    try {
+      assert.equal(await client.push(q, 'k', 'stored', { prio: 2, ttlMs: 60000, confirm: true }), undefined);
+      assert.deepEqual(text(await other.pop(q)), [['k', 'stored']]);
+    } finally {
+      await other.close();
+    }
+  });
+});
+
 describe('argument checks on the client', () => {
   test('out-of-range arguments reject with a RangeError naming the field; the client stays usable', async () => {
     const q = fresh('range');
@@ -154,6 +196,7 @@ describe('argument checks on the client', () => {
     await assert.rejects(client.pop('q'.repeat(65536)), { name: 'RangeError', message: /\bqueue\b/ });
     await assert.rejects(client.subscribe(q, { prefetch: 0 }), { name: 'RangeError', message: /\bprefetch\b/ });
     await assert.rejects(client.subscribe([]), { name: 'RangeError', message: /\bqueues\b/ });
+    await assert.rejects(client.push(q, 'k', 'p', { confirm: 'yes' }), { name: 'TypeError', message: /\bconfirm\b/ });
     await client.push(q, 'k', 'p');
     assert.deepEqual(text(await client.pop(q)), [['k', 'p']]);
   });

@@ -6,8 +6,8 @@ import { afterEach, beforeEach, test } from 'node:test';
 import assert from 'node:assert/strict';
 
 import {
-  PinpriqClient, PinpriqConnectionError, PinpriqError, PinpriqTimeoutError, encodePop,
-  encodeReady, encodeSubscribe,
+  PinpriqClient, PinpriqConnectionError, PinpriqError, PinpriqProtocolError, PinpriqTimeoutError,
+  encodePop, encodePush, encodeReady, encodeSubscribe, encodeSync,
 } from '../index.js';
 import { FakeServer, replyBytes, sleep, waitFor } from '../test-support/helpers.js';
 
@@ -145,4 +145,84 @@ test('a reply nobody asked for breaks the connection rather than feeding a later
   (await fake.connection(0)).socket.write(replyBytes(['stray', '']));
   await waitFor(() => client.closed, 'the client to give up the connection');
   await assert.rejects(client.pop('q'), /reply nobody asked for/);
+});
+
+test('sync sends 0x21 and takes its 00 00 in its place among the pop replies', async () => {
+  const client = await connect();
+  const settled = [];
+  const calls = [
+    client.pop('a').then((reply) => settled.push(['pop a', reply.length])),
+    client.sync().then((value) => settled.push(['sync', value])),
+    client.pop('b').then((reply) => settled.push(['pop b', reply.length])),
+    client.sync().then((value) => settled.push(['sync', value])),
+  ];
+  const sent = Buffer.concat([encodePop('a'), encodeSync(), encodePop('b'), encodeSync()]);
+  assert.deepEqual(await fake.received(0, sent.length), sent);
+  const { socket } = await fake.connection(0);
+  socket.write(Buffer.concat([replyBytes(['1', 'x']), replyBytes(), replyBytes(), replyBytes()]));
+  await Promise.all(calls);
+  assert.deepEqual(settled, [['pop a', 1], ['sync', undefined], ['pop b', 0], ['sync', undefined]]);
+  await client.close();
+});
+
+test('push with confirm sends the push and a sync, and resolves only once the 00 00 arrives', async () => {
+  const client = await connect();
+  let resolved = false;
+  const pushed = client.push('q', 'k', 'v', { prio: 2, confirm: true }).then(() => { resolved = true; });
+  const sent = Buffer.concat([encodePush('q', 'k', 'v', { prio: 2 }), encodeSync()]);
+  assert.deepEqual(await fake.received(0, sent.length), sent);
+  await sleep(50); // room for the promise to resolve too early, if it were going to
+  assert.equal(resolved, false, 'not confirmed before the server answered');
+  (await fake.connection(0)).socket.write(replyBytes());
+  await pushed;
+  assert.equal(resolved, true);
+  await client.close();
+});
+
+// What other servers answer when a pinpriq client talks to them: each reads as a reply whose
+// count announces thousands of packets that will never come.
+const FOREIGN_ANSWERS = [
+  ['Redis', '-ERR unknown command\r\n', '2d 45 ("-E")'],
+  ['an HTTP server', 'HTTP/1.1 400 Bad Request\r\nConnection: close\r\n\r\n', '48 54 ("HT")'],
+  ['a reply with a packet', replyBytes(['k', 'v']), '00 01'],
+];
+
+for (const [server, answer, start] of FOREIGN_ANSWERS) {
+  test(`a sync answered as ${server} answers fails at once, says why, and closes the client`, async () => {
+    const client = await connect(); // its 2 s timeout would give a PinpriqTimeoutError instead
+    const synced = client.sync();
+    const popped = client.pop('q'); // sent after the sync: fails with it
+    const { socket } = await fake.connection(0);
+    await fake.received(0, 1 + encodePop('q').length);
+    socket.write(answer); // and the connection stays open: no end of stream to give up on
+    await assert.rejects(synced, (error) => {
+      assert.ok(error instanceof PinpriqProtocolError, `${error.name}: ${error.message}`);
+      assert.ok(error instanceof PinpriqError);
+      assert.equal(error.message, `the server at 127.0.0.1:${fake.port} did not answer like a `
+        + `pinpriq 1.1 server: its answer to a sync began ${start}, not 00 00`);
+      return true;
+    });
+    await assert.rejects(popped, PinpriqProtocolError);
+    assert.equal(client.closed, true);
+    await assert.rejects(client.pop('q'), PinpriqProtocolError);
+    await client.close();
+  });
+}
+
+test('a sync the server closes the connection on (as a 1.0 server does) gets the usual error, with a hint', async () => {
+  const client = await connect();
+  const popped = client.pop('q');
+  const { socket } = await fake.connection(0);
+  await fake.received(0, encodePop('q').length);
+  socket.write(replyBytes()); // a pinpriq server, answering a pop
+  assert.deepEqual(await popped, []);
+  const synced = client.sync();
+  await fake.received(0, encodePop('q').length + 1);
+  socket.end();
+  await assert.rejects(synced, (error) => {
+    assert.ok(error instanceof PinpriqConnectionError, `${error.name}: ${error.message}`);
+    assert.equal(error.message, `connection to 127.0.0.1:${fake.port} was closed by the server; `
+      + 'it had not answered a sync, and a protocol 1.0 server closes the connection on sync');
+    return true;
+  });
 });

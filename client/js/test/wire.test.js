@@ -135,6 +135,22 @@ describe('reply decoder', () => {
     assert.equal(decoder.pendingBytes, 0);
   });
 
+  test('incomingCount: the count of the reply being read, known from its first two bytes', () => {
+    const decoder = new ReplyDecoder();
+    assert.equal(decoder.incomingCount, null);
+    decoder.feed(Buffer.from('-'));
+    assert.equal(decoder.incomingCount, null, 'one byte is no count yet');
+    decoder.feed(Buffer.from('ERR unknown command\r\n'));
+    assert.equal(decoder.incomingCount, 0x2d45); // "-E", the start of a Redis error line
+
+    const pinpriq = new ReplyDecoder();
+    assert.deepEqual(pinpriq.feed(Buffer.concat([reply(['k', 'v']), reply(), reply(['a', 'b']).subarray(0, 3)])),
+      [[packet('k', 'v')], []]);
+    assert.equal(pinpriq.incomingCount, 1, 'the third reply, begun');
+    pinpriq.feed(reply(['a', 'b']).subarray(3));
+    assert.equal(pinpriq.incomingCount, null, 'between replies');
+  });
+
   test('returned packets do not share memory with the chunk fed in', () => {
     const chunk = reply(['k', 'v']);
     const [[got]] = new ReplyDecoder().feed(chunk);
