@@ -190,6 +190,7 @@ const FOREIGN_ANSWERS = [
 for (const [server, answer, start] of FOREIGN_ANSWERS) {
   test(`a sync answered as ${server} answers fails at once, says why, and closes the client`, async () => {
     const client = await connect(); // its 2 s timeout would give a PinpriqTimeoutError instead
+    const subscription = await client.subscribe('jobs'); // connection 1
     const synced = client.sync();
     const popped = client.pop('q'); // sent after the sync: fails with it
     const { socket } = await fake.connection(0);
@@ -204,6 +205,7 @@ for (const [server, answer, start] of FOREIGN_ANSWERS) {
     });
     await assert.rejects(popped, PinpriqProtocolError);
     assert.equal(client.closed, true);
+    assert.equal(subscription.closed, true, "the client's subscriptions are closed with it");
     await assert.rejects(client.pop('q'), PinpriqProtocolError);
     await client.close();
   });
