@@ -28,6 +28,10 @@ export const DEFAULT_TIMEOUT = 10_000;
 export const MAX_PREFETCH = 0xffff;
 // setTimeout fires at once for delays above this, so longer timeouts mean "no limit".
 const MAX_TIMER_MS = 2 ** 31 - 1;
+// A server beyond its connection limit accepts a connection and closes (or resets) it before
+// sending anything. A close that quick, with no byte received, is reported as such.
+const CLOSED_AT_ONCE_MS = 1000;
+const CLOSED_AT_ONCE = 'the server closed the connection at once (it may be at its connection limit)';
 
 const REASONS = {
   ECONNREFUSED: 'connection refused',
@@ -162,7 +166,10 @@ class Endpoint {
     const connected = new Promise((resolve, reject) => {
       socket.once('connect', resolve);
       socket.once('error', (error) => {
-        const reason = REASONS[error.code] ?? error.code ?? error.message;
+        // A reset while connecting: the server accepted the connection and reset it at once.
+        const reason = error.code === 'ECONNRESET'
+          ? CLOSED_AT_ONCE
+          : REASONS[error.code] ?? error.code ?? error.message;
         reject(this.connectionError(`cannot connect to ${this.address}: ${reason}`, {
           code: error.code, cause: error,
         }));
@@ -181,15 +188,35 @@ const SYNC_HINT = '; it had not answered a sync, and a protocol 1.0 server close
   + 'on sync';
 
 /**
+ * What is known about how a connection went; `watchSocket` keeps it up to date.
+ * @typedef {object} ConnectionState
+ * @property {boolean} closedByUs we closed it (or are closing it)
+ * @property {Error | null} error its first error, or the reason we broke it off
+ * @property {boolean} ended the server ended the stream, or we broke the connection off
+ * @property {number} [openedAt] `performance.now()` when it was connected
+ * @property {number} [lostAt] `performance.now()` when the server's end of stream or an error
+ *   came, if it did
+ * @property {boolean} [received] whether the server ever sent a byte
+ * @property {boolean} [syncUnanswered] the oldest request left when it closed was a sync
+ */
+
+/**
  * Why a connection ended, as the error to give callers.
  * @param {Endpoint} endpoint
- * @param {{ closedByUs: boolean, error: Error | null, syncUnanswered?: boolean }} state
+ * @param {ConnectionState} state
  */
-function closeError(endpoint, { closedByUs, error, syncUnanswered }) {
+function closeError(endpoint, state) {
+  const { closedByUs, error, syncUnanswered } = state;
   if (closedByUs) return endpoint.connectionError(`connection to ${endpoint.address} is closed`);
   // Ours, and it already says what went wrong and where.
   if (error instanceof PinpriqError) return error;
   const hint = syncUnanswered ? SYNC_HINT : '';
+  if (closedAtOnce(state)) {
+    return endpoint.connectionError(
+      `connection to ${endpoint.address}: ${CLOSED_AT_ONCE}${hint}`,
+      error ? { code: error.code, cause: error } : {},
+    );
+  }
   if (error) {
     const reason = REASONS[error.code] ?? error.message;
     return endpoint.connectionError(`connection to ${endpoint.address} broke: ${reason}${hint}`, {
@@ -199,6 +226,16 @@ function closeError(endpoint, { closedByUs, error, syncUnanswered }) {
   return endpoint.connectionError(
     `connection to ${endpoint.address} was closed by the server${hint}`,
   );
+}
+
+/**
+ * Whether the server closed or reset the connection before sending a byte, soon after it was
+ * made: what a server beyond its connection limit does.
+ * @param {ConnectionState} state
+ */
+function closedAtOnce({ received, openedAt, lostAt }) {
+  return !received && openedAt !== undefined && lostAt !== undefined
+    && lostAt - openedAt < CLOSED_AT_ONCE_MS;
 }
 
 /**
@@ -214,18 +251,31 @@ function describeStart(count) {
 }
 
 /**
- * Wires a connection's socket: chunks to `onData`, its first error and the server's end of
- * stream into `state` (calls fail from the end of stream on, even before the socket is closed).
+ * Wires a just-connected socket: chunks to `onData`; into `state`, when it was connected,
+ * whether any byte came, its first error and the server's end of stream, and when either came
+ * (calls fail from the end of stream on, even before the socket is closed).
  * @param {import('node:net').Socket} socket
- * @param {{ error: Error | null, ended: boolean }} state
+ * @param {ConnectionState} state
  * @param {(chunk: Buffer) => void} onData
  * @param {() => void} onClose
  * @returns {Promise<void>} resolved once the socket is closed, after `onClose`
  */
 function watchSocket(socket, state, onData, onClose) {
-  socket.on('data', onData);
-  socket.on('error', (error) => { state.error ??= error; });
-  socket.once('end', () => { state.ended = true; });
+  state.openedAt = performance.now();
+  state.received = false;
+  const lost = () => { state.lostAt ??= performance.now(); };
+  socket.on('data', (chunk) => {
+    state.received = true;
+    onData(chunk);
+  });
+  socket.on('error', (error) => {
+    lost();
+    state.error ??= error;
+  });
+  socket.once('end', () => {
+    lost();
+    state.ended = true;
+  });
   return new Promise((resolve) => socket.once('close', () => {
     onClose();
     resolve();
@@ -260,10 +310,8 @@ export class PinpriqClient {
   #pending = [];
   /** @type {Set<Subscription>} */
   #subscriptions = new Set();
-  #state = {
-    closedByUs: false, error: /** @type {Error | null} */ (null), ended: false,
-    syncUnanswered: false,
-  };
+  /** @type {ConnectionState} */
+  #state = { closedByUs: false, error: null, ended: false, syncUnanswered: false };
   #ended;
 
   /**
@@ -508,7 +556,8 @@ export class Subscription {
   #buffered = [];
   /** @type {{ resolve: (r: IteratorResult<Packet[]>) => void, reject: (e: Error) => void }[]} */
   #waiting = [];
-  #state = { closedByUs: false, error: /** @type {Error | null} */ (null), ended: false };
+  /** @type {ConnectionState} */
+  #state = { closedByUs: false, error: null, ended: false };
   #errorReported = false;
   #ended;
   /** deliveries handed out whose credits go back when the consumer asks for the next one */

@@ -17,11 +17,12 @@ const STOP_TIMEOUT_MS = 3_000;
 
 /**
  * Start a server on an ephemeral port and wait until it listens.
+ * @param {{ args?: string[] }} [options] `args`: more command-line options for the server
  * @returns {Promise<RunningServer>}
  */
-export async function startServer() {
+export async function startServer({ args = [] } = {}) {
   const command = process.env.PINPRIQ_SERVER || 'pinpriq-server';
-  const child = spawn(command, ['--host', '127.0.0.1', '--port', '0'], {
+  const child = spawn(command, ['--host', '127.0.0.1', '--port', '0', ...args], {
     stdio: ['ignore', 'ignore', 'pipe'],
   });
   // If the test process dies before its after() hook runs, don't leave the server behind.

@@ -243,6 +243,30 @@ describe('connections', () => {
   });
 });
 
+describe('a server at its connection limit', () => {
+  test('a connection beyond the limit fails saying the server closed it at once', async () => {
+    const limited = await startServer({ args: ['--max-connections', '1'] });
+    const options = { host: limited.host, port: limited.port, timeout: 5000 };
+    let first;
+    let second;
+    try {
+      first = await PinpriqClient.connect(options);
+      await first.sync(); // answered: the server counts this connection, the one it allows
+      second = await PinpriqClient.connect(options);
+      await assert.rejects(second.pop(fresh('limit')), (error) => {
+        assert.ok(error instanceof PinpriqConnectionError, `${error.name}: ${error.message}`);
+        assert.equal(error.message, `connection to ${limited.host}:${limited.port}: the server `
+          + 'closed the connection at once (it may be at its connection limit)');
+        return true;
+      });
+    } finally {
+      second?.destroy();
+      await first?.close();
+      await limited.stop();
+    }
+  });
+});
+
 describe('subscriptions', () => {
   test('deliveries come in the pop-reply form, to an iterator on its own connection', async () => {
     const q = fresh('sub');

@@ -4,6 +4,7 @@
 
 import { afterEach, beforeEach, test } from 'node:test';
 import assert from 'node:assert/strict';
+import net from 'node:net';
 
 import {
   PinpriqClient, PinpriqConnectionError, PinpriqError, PinpriqProtocolError, PinpriqTimeoutError,
@@ -115,8 +116,13 @@ test('a pop that times out leaves the connection in step: its late reply is drop
 
 test('the server closing rejects waiting pops with an error naming the server', async () => {
   const client = await connect();
+  const answered = client.pop('first');
   const waiting = client.pop('q');
-  (await fake.connection(0)).socket.end();
+  const { socket } = await fake.connection(0);
+  await fake.received(0, encodePop('first').length + encodePop('q').length);
+  socket.write(replyBytes()); // a byte from the server: this is no refused connection
+  assert.deepEqual(await answered, []);
+  socket.end();
   await assert.rejects(waiting, (error) => {
     assert.ok(error instanceof PinpriqConnectionError);
     assert.ok(error instanceof PinpriqError);
@@ -126,6 +132,102 @@ test('the server closing rejects waiting pops with an error naming the server', 
   });
   assert.equal(client.closed, true);
   await assert.rejects(client.push('q', 'k', 'p'), PinpriqConnectionError);
+});
+
+/**
+ * A server that accepts connections and closes them at once, as a server beyond its
+ * connection limit does, except the first `spared` ones. Stop it with `stop()`.
+ * @param {(socket: net.Socket) => void} close
+ */
+async function refusingServer(close, spared = 0) {
+  const sockets = [];
+  const server = net.createServer((socket) => {
+    sockets.push(socket);
+    socket.on('error', () => {}); // the client may reset too
+    if (sockets.length > spared) close(socket);
+  });
+  await new Promise((resolve) => server.listen(0, '127.0.0.1', resolve));
+  const stop = async () => {
+    for (const socket of sockets) socket.destroy();
+    await new Promise((resolve) => server.close(resolve));
+  };
+  return { port: server.address().port, stop };
+}
+
+const CLOSED_AT_ONCE = 'the server closed the connection at once (it may be at its connection limit)';
+const CLOSE_AT_ONCE = [
+  ['closes', (socket) => socket.end()],
+  ['resets', (socket) => socket.resetAndDestroy()],
+];
+
+/**
+ * The error of the first step of `use` that fails. A reset can reach the client while it is
+ * still connecting, or only once it uses the connection: either way the error must say why.
+ * @param {(client: PinpriqClient) => Promise<void>} use
+ */
+async function firstError(port, use) {
+  let client;
+  try {
+    client = await PinpriqClient.connect({ port, timeout: 2000 });
+    await use(client);
+  } catch (error) {
+    return error;
+  } finally {
+    client?.destroy();
+  }
+  return assert.fail('nothing failed');
+}
+
+/** Asserts that `error` is the one for a connection the server closed at once. */
+function assertClosedAtOnce(error, port) {
+  assert.ok(error instanceof PinpriqConnectionError, `${error.name}: ${error.message}`);
+  // "cannot connect to" when the reset came during the connect, else "connection to".
+  assert.match(error.message, /^(cannot connect to|connection to) /);
+  assert.ok(error.message.endsWith(`127.0.0.1:${port}: ${CLOSED_AT_ONCE}`), error.message);
+}
+
+for (const [how, close] of CLOSE_AT_ONCE) {
+  test(`a server that ${how} a connection at once: calls fail saying so, naming the server`, async () => {
+    const server = await refusingServer(close);
+    try {
+      const error = await firstError(server.port, async (client) => {
+        await client.pop('q');
+      });
+      assertClosedAtOnce(error, server.port);
+      // Later calls give the same reason.
+      const later = await firstError(server.port, async (client) => {
+        await client.pop('q').catch(() => {});
+        await client.push('q', 'k', 'v');
+      });
+      assertClosedAtOnce(later, server.port);
+    } finally {
+      await server.stop();
+    }
+  });
+
+  test(`a server that ${how} a subscription's connection at once: it fails saying so`, async () => {
+    const server = await refusingServer(close, 1); // the client's own connection is kept
+    try {
+      const error = await firstError(server.port, async (client) => {
+        const subscription = await client.subscribe('q');
+        await subscription.next();
+      });
+      assertClosedAtOnce(error, server.port);
+    } finally {
+      await server.stop();
+    }
+  });
+}
+
+test('a server that closes a connection after a second, having sent nothing, gets the usual message', async () => {
+  const client = await connect();
+  const waiting = client.pop('q');
+  const { socket } = await fake.connection(0);
+  await sleep(1100); // past the second within which a close counts as a refusal
+  socket.end();
+  await assert.rejects(waiting, {
+    message: `connection to 127.0.0.1:${fake.port} was closed by the server`,
+  });
 });
 
 test('a subscription the server closes yields what arrived, then the error, then done', async () => {
