@@ -416,6 +416,7 @@ export class PinpriqClient {
     const opening = Buffer.concat([...list.map(encodeSubscribe), encodeReady(prefetch)]);
     this.#checkOpen();
     const socket = await this.#endpoint.open();
+    const openedAt = performance.now();
     if (this.closed) { // closed while we were connecting: don't leave this one behind
       socket.destroy();
       throw closeError(this.#endpoint, this.#state);
@@ -427,9 +428,13 @@ export class PinpriqClient {
     try {
       await this.#endpoint.limit(writeFrame(socket, opening), 'subscribe at');
     } catch (error) {
+      // The opening is the first thing on the connection: a failure to write it is a close
+      // before the server sent anything.
       const failure = error instanceof PinpriqTimeoutError
         ? error
-        : closeError(this.#endpoint, { closedByUs: false, error });
+        : closeError(this.#endpoint, {
+          closedByUs: false, error, ended: true, openedAt, lostAt: performance.now(), received: false,
+        });
       await subscription.close();
       throw failure;
     }

@@ -219,6 +219,22 @@ for (const [how, close] of CLOSE_AT_ONCE) {
   });
 }
 
+test('a subscription whose opening cannot be written, the server having closed at once, says so', async () => {
+  // 100 subscribes of 6.5 MB in all: more than the sockets take before the server's close
+  // makes the write fail.
+  const server = await refusingServer((socket) => socket.destroy(), 1);
+  try {
+    const queues = Array.from({ length: 100 }, (_, i) => String(i).padEnd(65535, 'q'));
+    const error = await firstError(server.port, async (client) => {
+      const subscription = await client.subscribe(queues);
+      await subscription.next();
+    });
+    assertClosedAtOnce(error, server.port);
+  } finally {
+    await server.stop();
+  }
+});
+
 test('a server that closes a connection after a second, having sent nothing, gets the usual message', async () => {
   const client = await connect();
   const waiting = client.pop('q');
