@@ -10,7 +10,7 @@
 //
 // Subscriptions get a connection of their own, because a delivery and a pop reply are the same
 // bytes. They keep `prefetch` delivery credits outstanding: `prefetch` up front, then one more
-// each time the consumer takes a delivery.
+// each time the consumer takes a delivery, but never more than `limit` in all.
 
 import net from 'node:net';
 import {
@@ -405,15 +405,20 @@ export class PinpriqClient {
   /**
    * Receive packets from `queues` as they arrive, on a connection of its own.
    * @param {Data | Data[]} queues one queue or several; the best packet across them comes first
-   * @param {{ prefetch?: number }} [options] `prefetch` (1..65535, default 1): deliveries the
-   *   server may send ahead of the one you are handling
+   * @param {{ prefetch?: number, limit?: number }} [options] `prefetch` (1..65535, default 1):
+   *   deliveries the server may send ahead of the one you are handling; `limit` (an integer
+   *   >= 1, default none): the iteration ends after that many deliveries, and no more are ever
+   *   asked of the server
    * @returns {Promise<Subscription>}
    */
-  async subscribe(queues, { prefetch = 1 } = {}) {
+  async subscribe(queues, { prefetch = 1, limit } = {}) {
     const list = Array.isArray(queues) ? queues : [queues];
     if (list.length === 0) throw new RangeError('queues must name at least one queue');
     checkInteger('prefetch', prefetch, 1, MAX_PREFETCH);
-    const opening = Buffer.concat([...list.map(encodeSubscribe), encodeReady(prefetch)]);
+    if (limit !== undefined) checkInteger('limit', limit, 1, Infinity);
+    // As the Python client does: never a credit for a delivery beyond the limit.
+    const credits = Math.min(prefetch, limit ?? Infinity);
+    const opening = Buffer.concat([...list.map(encodeSubscribe), encodeReady(credits)]);
     this.#checkOpen();
     const socket = await this.#endpoint.open();
     const openedAt = performance.now();
@@ -423,6 +428,7 @@ export class PinpriqClient {
     }
     const subscription = new Subscription(
       this.#endpoint, socket, () => this.#subscriptions.delete(subscription),
+      { granted: credits, limit: limit ?? Infinity },
     );
     this.#subscriptions.add(subscription);
     try {
@@ -567,14 +573,29 @@ export class Subscription {
   #ended;
   /** deliveries handed out whose credits go back when the consumer asks for the next one */
   #owed = 0;
+  /** credits sent to the server so far */
+  #granted;
+  /** deliveries to hand out in all (`Infinity`: no limit) */
+  #limit;
+  /** deliveries handed out so far */
+  #taken = 0;
 
-  /** @private Use `PinpriqClient.subscribe`. */
-  constructor(endpoint, socket, onClose) {
+  /**
+   * @private Use `PinpriqClient.subscribe`.
+   * @param {Endpoint} endpoint
+   * @param {net.Socket} socket
+   * @param {() => void} onClose
+   * @param {{ granted: number, limit: number }} credits the credits the opening granted, and
+   *   the most deliveries to hand out
+   */
+  constructor(endpoint, socket, onClose, { granted, limit }) {
     if (!(endpoint instanceof Endpoint)) {
       throw new TypeError('use PinpriqClient.subscribe() to make a subscription');
     }
     this.#endpoint = endpoint;
     this.#socket = socket;
+    this.#granted = granted;
+    this.#limit = limit;
     this.#ended = watchSocket(socket, this.#state, (chunk) => this.#onData(chunk), () => {
       this.#onClose();
       onClose();
@@ -602,14 +623,14 @@ export class Subscription {
 
   /**
    * The next delivery. Asking for it returns the credit of the delivery taken before, so
-   * `prefetch` counts the delivery your code is handling (as the Python client does). Once the
-   * connection ends, the deliveries already received are still returned, then the error that
-   * ended it (unless you closed it), then `done`.
+   * `prefetch` counts the delivery your code is handling (as the Python client does). After
+   * `limit` deliveries, `done`. Once the connection ends, the deliveries already received are
+   * still returned, then the error that ended it (unless you closed it), then `done`.
    * @returns {Promise<IteratorResult<Packet[], undefined>>}
    */
   next() {
-    if (this.#owed > 0 && !this.#state.ended) this.#socket.write(encodeReady(this.#owed));
-    this.#owed = 0;
+    this.#returnCredits();
+    if (this.#taken === this.#limit) return Promise.resolve({ value: undefined, done: true });
     if (this.#buffered.length > 0) return Promise.resolve(this.#take(this.#buffered.shift()));
     if (this.#state.ended) {
       if (!this.#state.closedByUs && !this.#errorReported) {
@@ -646,9 +667,26 @@ export class Subscription {
     return closeError(this.#endpoint, this.#state);
   }
 
+  /**
+   * Sends back the credits of the deliveries the consumer has finished with, but only as many
+   * as the deliveries still to come under `limit` need.
+   */
+  #returnCredits() {
+    const credits = Math.min(this.#owed, this.#limit - this.#granted);
+    this.#owed = 0;
+    if (credits > 0 && !this.#state.ended) {
+      this.#socket.write(encodeReady(credits));
+      this.#granted += credits;
+    }
+  }
+
   /** Hands a delivery to the consumer; its credit goes back with the next `next()`. */
   #take(delivery) {
     this.#owed += 1;
+    this.#taken += 1;
+    // The last delivery of the limit: nothing more can come, so the connection can go now,
+    // even if the consumer never asks for the next one.
+    if (this.#taken === this.#limit) this.close();
     return { value: delivery, done: false };
   }
 

@@ -59,7 +59,7 @@ export function toBytes(field, value) {
  * @param {string} field
  * @param {unknown} value
  * @param {number} min
- * @param {number} max
+ * @param {number} max `Infinity` for no upper bound
  * @returns {number}
  */
 export function checkInteger(field, value, min, max) {
@@ -67,7 +67,8 @@ export function checkInteger(field, value, min, max) {
     throw new TypeError(`${field} must be a number, not ${describe(value)}`);
   }
   if (!Number.isInteger(value) || value < min || value > max) {
-    throw new RangeError(`${field} must be an integer in ${min}..${max}, not ${value}`);
+    const range = max === Infinity ? `>= ${min}` : `in ${min}..${max}`;
+    throw new RangeError(`${field} must be an integer ${range}, not ${value}`);
   }
   return value;
 }

@@ -195,6 +195,7 @@ describe('argument checks on the client', () => {
     await assert.rejects(client.push(q, 'k', 'x'.repeat(65536)), { name: 'RangeError', message: /\bpayload\b/ });
     await assert.rejects(client.pop('q'.repeat(65536)), { name: 'RangeError', message: /\bqueue\b/ });
     await assert.rejects(client.subscribe(q, { prefetch: 0 }), { name: 'RangeError', message: /\bprefetch\b/ });
+    await assert.rejects(client.subscribe(q, { limit: 0 }), { name: 'RangeError', message: /\blimit\b/ });
     await assert.rejects(client.subscribe([]), { name: 'RangeError', message: /\bqueues\b/ });
     await assert.rejects(client.push(q, 'k', 'p', { confirm: 'yes' }), { name: 'TypeError', message: /\bconfirm\b/ });
     await client.push(q, 'k', 'p');
@@ -344,6 +345,20 @@ describe('subscriptions', () => {
       await subscription.close();
       await popper.close();
     }
+  });
+
+  test('limit: the loop ends after that many deliveries, and the rest stays queued', async () => {
+    const q = fresh('limit');
+    for (let i = 0; i < 5; i += 1) client.push(q, `k${i}`, '', { prio: 1 });
+    await client.sync();
+    const subscription = await client.subscribe([q], { prefetch: 2, limit: 3 });
+    const keys = [];
+    for await (const packets of subscription) keys.push(text(packets)[0][0]);
+    assert.deepEqual(keys, ['k4', 'k3', 'k2'], 'newest first, three of them');
+    assert.equal(subscription.closed, true);
+    // No credit beyond the limit was granted, so nothing more was taken from the queue.
+    assert.deepEqual(text(await client.pop(q)), [['k1', '']]);
+    assert.deepEqual(text(await client.pop(q)), [['k0', '']]);
   });
 
   test('close() ends a waiting iteration; closing the client closes its subscriptions', async () => {

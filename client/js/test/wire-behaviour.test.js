@@ -346,3 +346,54 @@ test('a sync the server closes the connection on (as a 1.0 server does) gets the
     return true;
   });
 });
+
+test('limit: credits up to the limit and no further, then the iteration ends and the connection closes', async () => {
+  const client = await connect();
+  const subscription = await client.subscribe('q', { prefetch: 3, limit: 5 });
+  const opening = Buffer.concat([encodeSubscribe('q'), encodeReady(3)]);
+  assert.deepEqual(await fake.received(1, opening.length), opening);
+  const server = await fake.connection(1);
+  let serverSawClose = false;
+  server.socket.once('close', () => { serverSawClose = true; });
+
+  server.socket.write(Buffer.concat([1, 2, 3].map((i) => replyBytes([`k${i}`, '']))));
+  const keys = [];
+  for (let i = 0; i < 3; i += 1) keys.push((await subscription.next()).value[0].key.toString());
+  // Taking the 2nd and 3rd returned the credits of the 1st and 2nd: 5 in all, the limit.
+  await waitFor(() => countReady(server.received) === 5, 'credits 4 and 5');
+  server.socket.write(Buffer.concat([4, 5].map((i) => replyBytes([`k${i}`, '']))));
+  for (let i = 0; i < 2; i += 1) keys.push((await subscription.next()).value[0].key.toString());
+  assert.deepEqual(keys, ['k1', 'k2', 'k3', 'k4', 'k5']);
+  assert.equal(subscription.closed, true, 'closed with the last delivery of the limit');
+  assert.deepEqual(await subscription.next(), { value: undefined, done: true });
+  await waitFor(() => serverSawClose, 'the server to see the subscription close');
+  assert.equal(countReady(server.received), 5, 'never a credit beyond the limit');
+  await client.close();
+});
+
+test('limit below prefetch: the opening grants only `limit` credits', async () => {
+  const client = await connect();
+  const subscription = await client.subscribe(['a', 'b'], { prefetch: 10, limit: 2 });
+  const opening = Buffer.concat([encodeSubscribe('a'), encodeSubscribe('b'), encodeReady(2)]);
+  assert.deepEqual(await fake.received(1, opening.length), opening);
+  const { socket } = await fake.connection(1);
+  socket.write(Buffer.concat([replyBytes(['k1', '']), replyBytes(['k2', ''])]));
+  const seen = [];
+  for await (const packets of subscription) seen.push(packets[0].key.toString());
+  assert.deepEqual(seen, ['k1', 'k2'], 'the loop ends by itself after the limit');
+  assert.equal(countReady(fake.connections[1].received), 2);
+  await client.close();
+});
+
+test('limit and prefetch are checked before anything is sent', async () => {
+  const client = await connect();
+  for (const limit of [0, -1, 1.5, NaN, Infinity]) {
+    await assert.rejects(client.subscribe('q', { limit }), { name: 'RangeError', message: /\blimit\b/ });
+  }
+  for (const limit of ['3', null]) {
+    await assert.rejects(client.subscribe('q', { limit }), { name: 'TypeError', message: /\blimit\b/ });
+  }
+  await sleep(50); // room for a connection to arrive, if one had been opened
+  assert.equal(fake.connections.length, 1, 'only the client connection');
+  await client.close();
+});
