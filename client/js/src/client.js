@@ -5,8 +5,9 @@
 // in call order and never splits one write among others, so frames never interleave), and each
 // pop or sync appends its resolver to a FIFO in the same synchronous step. The server answers
 // pops and syncs in request order (protocol decisions 8 and 11), so the reply parser simply
-// hands each reply to the oldest resolver. A pop that times out stays in the FIFO, marked abandoned, so the reply it was owed
-// still lands in its place and the connection stays in step.
+// hands each reply to the oldest resolver. A pop or sync that times out stays in the FIFO,
+// marked abandoned, so the reply it was owed still lands in its place and the connection stays
+// in step.
 //
 // Subscriptions get a connection of their own, because a delivery and a pop reply are the same
 // bytes. They keep `prefetch` delivery credits outstanding: `prefetch` up front, then one more
@@ -31,7 +32,8 @@ const MAX_TIMER_MS = 2 ** 31 - 1;
 // A server beyond its connection limit accepts a connection and closes (or resets) it before
 // sending anything. A close that quick, with no byte received, is reported as such.
 const CLOSED_AT_ONCE_MS = 1000;
-const CLOSED_AT_ONCE = 'the server closed the connection at once (it may be at its connection limit)';
+const CLOSED_AT_ONCE = 'the server closed the connection at once (it may be at its connection '
+  + 'limit)';
 
 const REASONS = {
   ECONNREFUSED: 'connection refused',
@@ -439,7 +441,8 @@ export class PinpriqClient {
       const failure = error instanceof PinpriqTimeoutError
         ? error
         : closeError(this.#endpoint, {
-          closedByUs: false, error, ended: true, openedAt, lostAt: performance.now(), received: false,
+          closedByUs: false, error, ended: true, received: false, openedAt,
+          lostAt: performance.now(),
         });
       await subscription.close();
       throw failure;
