@@ -3,18 +3,19 @@
 // One PinpriqClient is one TCP connection that any number of callers may use at once. Requests
 // are pipelined: each call writes its whole frame with a single socket.write (Node keeps writes
 // in call order and never splits one write among others, so frames never interleave), and each
-// pop appends its resolver to a FIFO in the same synchronous step. The server answers pops in
-// request order (protocol decision 8), so the reply parser simply hands each reply to the oldest
-// resolver. A pop that times out stays in the FIFO, marked abandoned, so the reply it was owed
-// still lands in its place and the connection stays in step.
+// pop or sync appends its resolver to a FIFO in the same synchronous step. The server answers
+// pops and syncs in request order (protocol decisions 8 and 11), so the reply parser simply
+// hands each reply to the oldest resolver. A pop or sync that times out stays in the FIFO,
+// marked abandoned, so the reply it was owed still lands in its place and the connection stays
+// in step.
 //
 // Subscriptions get a connection of their own, because a delivery and a pop reply are the same
 // bytes. They keep `prefetch` delivery credits outstanding: `prefetch` up front, then one more
-// each time the consumer takes a delivery.
+// each time the consumer takes a delivery, but never more than `limit` in all.
 
 import net from 'node:net';
 import {
-  ReplyDecoder, checkInteger, encodePop, encodePush, encodeReady, encodeSubscribe,
+  ReplyDecoder, checkInteger, encodePop, encodePush, encodeReady, encodeSubscribe, encodeSync,
 } from './wire.js';
 
 /** @typedef {import('./wire.js').Data} Data */
@@ -28,6 +29,11 @@ export const DEFAULT_TIMEOUT = 10_000;
 export const MAX_PREFETCH = 0xffff;
 // setTimeout fires at once for delays above this, so longer timeouts mean "no limit".
 const MAX_TIMER_MS = 2 ** 31 - 1;
+// A server beyond its connection limit accepts a connection and closes (or resets) it before
+// sending anything. A close that quick, with no byte received, is reported as such.
+const CLOSED_AT_ONCE_MS = 1000;
+const CLOSED_AT_ONCE = 'the server closed the connection at once (it may be at its connection '
+  + 'limit)';
 
 const REASONS = {
   ECONNREFUSED: 'connection refused',
@@ -40,17 +46,18 @@ const REASONS = {
 };
 
 /**
- * The server could not be reached, or the connection broke or was closed. The message names
- * the server as `host:port`.
+ * The base of the errors this client raises about a server: catch it to catch them all.
+ * Arguments a call refuses before sending anything are `RangeError`s and `TypeError`s instead.
+ * The message names the server as `host:port`.
  */
-export class PinpriqConnectionError extends Error {
+export class PinpriqError extends Error {
   /**
    * @param {string} message
    * @param {{ host: string, port: number, code?: string, cause?: unknown }} details
    */
   constructor(message, { host, port, code, cause }) {
     super(message, cause === undefined ? undefined : { cause });
-    this.name = 'PinpriqConnectionError';
+    this.name = 'PinpriqError';
     this.host = host;
     this.port = port;
     this.address = formatAddress(host, port);
@@ -59,16 +66,39 @@ export class PinpriqConnectionError extends Error {
   }
 }
 
+/**
+ * The server could not be reached, or the connection broke or was closed. The message names
+ * the server as `host:port`.
+ */
+export class PinpriqConnectionError extends PinpriqError {
+  /**
+   * @param {string} message
+   * @param {{ host: string, port: number, code?: string, cause?: unknown }} details
+   */
+  constructor(message, details) {
+    super(message, details);
+    this.name = 'PinpriqConnectionError';
+  }
+}
+
 /** No connection or answer within the client's `timeout`. The message names the server. */
-export class PinpriqTimeoutError extends Error {
+export class PinpriqTimeoutError extends PinpriqError {
   /** @param {string} message @param {{ host: string, port: number }} details */
   constructor(message, { host, port }) {
-    super(message);
+    super(message, { host, port, code: 'ETIMEDOUT' });
     this.name = 'PinpriqTimeoutError';
-    this.host = host;
-    this.port = port;
-    this.address = formatAddress(host, port);
-    this.code = 'ETIMEDOUT';
+  }
+}
+
+/**
+ * The server answered in a way no pinpriq server does: a sync answered with anything but
+ * `00 00`, as another kind of server (Redis, HTTP) would. The client is closed.
+ */
+export class PinpriqProtocolError extends PinpriqError {
+  /** @param {string} message @param {{ host: string, port: number }} details */
+  constructor(message, { host, port }) {
+    super(message, { host, port });
+    this.name = 'PinpriqProtocolError';
   }
 }
 
@@ -138,7 +168,10 @@ class Endpoint {
     const connected = new Promise((resolve, reject) => {
       socket.once('connect', resolve);
       socket.once('error', (error) => {
-        const reason = REASONS[error.code] ?? error.code ?? error.message;
+        // A reset while connecting: the server accepted the connection and reset it at once.
+        const reason = error.code === 'ECONNRESET'
+          ? CLOSED_AT_ONCE
+          : REASONS[error.code] ?? error.code ?? error.message;
         reject(this.connectionError(`cannot connect to ${this.address}: ${reason}`, {
           code: error.code, cause: error,
         }));
@@ -152,20 +185,103 @@ class Endpoint {
   }
 }
 
+// A pinpriq 1.0 server closes the connection on the opcode of sync, which it does not know.
+const SYNC_HINT = '; it had not answered a sync, and a protocol 1.0 server closes the connection '
+  + 'on sync';
+
+/**
+ * What is known about how a connection went; `watchSocket` keeps it up to date.
+ * @typedef {object} ConnectionState
+ * @property {boolean} closedByUs we closed it (or are closing it)
+ * @property {Error | null} error its first error, or the reason we broke it off
+ * @property {boolean} ended the server ended the stream, or we broke the connection off
+ * @property {number} [openedAt] `performance.now()` when it was connected
+ * @property {number} [lostAt] `performance.now()` when the server's end of stream or an error
+ *   came, if it did
+ * @property {boolean} [received] whether the server ever sent a byte
+ * @property {boolean} [syncUnanswered] the oldest request left when it closed was a sync
+ */
+
 /**
  * Why a connection ended, as the error to give callers.
  * @param {Endpoint} endpoint
- * @param {{ closedByUs: boolean, error: Error | null }} state
+ * @param {ConnectionState} state
  */
-function closeError(endpoint, { closedByUs, error }) {
+function closeError(endpoint, state) {
+  const { closedByUs, error, syncUnanswered } = state;
   if (closedByUs) return endpoint.connectionError(`connection to ${endpoint.address} is closed`);
+  // Ours, and it already says what went wrong and where.
+  if (error instanceof PinpriqError) return error;
+  const hint = syncUnanswered ? SYNC_HINT : '';
+  if (closedAtOnce(state)) {
+    return endpoint.connectionError(
+      `connection to ${endpoint.address}: ${CLOSED_AT_ONCE}${hint}`,
+      error ? { code: error.code, cause: error } : {},
+    );
+  }
   if (error) {
     const reason = REASONS[error.code] ?? error.message;
-    return endpoint.connectionError(`connection to ${endpoint.address} broke: ${reason}`, {
+    return endpoint.connectionError(`connection to ${endpoint.address} broke: ${reason}${hint}`, {
       code: error.code, cause: error,
     });
   }
-  return endpoint.connectionError(`connection to ${endpoint.address} was closed by the server`);
+  return endpoint.connectionError(
+    `connection to ${endpoint.address} was closed by the server${hint}`,
+  );
+}
+
+/**
+ * Whether the server closed or reset the connection before sending a byte, soon after it was
+ * made: what a server beyond its connection limit does.
+ * @param {ConnectionState} state
+ */
+function closedAtOnce({ received, openedAt, lostAt }) {
+  return !received && openedAt !== undefined && lostAt !== undefined
+    && lostAt - openedAt < CLOSED_AT_ONCE_MS;
+}
+
+/**
+ * The first two bytes of a reply, from its count, in hex and, when printable, as text: what a
+ * server of another kind sent, for the message that says so.
+ * @param {number} count
+ */
+function describeStart(count) {
+  const bytes = Buffer.from([count >> 8, count & 0xff]);
+  const hex = [...bytes].map((byte) => byte.toString(16).padStart(2, '0')).join(' ');
+  const printable = bytes.every((byte) => byte >= 0x20 && byte < 0x7f);
+  return printable ? `${hex} (${JSON.stringify(bytes.toString('latin1'))})` : hex;
+}
+
+/**
+ * Wires a just-connected socket: chunks to `onData`; into `state`, when it was connected,
+ * whether any byte came, its first error and the server's end of stream, and when either came
+ * (calls fail from the end of stream on, even before the socket is closed).
+ * @param {import('node:net').Socket} socket
+ * @param {ConnectionState} state
+ * @param {(chunk: Buffer) => void} onData
+ * @param {() => void} onClose
+ * @returns {Promise<void>} resolved once the socket is closed, after `onClose`
+ */
+function watchSocket(socket, state, onData, onClose) {
+  state.openedAt = performance.now();
+  state.received = false;
+  const lost = () => { state.lostAt ??= performance.now(); };
+  socket.on('data', (chunk) => {
+    state.received = true;
+    onData(chunk);
+  });
+  socket.on('error', (error) => {
+    lost();
+    state.error ??= error;
+  });
+  socket.once('end', () => {
+    lost();
+    state.ended = true;
+  });
+  return new Promise((resolve) => socket.once('close', () => {
+    onClose();
+    resolve();
+  }));
 }
 
 /**
@@ -174,25 +290,6 @@ function closeError(endpoint, { closedByUs, error }) {
  * @param {Buffer} frame
  * @returns {Promise<void>}
  */
-/**
- * Wires a connection's socket: chunks to `onData`, its first error and the server's end of
- * stream into `state` (calls fail from the end of stream on, even before the socket is closed).
- * @param {import('node:net').Socket} socket
- * @param {{ error: Error | null, ended: boolean }} state
- * @param {(chunk: Buffer) => void} onData
- * @param {() => void} onClose
- * @returns {Promise<void>} resolved once the socket is closed, after `onClose`
- */
-function watchSocket(socket, state, onData, onClose) {
-  socket.on('data', onData);
-  socket.on('error', (error) => { state.error ??= error; });
-  socket.once('end', () => { state.ended = true; });
-  return new Promise((resolve) => socket.once('close', () => {
-    onClose();
-    resolve();
-  }));
-}
-
 function writeFrame(socket, frame) {
   return new Promise((resolve, reject) => {
     socket.write(frame, (error) => (error ? reject(error) : resolve()));
@@ -207,11 +304,16 @@ export class PinpriqClient {
   #endpoint;
   #socket;
   #decoder = new ReplyDecoder();
-  /** @type {{ resolve: (reply: Packet[]) => void, reject: (e: Error) => void, abandoned: boolean }[]} */
+  /**
+   * Pops and syncs awaiting their replies, oldest first.
+   * @type {{ resolve: (reply: Packet[]) => void, reject: (e: Error) => void, abandoned: boolean,
+   *   sync: boolean }[]}
+   */
   #pending = [];
   /** @type {Set<Subscription>} */
   #subscriptions = new Set();
-  #state = { closedByUs: false, error: /** @type {Error | null} */ (null), ended: false };
+  /** @type {ConnectionState} */
+  #state = { closedByUs: false, error: null, ended: false, syncUnanswered: false };
   #ended;
 
   /**
@@ -248,18 +350,30 @@ export class PinpriqClient {
 
   /**
    * Queue `payload` under `key`. The server does not answer a push: the promise resolves once
-   * the frame has been handed to the operating system.
+   * the frame has been handed to the operating system, or with `confirm`, once the server has
+   * applied it.
    * @param {Data} queue
    * @param {Data} key
    * @param {Data} payload
-   * @param {{ ttlMs?: number, prio?: number }} [options] `prio` 1 (the default) is the
-   *   highest, 255 the lowest, 0 never popped on its own but leaves with the next popped packet
-   *   of its key; `ttlMs` 0 (the default) never expires, else 1..65535 ms
+   * @param {{ ttlMs?: number, prio?: number, confirm?: boolean }} [options] `prio` 1 (the
+   *   default) is the highest, 255 the lowest, 0 never popped on its own but leaves with the
+   *   next popped packet of its key; `ttlMs` 0 (the default) never expires, else 1..65535 ms;
+   *   `confirm: true` sends a sync with the push and resolves when its answer comes
+   *   (protocol 1.1)
    * @returns {Promise<void>}
    */
   async push(queue, key, payload, options = {}) {
     const frame = encodePush(queue, key, payload, options);
+    const confirm = options.confirm ?? false;
+    if (typeof confirm !== 'boolean') {
+      throw new TypeError(`confirm must be true or false, not ${typeof confirm}`);
+    }
     this.#checkOpen();
+    if (confirm) {
+      // One write: the sync's answer comes once the push before it is applied.
+      await this.#request(Buffer.concat([frame, encodeSync()]), 'push to', true);
+      return;
+    }
     try {
       await this.#endpoint.limit(writeFrame(this.#socket, frame), 'push to');
     } catch (error) {
@@ -276,43 +390,60 @@ export class PinpriqClient {
   async pop(queue) {
     const frame = encodePop(queue);
     this.#checkOpen();
-    const waiter = { resolve: null, reject: null, abandoned: false };
-    const reply = new Promise((resolve, reject) => Object.assign(waiter, { resolve, reject }));
-    // Same synchronous step as the write: the FIFO order is the order frames go out.
-    this.#pending.push(waiter);
-    this.#socket.write(frame);
-    // A timed-out pop keeps its place: its reply arrives later and is dropped (at most once).
-    return this.#endpoint.limit(reply, 'pop from', () => { waiter.abandoned = true; });
+    return this.#request(frame, 'pop from', false);
+  }
+
+  /**
+   * Resolves once the server has applied every frame this client sent before it: the way to
+   * know that earlier pushes are in their queues (protocol 1.1, sync). Rejects with
+   * `PinpriqProtocolError`, and closes the client, if the answer is not a pinpriq server's.
+   * @returns {Promise<void>}
+   */
+  async sync() {
+    this.#checkOpen();
+    await this.#request(encodeSync(), 'sync with', true);
   }
 
   /**
    * Receive packets from `queues` as they arrive, on a connection of its own.
    * @param {Data | Data[]} queues one queue or several; the best packet across them comes first
-   * @param {{ prefetch?: number }} [options] `prefetch` (1..65535, default 1): deliveries the
-   *   server may send ahead of the one you are handling
+   * @param {{ prefetch?: number, limit?: number }} [options] `prefetch` (1..65535, default 1):
+   *   deliveries the server may send ahead of the one you are handling; `limit` (an integer
+   *   >= 1, default none): the iteration ends after that many deliveries, and no more are ever
+   *   asked of the server
    * @returns {Promise<Subscription>}
    */
-  async subscribe(queues, { prefetch = 1 } = {}) {
+  async subscribe(queues, { prefetch = 1, limit } = {}) {
     const list = Array.isArray(queues) ? queues : [queues];
     if (list.length === 0) throw new RangeError('queues must name at least one queue');
     checkInteger('prefetch', prefetch, 1, MAX_PREFETCH);
-    const opening = Buffer.concat([...list.map(encodeSubscribe), encodeReady(prefetch)]);
+    if (limit !== undefined) checkInteger('limit', limit, 1, Infinity);
+    // As the Python client does: never a credit for a delivery beyond the limit.
+    const credits = Math.min(prefetch, limit ?? Infinity);
+    const opening = Buffer.concat([...list.map(encodeSubscribe), encodeReady(credits)]);
     this.#checkOpen();
     const socket = await this.#endpoint.open();
+    const openedAt = performance.now();
     if (this.closed) { // closed while we were connecting: don't leave this one behind
       socket.destroy();
       throw closeError(this.#endpoint, this.#state);
     }
     const subscription = new Subscription(
       this.#endpoint, socket, () => this.#subscriptions.delete(subscription),
+      { granted: credits, limit: limit ?? Infinity },
     );
     this.#subscriptions.add(subscription);
     try {
       await this.#endpoint.limit(writeFrame(socket, opening), 'subscribe at');
     } catch (error) {
+      // The opening is the first thing on the connection: a failure to write it is a close
+      // before the server sent anything.
       const failure = error instanceof PinpriqTimeoutError
         ? error
-        : closeError(this.#endpoint, { closedByUs: false, error });
+        : closeError(this.#endpoint, {
+          closedByUs: false, error, ended: true, received: false, openedAt,
+          lostAt: performance.now(),
+        });
       await subscription.close();
       throw failure;
     }
@@ -344,20 +475,65 @@ export class PinpriqClient {
     for (const subscription of this.#subscriptions) subscription.close();
   }
 
+  /**
+   * Writes `frame`, whose last frame is a pop or a sync, and waits for that one's reply.
+   * @param {Buffer} frame
+   * @param {string} what the start of a timeout's message, such as `pop from`
+   * @param {boolean} sync whether the reply must be a sync's `00 00`
+   * @returns {Promise<Packet[]>}
+   */
+  #request(frame, what, sync) {
+    const waiter = { resolve: null, reject: null, abandoned: false, sync };
+    const reply = new Promise((resolve, reject) => Object.assign(waiter, { resolve, reject }));
+    // Same synchronous step as the write: the FIFO order is the order frames go out.
+    this.#pending.push(waiter);
+    this.#socket.write(frame);
+    // A timed-out request keeps its place: its reply arrives later and is dropped (for a pop,
+    // whatever it took is lost: at most once).
+    return this.#endpoint.limit(reply, what, () => { waiter.abandoned = true; });
+  }
+
   #onData(chunk) {
     for (const reply of this.#decoder.feed(chunk)) {
-      const waiter = this.#pending.shift();
+      const waiter = this.#pending[0];
       if (waiter === undefined) {
         this.#state.error ??= new Error('the server sent a reply nobody asked for');
         this.#socket.destroy();
         return;
       }
+      if (waiter.sync && reply.length > 0) {
+        this.#notPinpriq(reply.length);
+        return;
+      }
+      this.#pending.shift();
       if (!waiter.abandoned) waiter.resolve(reply);
     }
+    // A sync's answer is 00 00: judge it by its first two bytes, because another kind of
+    // server's answer (an error line) reads as a huge count whose packets never come.
+    const count = this.#decoder.incomingCount;
+    if (count !== null && this.#pending[0]?.sync) this.#notPinpriq(count);
+  }
+
+  /**
+   * The server answered a sync with a reply of `count` packets: it is no pinpriq 1.1 server.
+   * Closes the client as `destroy()` does, keeping the error for every call.
+   * @param {number} count
+   */
+  #notPinpriq(count) {
+    this.#state.error ??= new PinpriqProtocolError(
+      `the server at ${this.address} did not answer like a pinpriq 1.1 server: its answer to `
+        + `a sync began ${describeStart(count)}, not 00 00`,
+      this.#endpoint,
+    );
+    this.#state.ended = true; // calls fail from now on, before the socket has closed
+    this.#socket.destroy();
+    for (const subscription of this.#subscriptions) subscription.close();
   }
 
   #onClose() {
     this.#state.ended = true;
+    // The oldest request left unanswered was a sync: the close may be a 1.0 server's answer.
+    this.#state.syncUnanswered = this.#pending[0]?.sync ?? false;
     const error = closeError(this.#endpoint, this.#state);
     for (const waiter of this.#pending.splice(0)) waiter.reject(error);
   }
@@ -394,19 +570,35 @@ export class Subscription {
   #buffered = [];
   /** @type {{ resolve: (r: IteratorResult<Packet[]>) => void, reject: (e: Error) => void }[]} */
   #waiting = [];
-  #state = { closedByUs: false, error: /** @type {Error | null} */ (null), ended: false };
+  /** @type {ConnectionState} */
+  #state = { closedByUs: false, error: null, ended: false };
   #errorReported = false;
   #ended;
   /** deliveries handed out whose credits go back when the consumer asks for the next one */
   #owed = 0;
+  /** credits sent to the server so far */
+  #granted;
+  /** deliveries to hand out in all (`Infinity`: no limit) */
+  #limit;
+  /** deliveries handed out so far */
+  #taken = 0;
 
-  /** @private Use `PinpriqClient.subscribe`. */
-  constructor(endpoint, socket, onClose) {
+  /**
+   * @private Use `PinpriqClient.subscribe`.
+   * @param {Endpoint} endpoint
+   * @param {net.Socket} socket
+   * @param {() => void} onClose
+   * @param {{ granted: number, limit: number }} credits the credits the opening granted, and
+   *   the most deliveries to hand out
+   */
+  constructor(endpoint, socket, onClose, { granted, limit }) {
     if (!(endpoint instanceof Endpoint)) {
       throw new TypeError('use PinpriqClient.subscribe() to make a subscription');
     }
     this.#endpoint = endpoint;
     this.#socket = socket;
+    this.#granted = granted;
+    this.#limit = limit;
     this.#ended = watchSocket(socket, this.#state, (chunk) => this.#onData(chunk), () => {
       this.#onClose();
       onClose();
@@ -434,14 +626,14 @@ export class Subscription {
 
   /**
    * The next delivery. Asking for it returns the credit of the delivery taken before, so
-   * `prefetch` counts the delivery your code is handling (as the Python client does). Once the
-   * connection ends, the deliveries already received are still returned, then the error that
-   * ended it (unless you closed it), then `done`.
+   * `prefetch` counts the delivery your code is handling (as the Python client does). After
+   * `limit` deliveries, `done`. Once the connection ends, the deliveries already received are
+   * still returned, then the error that ended it (unless you closed it), then `done`.
    * @returns {Promise<IteratorResult<Packet[], undefined>>}
    */
   next() {
-    if (this.#owed > 0 && !this.#state.ended) this.#socket.write(encodeReady(this.#owed));
-    this.#owed = 0;
+    this.#returnCredits();
+    if (this.#taken === this.#limit) return Promise.resolve({ value: undefined, done: true });
     if (this.#buffered.length > 0) return Promise.resolve(this.#take(this.#buffered.shift()));
     if (this.#state.ended) {
       if (!this.#state.closedByUs && !this.#errorReported) {
@@ -478,9 +670,26 @@ export class Subscription {
     return closeError(this.#endpoint, this.#state);
   }
 
+  /**
+   * Sends back the credits of the deliveries the consumer has finished with, but only as many
+   * as the deliveries still to come under `limit` need.
+   */
+  #returnCredits() {
+    const credits = Math.min(this.#owed, this.#limit - this.#granted);
+    this.#owed = 0;
+    if (credits > 0 && !this.#state.ended) {
+      this.#socket.write(encodeReady(credits));
+      this.#granted += credits;
+    }
+  }
+
   /** Hands a delivery to the consumer; its credit goes back with the next `next()`. */
   #take(delivery) {
     this.#owed += 1;
+    this.#taken += 1;
+    // The last delivery of the limit: nothing more can come, so the connection can go now,
+    // even if the consumer never asks for the next one.
+    if (this.#taken === this.#limit) this.close();
     return { value: delivery, done: false };
   }
 

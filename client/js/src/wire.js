@@ -1,14 +1,16 @@
-// The pinpriq wire format (protocol 1.0, docs/protocol.md), sans I/O: functions from arguments
-// to frame bytes, and a decoder from received bytes to replies. Nothing here touches a socket,
-// so every byte layout lives in this one file and can be tested without a server.
+// The pinpriq wire format (protocol 1.0 and the sync frame of 1.1, docs/protocol.md), sans I/O:
+// functions from arguments to frame bytes, and a decoder from received bytes to replies.
+// Nothing here touches a socket, so every byte layout lives in this one file and can be tested
+// without a server.
 
-/** Opcodes of the five client frames. */
+/** Opcodes of the client frames: the five of protocol 1.0, and sync from 1.1. */
 export const OPCODE = Object.freeze({
   PUSH: 0x70,
   POP: 0x50,
   SUBSCRIBE: 0x73,
   UNSUBSCRIBE: 0x75,
   READY: 0x41,
+  SYNC: 0x21,
 });
 
 /** Largest queue name, key or payload, in bytes (a u16 length). */
@@ -57,7 +59,7 @@ export function toBytes(field, value) {
  * @param {string} field
  * @param {unknown} value
  * @param {number} min
- * @param {number} max
+ * @param {number} max `Infinity` for no upper bound
  * @returns {number}
  */
 export function checkInteger(field, value, min, max) {
@@ -65,7 +67,8 @@ export function checkInteger(field, value, min, max) {
     throw new TypeError(`${field} must be a number, not ${describe(value)}`);
   }
   if (!Number.isInteger(value) || value < min || value > max) {
-    throw new RangeError(`${field} must be an integer in ${min}..${max}, not ${value}`);
+    const range = max === Infinity ? `>= ${min}` : `in ${min}..${max}`;
+    throw new RangeError(`${field} must be an integer ${range}, not ${value}`);
   }
   return value;
 }
@@ -141,6 +144,15 @@ export function encodeReady(credits = 1) {
 }
 
 /**
+ * A sync frame (protocol 1.1): the server answers it with the empty reply `00 00` once every
+ * earlier frame of the connection has been applied. A 1.0 server closes the connection instead.
+ * @returns {Buffer}
+ */
+export function encodeSync() {
+  return Buffer.from([OPCODE.SYNC]);
+}
+
+/**
  * Turns the bytes a server sends into replies (a pop's answer or a subscription's delivery:
  * the same format). Bytes may arrive split anywhere; a reply is returned once it is whole.
  *
@@ -159,6 +171,8 @@ export class ReplyDecoder {
   #buffered = 0;
   /** @type {'count' | 'header' | 'body'} what the next bytes are */
   #state = 'count';
+  /** the packet count of the current reply, as its first two bytes said */
+  #count = 0;
   /** packets still to read in the current reply */
   #remaining = 0;
   #keyLength = 0;
@@ -175,6 +189,17 @@ export class ReplyDecoder {
    */
   get pendingBytes() {
     return this.#buffered + this.#partial;
+  }
+
+  /**
+   * The packet count of the reply being read, once its two count bytes have arrived and
+   * before the reply is whole; null between replies. It lets a caller judge a reply by its
+   * first two bytes (a sync's answer must be `00 00`) without waiting for bytes that a server
+   * of another kind may never send.
+   * @returns {number | null}
+   */
+  get incomingCount() {
+    return this.#state === 'count' ? null : this.#count;
   }
 
   /**
@@ -207,7 +232,8 @@ export class ReplyDecoder {
   #step() {
     if (this.#state === 'count') {
       if (this.#buffered < 2) return null;
-      this.#remaining = this.#take(2).readUInt16BE(0);
+      this.#count = this.#take(2).readUInt16BE(0);
+      this.#remaining = this.#count;
       this.#packets = [];
       this.#state = 'header';
     } else if (this.#state === 'header') {

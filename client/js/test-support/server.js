@@ -2,13 +2,60 @@
 // port is read from its log line "pinpriq listening on 127.0.0.1 port N" on stderr.
 //
 // The command is $PINPRIQ_SERVER if set, else `pinpriq-server` from PATH (in CI, the venv the
-// Python step made). There is deliberately no silent fallback: a missing server is an error.
+// Python step made). There is deliberately no silent fallback: a missing server is an error,
+// and importing this module checks for it (see below).
 
 import { spawn } from 'node:child_process';
+import { accessSync, constants, statSync } from 'node:fs';
+import path from 'node:path';
 
+/** What the tests run as the server. */
+const COMMAND = process.env.PINPRIQ_SERVER || 'pinpriq-server';
 const LISTENING = /pinpriq listening on (\S+) port (\d+)/;
 const START_TIMEOUT_MS = 10_000;
 const STOP_TIMEOUT_MS = 3_000;
+
+/** Why there is no server to run, in one line. */
+const NOT_FOUND = process.env.PINPRIQ_SERVER
+  ? `PINPRIQ_SERVER=${COMMAND} is neither an executable file nor a command on PATH: point it `
+    + 'at pinpriq-server, or unset it to use pinpriq-server from PATH'
+  : 'pinpriq-server not found on PATH: install the Python package (pip install . in the '
+    + 'repository root) and put its bin directory on PATH, or set PINPRIQ_SERVER to the '
+    + 'executable';
+
+/** @param {string} file @returns {boolean} */
+function isExecutableFile(file) {
+  try {
+    accessSync(file, constants.X_OK);
+    return statSync(file).isFile();
+  } catch {
+    return false;
+  }
+}
+
+/**
+ * Whether `command` can be run: a path to an executable file, or a name found on PATH, as
+ * spawn would find it.
+ * @param {string} command
+ * @returns {boolean}
+ */
+function canRun(command) {
+  if (command.includes('/') || command.includes(path.sep)) return isExecutableFile(command);
+  const extensions = process.platform === 'win32'
+    ? ['', ...(process.env.PATHEXT ?? '.EXE;.CMD;.BAT').split(';')]
+    : [''];
+  return (process.env.PATH ?? '').split(path.delimiter).some((dir) => extensions
+    .some((extension) => isExecutableFile(path.join(dir || '.', command + extension))));
+}
+
+// Checked on import, before any test runs: without a server, every live test would fail with
+// the same spawn error and the reason would be lost among their failures. Instead one line
+// on stderr, and this test file fails. test/0-test-server.test.js imports this module and
+// sorts first, so that node --test prints the line before anything else.
+if (!canRun(COMMAND)) {
+  process.stderr.write(`${NOT_FOUND}\n`);
+  process.exit(1);
+}
 
 /**
  * @typedef {{ host: string, port: number, stop: () => Promise<void>, log: () => string }}
@@ -17,11 +64,12 @@ const STOP_TIMEOUT_MS = 3_000;
 
 /**
  * Start a server on an ephemeral port and wait until it listens.
+ * @param {{ args?: string[] }} [options] `args`: more command-line options for the server
  * @returns {Promise<RunningServer>}
  */
-export async function startServer() {
-  const command = process.env.PINPRIQ_SERVER || 'pinpriq-server';
-  const child = spawn(command, ['--host', '127.0.0.1', '--port', '0'], {
+export async function startServer({ args = [] } = {}) {
+  const command = COMMAND;
+  const child = spawn(command, ['--host', '127.0.0.1', '--port', '0', ...args], {
     stdio: ['ignore', 'ignore', 'pipe'],
   });
   // If the test process dies before its after() hook runs, don't leave the server behind.
@@ -50,9 +98,7 @@ export async function startServer() {
       );
       const settle = (fn, value) => { clearTimeout(timer); fn(value); };
       child.once('error', (error) => settle(reject, error.code === 'ENOENT'
-        ? new Error(`cannot run ${command}: not found on PATH. Install the Python package `
-          + '(python3 -m venv .venv && .venv/bin/pip install -e .) and put its bin/ on PATH, '
-          + 'or set PINPRIQ_SERVER to the pinpriq-server executable')
+        ? new Error(NOT_FOUND) // gone since the check on import
         : error));
       child.stderr.on('data', () => {
         const match = LISTENING.exec(stderr);

@@ -7,7 +7,8 @@ import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 
 import {
-  OPCODE, ReplyDecoder, encodePop, encodePush, encodeReady, encodeSubscribe, encodeUnsubscribe,
+  OPCODE, ReplyDecoder, encodePop, encodePush, encodeReady, encodeSubscribe, encodeSync,
+  encodeUnsubscribe,
 } from '../src/wire.js';
 import { fixtureNames, readFixture, streamsByConnection } from '../test-support/fixtures.js';
 
@@ -41,6 +42,7 @@ function readClientFrame(stream, at) {
   if (at >= stream.length) return null;
   switch (stream[at]) {
     case OPCODE.READY:
+    case OPCODE.SYNC:
       return whole(at + 1, {});
     case OPCODE.POP:
     case OPCODE.SUBSCRIBE:
@@ -84,6 +86,7 @@ function encodeAgain({ opcode, fields }) {
     case OPCODE.SUBSCRIBE: return encodeSubscribe(fields.queue);
     case OPCODE.UNSUBSCRIBE: return encodeUnsubscribe(fields.queue);
     case OPCODE.READY: return encodeReady();
+    case OPCODE.SYNC: return encodeSync();
     default: throw new Error(`opcode ${opcode}`);
   }
 }

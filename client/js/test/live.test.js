@@ -145,6 +145,48 @@ describe('pipelining on one client', () => {
   });
 });
 
+describe('sync (protocol 1.1)', () => {
+  test('a sync resolves in its place among the pops, once the frames before it are applied', async () => {
+    const q = fresh('sync');
+    const settled = [];
+    const after = (label) => () => settled.push(label);
+    client.push(q, 'old', '', { prio: 1 });
+    client.push(q, 'new', '', { prio: 1 });
+    const calls = [
+      client.sync().then(after('sync 1')),
+      client.pop(q).then((reply) => settled.push(`pop ${text(reply)[0][0]}`)),
+      client.sync().then(after('sync 2')),
+      client.sync().then(after('sync 3')),
+      client.pop(q).then((reply) => settled.push(`pop ${text(reply)[0][0]}`)),
+    ];
+    await Promise.all(calls);
+    assert.deepEqual(settled, ['sync 1', 'pop new', 'sync 2', 'sync 3', 'pop old']);
+  });
+
+  test('once sync resolves, another connection sees the pushes made before it', async () => {
+    const q = fresh('sync-seen');
+    const other = await connect();
+    try {
+      client.push(q, 'k', 'v');
+      await client.sync();
+      assert.deepEqual(text(await other.pop(q)), [['k', 'v']]);
+    } finally {
+      await other.close();
+    }
+  });
+
+  test('push with confirm resolves once the packet is queued, for every connection to see', async () => {
+    const q = fresh('confirm');
+    const other = await connect();
+    try {
+      assert.equal(await client.push(q, 'k', 'stored', { prio: 2, ttlMs: 60000, confirm: true }), undefined);
+      assert.deepEqual(text(await other.pop(q)), [['k', 'stored']]);
+    } finally {
+      await other.close();
+    }
+  });
+});
+
 describe('argument checks on the client', () => {
   test('out-of-range arguments reject with a RangeError naming the field; the client stays usable', async () => {
     const q = fresh('range');
@@ -153,7 +195,9 @@ describe('argument checks on the client', () => {
     await assert.rejects(client.push(q, 'k', 'x'.repeat(65536)), { name: 'RangeError', message: /\bpayload\b/ });
     await assert.rejects(client.pop('q'.repeat(65536)), { name: 'RangeError', message: /\bqueue\b/ });
     await assert.rejects(client.subscribe(q, { prefetch: 0 }), { name: 'RangeError', message: /\bprefetch\b/ });
+    await assert.rejects(client.subscribe(q, { limit: 0 }), { name: 'RangeError', message: /\blimit\b/ });
     await assert.rejects(client.subscribe([]), { name: 'RangeError', message: /\bqueues\b/ });
+    await assert.rejects(client.push(q, 'k', 'p', { confirm: 'yes' }), { name: 'TypeError', message: /\bconfirm\b/ });
     await client.push(q, 'k', 'p');
     assert.deepEqual(text(await client.pop(q)), [['k', 'p']]);
   });
@@ -196,6 +240,30 @@ describe('connections', () => {
       assert.equal(own.closed, true);
     } else {
       await own.close();
+    }
+  });
+});
+
+describe('a server at its connection limit', () => {
+  test('a connection beyond the limit fails saying the server closed it at once', async () => {
+    const limited = await startServer({ args: ['--max-connections', '1'] });
+    const options = { host: limited.host, port: limited.port, timeout: 5000 };
+    let first;
+    let second;
+    try {
+      first = await PinpriqClient.connect(options);
+      await first.sync(); // answered: the server counts this connection, the one it allows
+      second = await PinpriqClient.connect(options);
+      await assert.rejects(second.pop(fresh('limit')), (error) => {
+        assert.ok(error instanceof PinpriqConnectionError, `${error.name}: ${error.message}`);
+        assert.equal(error.message, `connection to ${limited.host}:${limited.port}: the server `
+          + 'closed the connection at once (it may be at its connection limit)');
+        return true;
+      });
+    } finally {
+      second?.destroy();
+      await first?.close();
+      await limited.stop();
     }
   });
 });
@@ -277,6 +345,20 @@ describe('subscriptions', () => {
       await subscription.close();
       await popper.close();
     }
+  });
+
+  test('limit: the loop ends after that many deliveries, and the rest stays queued', async () => {
+    const q = fresh('limit');
+    for (let i = 0; i < 5; i += 1) client.push(q, `k${i}`, '', { prio: 1 });
+    await client.sync();
+    const subscription = await client.subscribe([q], { prefetch: 2, limit: 3 });
+    const keys = [];
+    for await (const packets of subscription) keys.push(text(packets)[0][0]);
+    assert.deepEqual(keys, ['k4', 'k3', 'k2'], 'newest first, three of them');
+    assert.equal(subscription.closed, true);
+    // No credit beyond the limit was granted, so nothing more was taken from the queue.
+    assert.deepEqual(text(await client.pop(q)), [['k1', '']]);
+    assert.deepEqual(text(await client.pop(q)), [['k0', '']]);
   });
 
   test('close() ends a waiting iteration; closing the client closes its subscriptions', async () => {

@@ -4,10 +4,11 @@
 
 import { afterEach, beforeEach, test } from 'node:test';
 import assert from 'node:assert/strict';
+import net from 'node:net';
 
 import {
-  PinpriqClient, PinpriqConnectionError, PinpriqTimeoutError, encodePop, encodeReady,
-  encodeSubscribe,
+  PinpriqClient, PinpriqConnectionError, PinpriqError, PinpriqProtocolError, PinpriqTimeoutError,
+  encodePop, encodePush, encodeReady, encodeSubscribe, encodeSync,
 } from '../index.js';
 import { FakeServer, replyBytes, sleep, waitFor } from '../test-support/helpers.js';
 
@@ -80,7 +81,11 @@ test('pop replies arriving one byte at a time go to their pops in request order'
 
 test('an out-of-range argument sends nothing at all', async () => {
   const client = await connect();
-  await assert.rejects(client.push('q', 'k', 'p', { prio: 300 }), RangeError);
+  await assert.rejects(client.push('q', 'k', 'p', { prio: 300 }), (error) => {
+    assert.ok(error instanceof RangeError);
+    assert.ok(!(error instanceof PinpriqError), 'argument errors are not PinpriqErrors');
+    return true;
+  });
   await assert.rejects(client.push('q', 'k', 'p', { ttlMs: -1 }), RangeError);
   await assert.rejects(client.push('q'.repeat(70000), 'k', 'p'), RangeError);
   const popped = client.pop('q');
@@ -95,6 +100,10 @@ test('a pop that times out leaves the connection in step: its late reply is drop
   const client = await connect({ timeout: 150 });
   await assert.rejects(client.pop('slow'), (error) => {
     assert.ok(error instanceof PinpriqTimeoutError);
+    assert.ok(error instanceof PinpriqError, 'a PinpriqError, like every error about the server');
+    assert.equal(error.name, 'PinpriqTimeoutError');
+    assert.equal(error.code, 'ETIMEDOUT');
+    assert.equal(error.address, `127.0.0.1:${fake.port}`);
     assert.match(error.message, new RegExp(`127\\.0\\.0\\.1:${fake.port}`));
     return true;
   });
@@ -107,15 +116,134 @@ test('a pop that times out leaves the connection in step: its late reply is drop
 
 test('the server closing rejects waiting pops with an error naming the server', async () => {
   const client = await connect();
+  const answered = client.pop('first');
   const waiting = client.pop('q');
-  (await fake.connection(0)).socket.end();
+  const { socket } = await fake.connection(0);
+  await fake.received(0, encodePop('first').length + encodePop('q').length);
+  socket.write(replyBytes()); // a byte from the server: this is no refused connection
+  assert.deepEqual(await answered, []);
+  socket.end();
   await assert.rejects(waiting, (error) => {
     assert.ok(error instanceof PinpriqConnectionError);
+    assert.ok(error instanceof PinpriqError);
+    assert.equal(error.name, 'PinpriqConnectionError');
     assert.equal(error.message, `connection to 127.0.0.1:${fake.port} was closed by the server`);
     return true;
   });
   assert.equal(client.closed, true);
   await assert.rejects(client.push('q', 'k', 'p'), PinpriqConnectionError);
+});
+
+/**
+ * A server that accepts connections and closes them at once, as a server beyond its
+ * connection limit does, except the first `spared` ones. Stop it with `stop()`.
+ * @param {(socket: net.Socket) => void} close
+ */
+async function refusingServer(close, spared = 0) {
+  const sockets = [];
+  const server = net.createServer((socket) => {
+    sockets.push(socket);
+    socket.on('error', () => {}); // the client may reset too
+    if (sockets.length > spared) close(socket);
+  });
+  await new Promise((resolve) => server.listen(0, '127.0.0.1', resolve));
+  const stop = async () => {
+    for (const socket of sockets) socket.destroy();
+    await new Promise((resolve) => server.close(resolve));
+  };
+  return { port: server.address().port, stop };
+}
+
+const CLOSED_AT_ONCE = 'the server closed the connection at once (it may be at its connection limit)';
+const CLOSE_AT_ONCE = [
+  ['closes', (socket) => socket.end()],
+  ['resets', (socket) => socket.resetAndDestroy()],
+];
+
+/**
+ * The error of the first step of `use` that fails. A reset can reach the client while it is
+ * still connecting, or only once it uses the connection: either way the error must say why.
+ * @param {(client: PinpriqClient) => Promise<void>} use
+ */
+async function firstError(port, use) {
+  let client;
+  try {
+    client = await PinpriqClient.connect({ port, timeout: 2000 });
+    await use(client);
+  } catch (error) {
+    return error;
+  } finally {
+    client?.destroy();
+  }
+  return assert.fail('nothing failed');
+}
+
+/** Asserts that `error` is the one for a connection the server closed at once. */
+function assertClosedAtOnce(error, port) {
+  assert.ok(error instanceof PinpriqConnectionError, `${error.name}: ${error.message}`);
+  // "cannot connect to" when the reset came during the connect, else "connection to".
+  assert.match(error.message, /^(cannot connect to|connection to) /);
+  assert.ok(error.message.endsWith(`127.0.0.1:${port}: ${CLOSED_AT_ONCE}`), error.message);
+}
+
+for (const [how, close] of CLOSE_AT_ONCE) {
+  test(`a server that ${how} a connection at once: calls fail saying so, naming the server`, async () => {
+    const server = await refusingServer(close);
+    try {
+      const error = await firstError(server.port, async (client) => {
+        await client.pop('q');
+      });
+      assertClosedAtOnce(error, server.port);
+      // Later calls give the same reason.
+      const later = await firstError(server.port, async (client) => {
+        await client.pop('q').catch(() => {});
+        await client.push('q', 'k', 'v');
+      });
+      assertClosedAtOnce(later, server.port);
+    } finally {
+      await server.stop();
+    }
+  });
+
+  test(`a server that ${how} a subscription's connection at once: it fails saying so`, async () => {
+    const server = await refusingServer(close, 1); // the client's own connection is kept
+    try {
+      const error = await firstError(server.port, async (client) => {
+        const subscription = await client.subscribe('q');
+        await subscription.next();
+      });
+      assertClosedAtOnce(error, server.port);
+    } finally {
+      await server.stop();
+    }
+  });
+}
+
+test('a subscription whose opening cannot be written, the server having closed at once, says so', async () => {
+  // 100 subscribes of 6.5 MB in all: more than the sockets take before the server's close
+  // makes the write fail.
+  const server = await refusingServer((socket) => socket.destroy(), 1);
+  try {
+    const queues = Array.from({ length: 100 }, (_, i) => String(i).padEnd(65535, 'q'));
+    const error = await firstError(server.port, async (client) => {
+      const subscription = await client.subscribe(queues);
+      await subscription.next();
+    });
+    assertClosedAtOnce(error, server.port);
+  } finally {
+    await server.stop();
+  }
+});
+
+test('a server that closes a connection after a second, having sent nothing, gets the usual message', async () => {
+  const client = await connect();
+  const waiting = client.pop('q');
+  const { socket } = await fake.connection(0);
+  await sleep(1100); // past the second within which a close counts as a refusal
+  socket.end();
+  await assert.rejects(waiting, {
+    message: `connection to 127.0.0.1:${fake.port} was closed by the server`,
+  });
 });
 
 test('a subscription the server closes yields what arrived, then the error, then done', async () => {
@@ -135,4 +263,137 @@ test('a reply nobody asked for breaks the connection rather than feeding a later
   (await fake.connection(0)).socket.write(replyBytes(['stray', '']));
   await waitFor(() => client.closed, 'the client to give up the connection');
   await assert.rejects(client.pop('q'), /reply nobody asked for/);
+});
+
+test('sync sends 0x21 and takes its 00 00 in its place among the pop replies', async () => {
+  const client = await connect();
+  const settled = [];
+  const calls = [
+    client.pop('a').then((reply) => settled.push(['pop a', reply.length])),
+    client.sync().then((value) => settled.push(['sync', value])),
+    client.pop('b').then((reply) => settled.push(['pop b', reply.length])),
+    client.sync().then((value) => settled.push(['sync', value])),
+  ];
+  const sent = Buffer.concat([encodePop('a'), encodeSync(), encodePop('b'), encodeSync()]);
+  assert.deepEqual(await fake.received(0, sent.length), sent);
+  const { socket } = await fake.connection(0);
+  socket.write(Buffer.concat([replyBytes(['1', 'x']), replyBytes(), replyBytes(), replyBytes()]));
+  await Promise.all(calls);
+  assert.deepEqual(settled, [['pop a', 1], ['sync', undefined], ['pop b', 0], ['sync', undefined]]);
+  await client.close();
+});
+
+test('push with confirm sends the push and a sync, and resolves only once the 00 00 arrives', async () => {
+  const client = await connect();
+  let resolved = false;
+  const pushed = client.push('q', 'k', 'v', { prio: 2, confirm: true }).then(() => { resolved = true; });
+  const sent = Buffer.concat([encodePush('q', 'k', 'v', { prio: 2 }), encodeSync()]);
+  assert.deepEqual(await fake.received(0, sent.length), sent);
+  await sleep(50); // room for the promise to resolve too early, if it were going to
+  assert.equal(resolved, false, 'not confirmed before the server answered');
+  (await fake.connection(0)).socket.write(replyBytes());
+  await pushed;
+  assert.equal(resolved, true);
+  await client.close();
+});
+
+// What other servers answer when a pinpriq client talks to them: each reads as a reply whose
+// count announces thousands of packets that will never come.
+const FOREIGN_ANSWERS = [
+  ['Redis', '-ERR unknown command\r\n', '2d 45 ("-E")'],
+  ['an HTTP server', 'HTTP/1.1 400 Bad Request\r\nConnection: close\r\n\r\n', '48 54 ("HT")'],
+  ['a reply with a packet', replyBytes(['k', 'v']), '00 01'],
+];
+
+for (const [server, answer, start] of FOREIGN_ANSWERS) {
+  test(`a sync answered as ${server} answers fails at once, says why, and closes the client`, async () => {
+    const client = await connect(); // its 2 s timeout would give a PinpriqTimeoutError instead
+    const subscription = await client.subscribe('jobs'); // connection 1
+    const synced = client.sync();
+    const popped = client.pop('q'); // sent after the sync: fails with it
+    const { socket } = await fake.connection(0);
+    await fake.received(0, 1 + encodePop('q').length);
+    socket.write(answer); // and the connection stays open: no end of stream to give up on
+    await assert.rejects(synced, (error) => {
+      assert.ok(error instanceof PinpriqProtocolError, `${error.name}: ${error.message}`);
+      assert.ok(error instanceof PinpriqError);
+      assert.equal(error.message, `the server at 127.0.0.1:${fake.port} did not answer like a `
+        + `pinpriq 1.1 server: its answer to a sync began ${start}, not 00 00`);
+      return true;
+    });
+    await assert.rejects(popped, PinpriqProtocolError);
+    assert.equal(client.closed, true);
+    assert.equal(subscription.closed, true, "the client's subscriptions are closed with it");
+    await assert.rejects(client.pop('q'), PinpriqProtocolError);
+    await client.close();
+  });
+}
+
+test('a sync the server closes the connection on (as a 1.0 server does) gets the usual error, with a hint', async () => {
+  const client = await connect();
+  const popped = client.pop('q');
+  const { socket } = await fake.connection(0);
+  await fake.received(0, encodePop('q').length);
+  socket.write(replyBytes()); // a pinpriq server, answering a pop
+  assert.deepEqual(await popped, []);
+  const synced = client.sync();
+  await fake.received(0, encodePop('q').length + 1);
+  socket.end();
+  await assert.rejects(synced, (error) => {
+    assert.ok(error instanceof PinpriqConnectionError, `${error.name}: ${error.message}`);
+    assert.equal(error.message, `connection to 127.0.0.1:${fake.port} was closed by the server; `
+      + 'it had not answered a sync, and a protocol 1.0 server closes the connection on sync');
+    return true;
+  });
+});
+
+test('limit: credits up to the limit and no further, then the iteration ends and the connection closes', async () => {
+  const client = await connect();
+  const subscription = await client.subscribe('q', { prefetch: 3, limit: 5 });
+  const opening = Buffer.concat([encodeSubscribe('q'), encodeReady(3)]);
+  assert.deepEqual(await fake.received(1, opening.length), opening);
+  const server = await fake.connection(1);
+  let serverSawClose = false;
+  server.socket.once('close', () => { serverSawClose = true; });
+
+  server.socket.write(Buffer.concat([1, 2, 3].map((i) => replyBytes([`k${i}`, '']))));
+  const keys = [];
+  for (let i = 0; i < 3; i += 1) keys.push((await subscription.next()).value[0].key.toString());
+  // Taking the 2nd and 3rd returned the credits of the 1st and 2nd: 5 in all, the limit.
+  await waitFor(() => countReady(server.received) === 5, 'credits 4 and 5');
+  server.socket.write(Buffer.concat([4, 5].map((i) => replyBytes([`k${i}`, '']))));
+  for (let i = 0; i < 2; i += 1) keys.push((await subscription.next()).value[0].key.toString());
+  assert.deepEqual(keys, ['k1', 'k2', 'k3', 'k4', 'k5']);
+  assert.equal(subscription.closed, true, 'closed with the last delivery of the limit');
+  assert.deepEqual(await subscription.next(), { value: undefined, done: true });
+  await waitFor(() => serverSawClose, 'the server to see the subscription close');
+  assert.equal(countReady(server.received), 5, 'never a credit beyond the limit');
+  await client.close();
+});
+
+test('limit below prefetch: the opening grants only `limit` credits', async () => {
+  const client = await connect();
+  const subscription = await client.subscribe(['a', 'b'], { prefetch: 10, limit: 2 });
+  const opening = Buffer.concat([encodeSubscribe('a'), encodeSubscribe('b'), encodeReady(2)]);
+  assert.deepEqual(await fake.received(1, opening.length), opening);
+  const { socket } = await fake.connection(1);
+  socket.write(Buffer.concat([replyBytes(['k1', '']), replyBytes(['k2', ''])]));
+  const seen = [];
+  for await (const packets of subscription) seen.push(packets[0].key.toString());
+  assert.deepEqual(seen, ['k1', 'k2'], 'the loop ends by itself after the limit');
+  assert.equal(countReady(fake.connections[1].received), 2);
+  await client.close();
+});
+
+test('limit and prefetch are checked before anything is sent', async () => {
+  const client = await connect();
+  for (const limit of [0, -1, 1.5, NaN, Infinity]) {
+    await assert.rejects(client.subscribe('q', { limit }), { name: 'RangeError', message: /\blimit\b/ });
+  }
+  for (const limit of ['3', null]) {
+    await assert.rejects(client.subscribe('q', { limit }), { name: 'TypeError', message: /\blimit\b/ });
+  }
+  await sleep(50); // room for a connection to arrive, if one had been opened
+  assert.equal(fake.connections.length, 1, 'only the client connection');
+  await client.close();
 });

@@ -5,8 +5,9 @@ import assert from 'node:assert/strict';
 
 import {
   MAX_FIELD_BYTES, ReplyDecoder, encodePop, encodePush, encodeReady, encodeSubscribe,
-  encodeUnsubscribe,
+  encodeSync, encodeUnsubscribe,
 } from '../src/wire.js';
+import * as pinpriq from '../index.js';
 
 /** Asserts that fn throws a RangeError whose message names `field`. */
 function assertRangeError(fn, field) {
@@ -81,6 +82,13 @@ describe('encoder inputs', () => {
     assert.deepEqual(encodeReady(), Buffer.from([0x41]));
     assert.deepEqual(encodeReady(3), Buffer.from([0x41, 0x41, 0x41]));
   });
+
+  test('sync (protocol 1.1): the single byte 0x21, a Buffer of its own each time', () => {
+    assert.deepEqual(encodeSync(), Buffer.from([0x21]));
+    encodeSync()[0] = 0; // a caller scribbling on one frame must not change the next
+    assert.deepEqual(encodeSync(), Buffer.from([0x21]));
+    assert.equal(pinpriq.encodeSync, encodeSync, 'pinpriq re-exports it, as it does the others');
+  });
 });
 
 describe('reply decoder', () => {
@@ -125,6 +133,22 @@ describe('reply decoder', () => {
     assert.equal(decoder.pendingBytes, 5);
     assert.deepEqual(decoder.feed(stream.subarray(5)), [[packet('k', 'v')]]);
     assert.equal(decoder.pendingBytes, 0);
+  });
+
+  test('incomingCount: the count of the reply being read, known from its first two bytes', () => {
+    const decoder = new ReplyDecoder();
+    assert.equal(decoder.incomingCount, null);
+    decoder.feed(Buffer.from('-'));
+    assert.equal(decoder.incomingCount, null, 'one byte is no count yet');
+    decoder.feed(Buffer.from('ERR unknown command\r\n'));
+    assert.equal(decoder.incomingCount, 0x2d45); // "-E", the start of a Redis error line
+
+    const pinpriq = new ReplyDecoder();
+    assert.deepEqual(pinpriq.feed(Buffer.concat([reply(['k', 'v']), reply(), reply(['a', 'b']).subarray(0, 3)])),
+      [[packet('k', 'v')], []]);
+    assert.equal(pinpriq.incomingCount, 1, 'the third reply, begun');
+    pinpriq.feed(reply(['a', 'b']).subarray(3));
+    assert.equal(pinpriq.incomingCount, null, 'between replies');
   });
 
   test('returned packets do not share memory with the chunk fed in', () => {
