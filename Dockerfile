@@ -1,6 +1,10 @@
-# pinpriq-server in a slim image, listening on every interface of the container.
+# pinpriq-server in a slim image, listening on every interface of the container, as an
+# unprivileged user. Options given to `docker run IMAGE ...` replace CMD and go to the server,
+# after the ENTRYPOINT's --host, so `docker run pinpriq --max-memory 2GiB` keeps listening on
+# every interface.
 FROM python:3.11-slim
 
+# A numeric user (hadolint DL3066), so orchestrators can tell it is not root without a passwd.
 RUN useradd --create-home --uid 10001 pinpriq
 WORKDIR /opt/pinpriq
 COPY pyproject.toml README.md ./
@@ -9,7 +13,10 @@ COPY pinpriq ./pinpriq
 COPY wire-fixtures ./wire-fixtures
 RUN pip install --no-cache-dir . && rm -rf /opt/pinpriq/build
 
-USER pinpriq
+USER 10001
 EXPOSE 7000
-ENTRYPOINT ["pinpriq-server"]
-CMD ["--host", "0.0.0.0", "--port", "7000"]
+# The server must answer a sync on its default port (loopback, so protected mode will allow it).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=5s --retries=3 \
+    CMD ["pinpriq", "--timeout", "3", "ping"]
+ENTRYPOINT ["pinpriq-server", "--host", "0.0.0.0"]
+CMD ["--port", "7000"]

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 from pinpriq import wire
 from pinpriq.errors import ArgumentError, ArgumentTypeError, PinpriqConnectionError
-from pinpriq.wire import Packet
+from pinpriq.wire import DEFAULT_PORT, Packet
 
 __all__ = [
     "DEFAULT_HOST",
@@ -47,8 +47,6 @@ __all__ = [
 ]
 
 DEFAULT_HOST = "127.0.0.1"
-#: The port a server listens on and a client connects to unless told otherwise.
-DEFAULT_PORT = 7000
 #: Seconds to wait for a connection or an answer before ``TimeoutError``.
 DEFAULT_TIMEOUT = 10.0
 #: Bytes asked of the socket per read.

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, TypeAlias, TypeVar
 from pinpriq.errors import ArgumentError, PinpriqError
 
 __all__ = [
+    "DEFAULT_PORT",
     "FRAMES",
     "MAX_FIELD",
     "MAX_FRAME",
@@ -55,6 +56,8 @@ class Opcode(enum.IntEnum):
     SYNC = 0x21  # protocol 1.1
 
 
+#: The TCP port a pinpriq server listens on, and a client connects to, unless told otherwise.
+DEFAULT_PORT = 7000
 #: Longest queue name, key or payload: the length fields are u16.
 MAX_FIELD = 0xFFFF
 #: Most packets in one reply: the count field is u16.

@@ -10,10 +10,12 @@ runs every fixture that way.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -130,3 +132,56 @@ async def test_an_installed_conformance_runner_finds_its_fixtures_from_any_direc
     assert status == 0, out + err
     count = len(list(FIXTURES.glob("*.txt")))
     assert out.splitlines()[-1].startswith(f"{count} fixtures: {count} passed, 0 failed")
+
+
+# -- the Dockerfile and the declared dependencies ---------------------------------------------
+
+
+def dockerfile_instruction(name: str) -> list[str]:
+    """The exec-form arguments (a JSON array) of the Dockerfile's one ``name`` instruction."""
+    [line] = [
+        line for line in (REPO / "Dockerfile").read_text().splitlines() if line.startswith(name)
+    ]
+    return list(json.loads(line[len(name) :]))
+
+
+def test_the_dockerfile_passes_hadolint() -> None:
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "hadolint"), "--no-color", "Dockerfile"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr  # DL3066 among others: numeric USER
+
+
+def test_options_given_to_docker_run_keep_the_host() -> None:
+    """``docker run pinpriq --max-memory 2GiB`` replaces CMD, so the host lives in ENTRYPOINT."""
+    assert dockerfile_instruction("ENTRYPOINT") == ["pinpriq-server", "--host", "0.0.0.0"]
+    assert "--host" not in dockerfile_instruction("CMD")
+
+
+async def test_the_health_check_is_a_ping_that_fails_without_a_server(live: LiveServer) -> None:
+    text = (REPO / "Dockerfile").read_text()
+    start = text.index("HEALTHCHECK")
+    command = json.loads(text[text.index("CMD", start) + 3 : text.index("]", start) + 1])
+    assert (command[0], command[-1]) == ("pinpriq", "ping")
+    argv = [str(Path(sys.executable).parent / command[0]), *command[1:]]
+    url = {"PINPRIQ_URL": f"pinpriq://127.0.0.1:{live.port}"}
+    answered = await trio.run_process(argv, env=os.environ | url, capture_stdout=True)
+    assert answered.stdout.startswith(b"pong from 127.0.0.1:")
+    with trio.socket.socket() as placeholder:  # bound, never listening
+        await placeholder.bind(("127.0.0.1", 0))
+        url = {"PINPRIQ_URL": f"pinpriq://127.0.0.1:{placeholder.getsockname()[1]}"}
+        refused = await trio.run_process(
+            argv, env=os.environ | url, check=False, capture_stderr=True
+        )
+    assert refused.returncode == 1
+
+
+def test_every_dependency_has_an_upper_bound() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = project["dependencies"] + project["optional-dependencies"]["test"]
+    unbounded = [spec for spec in declared if "<" not in spec and "==" not in spec]
+    assert not unbounded, f"no upper bound: {unbounded}"

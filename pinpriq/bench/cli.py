@@ -17,7 +17,6 @@ from typing import Any
 from pinpriq import __version__
 from pinpriq.bench.runner import run_scenario
 from pinpriq.bench.workload import (
-    PINPRIQ_PORT,
     REDIS_PORT,
     SCENARIO_HELP,
     SCENARIOS,
@@ -25,7 +24,7 @@ from pinpriq.bench.workload import (
     Workload,
 )
 from pinpriq.cli.args import OneLineParser, int_in, port_number
-from pinpriq.wire import MAX_PRIO, MAX_TTL_MS
+from pinpriq.wire import DEFAULT_PORT, MAX_PRIO, MAX_TTL_MS
 
 
 def _positive_float(text: str) -> float:
@@ -61,7 +60,7 @@ def bench_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="server address (default: %(default)s)")
-    add("--port", type=port_number, help=f"(default: {PINPRIQ_PORT}, or {REDIS_PORT} with --redis)")
+    add("--port", type=port_number, help=f"(default: {DEFAULT_PORT}, or {REDIS_PORT} with --redis)")
     add("--redis", action="store_true", help="the server is Redis: ZADD to push, ZPOPMIN to pop")
     add("-c", dest="clients", type=int_in(1, 1024), default=4, metavar="N",
         help="client connections, each in its own process (default: %(default)s)")  # fmt: skip
@@ -101,7 +100,7 @@ def bench_parser() -> argparse.ArgumentParser:
 def workloads(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Iterator[Workload]:
     """One workload per scenario; a combination that cannot work is a usage error."""
     _check(args, parser)
-    port = args.port if args.port is not None else (REDIS_PORT if args.redis else PINPRIQ_PORT)
+    port = args.port if args.port is not None else (REDIS_PORT if args.redis else DEFAULT_PORT)
     names = "host redis clients ops pipeline key_size payload_size prio_levels keys prefill"
     names += " subscribers prefetch rate seed timeout"
     fields = {name: getattr(args, name) for name in names.split()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from pinpriq.wire import MAX_PRIO
+from pinpriq.wire import DEFAULT_PORT, MAX_PRIO
 
 SCENARIOS = ("push", "push-stream", "pop", "mix", "subscribe")
 SCENARIO_HELP = {
@@ -20,7 +20,6 @@ SCENARIO_HELP = {
     "subscribe": "S subscribers with prefetch k; -c publishers push N timestamped packets",
 }
 REDIS_PORT = 6379
-PINPRIQ_PORT = 7000
 
 
 class BenchError(Exception):
@@ -33,7 +32,7 @@ class Workload:
 
     scenario: str
     host: str = "127.0.0.1"
-    port: int = PINPRIQ_PORT
+    port: int = DEFAULT_PORT
     redis: bool = False
     clients: int = 4
     ops: int = 100_000

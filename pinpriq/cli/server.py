@@ -17,10 +17,10 @@ import sys
 import trio
 
 from pinpriq import __version__
-from pinpriq._client_core import DEFAULT_PORT
 from pinpriq.cli.args import OneLineParser, byte_size, int_in, port_number, seconds
 from pinpriq.server import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_CONNECTIONS, PinpriqServer
 from pinpriq.store import PACKET_OVERHEAD
+from pinpriq.wire import DEFAULT_PORT
 
 __all__ = ["main", "server_parser"]
 
