@@ -32,8 +32,9 @@ Theory of operation, as the driver sees it:
 * **Time.** The store keeps its own clock. ``Broker.timer`` is the earliest TTL deadline the
   broker knows of; pushes only ever move it earlier. The driver sleeps until then and calls
   ``expire()``, which sweeps and sets the next one: one timer, whatever the number of packets.
-* **Counting.** The counters are bumped once per batch where the count is known only at the
-  end, and read by whoever exports them; the hot path pays an addition, not a call.
+* **Counting.** ``totals()`` reads what the store already counts (pushes, expiries, packets
+  held) and the deliveries, and derives the rest: an addition per packet on the hot path costs
+  more than a push's whole bookkeeping in the store, so there is none.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import enum
 import logging
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from pinpriq.store_contract import Store
 from pinpriq.subscriptions import Subscriber, Subscriptions
@@ -64,8 +66,8 @@ __all__ = [
     "OUTPUT_HIGH_WATER",
     "Blocked",
     "Broker",
-    "Counters",
     "Session",
+    "Totals",
 ]
 
 log = logging.getLogger("pinpriq.broker")
@@ -91,17 +93,13 @@ class Blocked(enum.Enum):
     OUTPUT = "output"
 
 
-class Counters:
-    """Totals since the broker started, in packets: what metrics and stats export."""
+class Totals(NamedTuple):
+    """Packets since the broker started: what metrics and stats export."""
 
-    __slots__ = ("delivered", "popped", "pushed")
-
-    def __init__(self) -> None:
-        self.pushed = 0  # accepted pushes
-        self.popped = 0  # packets returned by pop frames
-        self.delivered = 0  # packets sent to subscribers
-        # Expiries are counted by the store (``Store.expired``): it also expires packets on
-        # its own, whenever a pop finds them due.
+    pushed: int  # accepted pushes
+    popped: int  # returned by pop frames
+    delivered: int  # sent to subscribers
+    expired: int  # removed at their TTL deadline
 
 
 def _nothing() -> None:
@@ -121,7 +119,8 @@ class Broker:
         self.memory_full = False
         #: Called once when pushes may go on after the cap was reached; the driver sets it.
         self.on_room: Callable[[], None] = _nothing
-        self.counters = Counters()
+        #: Packets sent to subscribers so far.
+        self.delivered = 0
         #: The earliest TTL deadline known, on the store's clock: when to call ``expire``.
         self.timer = math.inf
         #: Sessions given deliveries since the driver last took them (see ``take_dirty``).
@@ -133,6 +132,13 @@ class Broker:
         """The protocol state of a new connection."""
         self.sessions += 1
         return Session(self)
+
+    def totals(self) -> Totals:
+        """The totals so far. O(1): every packet pushed is held, popped, delivered or expired."""
+        store = self.store
+        pushed, expired = store.pushed, store.expired
+        popped = pushed - len(store) - expired - self.delivered
+        return Totals(pushed, popped, self.delivered, expired)
 
     def take_dirty(self) -> list[Session]:
         """The sessions given deliveries since the last call, whose output is to be written."""
@@ -201,7 +207,6 @@ class Session(Subscriber):
         waiting_queues = subscriptions.waiting_queues
         max_memory = broker.max_memory
         room = OUTPUT_HIGH_WATER - self.unsent
-        pushed = popped = 0
         try:
             for index in range(start, len(frames)):
                 frame = frames[index]
@@ -212,7 +217,6 @@ class Session(Subscriber):
                         return index
                     queue, key, payload, ttl_ms, prio = frame  # type: ignore[misc]
                     deadline = store.push(queue, key, payload, ttl_ms, prio)
-                    pushed += 1
                     if ttl_ms and deadline < broker.timer:
                         broker.timer = deadline
                     if prio and queue in waiting_queues:
@@ -221,9 +225,7 @@ class Session(Subscriber):
                         broker.check_memory()
                     continue
                 if kind is Pop:
-                    packets = store.pop(frame[0])  # type: ignore[misc]
-                    popped += len(packets)
-                    output += encode_reply(packets)
+                    output += encode_reply(store.pop(frame[0]))  # type: ignore[misc]
                 else:
                     try:
                         handle = _HANDLERS[kind]
@@ -236,9 +238,6 @@ class Session(Subscriber):
             self.blocked = None
             return len(frames)
         finally:
-            counters = broker.counters
-            counters.pushed += pushed
-            counters.popped += popped
             if broker.memory_full:
                 broker.check_memory()  # pops and deliveries may have made room
 
@@ -259,7 +258,7 @@ class Session(Subscriber):
         """Take a delivery the subscriptions made (``Subscriber``): queue its bytes."""
         self.output += encode_reply(packets)
         broker = self.broker
-        broker.counters.delivered += len(packets)
+        broker.delivered += len(packets)
         if not self.dirty:
             self.dirty = True
             broker.dirty.append(self)

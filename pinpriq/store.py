@@ -178,6 +178,11 @@ class QueueStore:
         return self._count
 
     @property
+    def pushed(self) -> int:
+        """Packets pushed since the store was made: the push sequence counter."""
+        return self._seq
+
+    @property
     def queue_count(self) -> int:
         """Queues holding at least one packet; empty queues are forgotten (decision 5)."""
         return len(self._queues)

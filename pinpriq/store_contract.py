@@ -58,6 +58,11 @@ class Store(Protocol):
     #: store itself before a read.
     expired: int
 
+    @property
+    def pushed(self) -> int:
+        """Packets pushed since the store was made."""
+        ...
+
     def __len__(self) -> int:
         """Packets held, in all queues."""
         ...

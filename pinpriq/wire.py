@@ -328,6 +328,7 @@ class FrameDecoder:
         # Locals, looked up once per chunk rather than once per frame.
         append, unpack_push, new = frames.append, _PUSH_HEADER.unpack_from, tuple.__new__
         layouts, classes = _LAYOUTS, _CLASSES
+        seen: dict[bytes, ClientFrame] = {}  # the named frames of this chunk, by their bytes
         pos, end, need = 0, len(data), 1
         while pos < end:
             opcode = data[pos]
@@ -365,7 +366,13 @@ class FrameDecoder:
                 if stop > end:
                     need = stop - pos
                     break
-                append(new(classes[opcode], (data[pos + _NAME_HEAD : stop],)))
+                # A pipelining consumer sends the same pop many times in one chunk: one
+                # frame object, immutable, serves them all (a named tuple is costly to build).
+                raw = data[pos:stop]
+                frame = seen.get(raw)
+                if frame is None:
+                    frame = seen[raw] = new(classes[opcode], (raw[_NAME_HEAD:],))
+                append(frame)
                 pos = stop
             elif layout == _SINGLE:
                 append(_SINGLETONS[opcode])

@@ -87,7 +87,7 @@ def test_a_push_is_delivered_to_a_waiting_session_and_filed_for_writing(
     assert broker.take_dirty() == [subscriber]
     assert take(subscriber) == reply((b"k", b"v"))
     assert take(pusher) == reply()  # the sync: the push, and its delivery, are done
-    assert broker.counters.delivered == 1
+    assert broker.totals().delivered == 1
 
 
 def test_a_delivery_to_the_pusher_itself_comes_before_its_next_reply(clock: FakeClock) -> None:
@@ -108,14 +108,16 @@ def test_closing_a_session_drops_its_subscriptions(clock: FakeClock) -> None:
     assert take(gone) == b""
 
 
-def test_counters_add_up_per_batch(clock: FakeClock) -> None:
+def test_totals_count_every_packet_once(clock: FakeClock) -> None:
     broker = broker_with(clock)
-    session = broker.open_session()
+    session, subscriber = broker.open_session(), broker.open_session()
     session.receive([Push(b"q", b"k", b"1"), Push(b"q", b"k", b"2", 0, 0), Push(b"q", b"x", b"3")])
-    session.receive([Push(b"q", b"t", b"", 125, 9), Pop(b"q"), Pop(b"q")])
+    session.receive([Push(b"q", b"t", b"", 125, 9), Pop(b"q")])  # pops x
+    subscriber.receive([Subscribe(b"q"), READY])  # delivered: the k group, 2 packets
+    session.receive([Push(b"q", b"held", b"", 0, 0)])
     clock.now += 0.125
     assert broker.expire() == 1
-    assert (broker.counters.pushed, broker.counters.popped, broker.store.expired) == (4, 3, 1)
+    assert broker.totals() == (5, 1, 2, 1)  # pushed, popped, delivered, expired; 1 held
 
 
 def test_the_timer_is_the_earliest_deadline(clock: FakeClock) -> None:
