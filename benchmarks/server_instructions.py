@@ -1,0 +1,114 @@
+"""Instructions the server spends per operation, counted by callgrind: a figure that does not
+depend on what else the machine is doing.
+
+    python benchmarks/server_instructions.py                        # this checkout: push, pop
+    python benchmarks/server_instructions.py --compare ../baseline  # and another, side by side
+    python benchmarks/server_instructions.py -t push -n 64000 --runs 3
+
+Each measurement starts ``pinpriq-server`` under ``valgrind --tool=callgrind``, drives it with
+``pinpriq-bench`` (4 client processes, pipeline 64, 8-byte keys, 16-byte payloads, prio 1..255,
+as ``compare_redis.py``), stops it with SIGTERM and reads the instruction total valgrind prints.
+It does so for N and for 2N operations and divides the difference by N, so start-up, imports
+and shutdown cancel out. Pop scenarios push their packets first, so "pop" is a push and a pop.
+
+Valgrind runs the server about 50 times slower than usual, so a run of the default 64,000
+operations takes about a minute. The figure moves by about 1% from run to run (the garbage
+collector and the batching of frames differ a little); ``--runs`` repeats and gives the median.
+Needs ``valgrind`` (Debian's package); the other checkout needs its own ``.venv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = Path(sys.executable).parent / "pinpriq-bench"
+WORKLOAD = ["-c", "4", "-P", "64", "--key-size", "8", "--payload-size", "16"]
+WORKLOAD += ["--prio-levels", "255"]
+TOTAL = re.compile(rb"Collected : (\d+)")
+LISTENING = re.compile(rb"listening on \S+ port (\d+)")
+
+
+def server_instructions(checkout: Path, scenario: str, ops: int) -> int:
+    """Instructions of one server process serving ``ops`` operations of ``scenario``."""
+    valgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(
+            [*valgrind, str(checkout / ".venv" / "bin" / "pinpriq-server"), "--port", "0"],
+            stderr=log,
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            port = _port(log, server)
+            bench = [str(BENCH), "--port", str(port), "-q", "--json", "-t", scenario]
+            subprocess.run(
+                [*bench, "-n", str(ops), "--timeout", "600", *WORKLOAD],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                timeout=3600,
+            )
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=120)
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+        log.seek(0)
+        match = TOTAL.search(log.read())
+    if match is None:
+        raise SystemExit(f"no instruction total from valgrind for {checkout}")
+    return int(match.group(1))
+
+
+def _port(log: IO[bytes], server: subprocess.Popen[bytes]) -> int:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        log.seek(0)
+        if match := LISTENING.search(log.read()):
+            return int(match.group(1))
+        if server.poll() is not None:
+            raise SystemExit("the server exited at start under valgrind")
+        time.sleep(0.2)
+    raise SystemExit("the server did not listen within 120 s under valgrind")
+
+
+def per_op(checkout: Path, scenario: str, ops: int) -> float:
+    """Instructions per operation: the difference between 2N and N operations, over N."""
+    return (
+        server_instructions(checkout, scenario, 2 * ops)
+        - server_instructions(checkout, scenario, ops)
+    ) / ops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-t", dest="scenarios", default="push,pop", help="(default: push,pop)")
+    parser.add_argument("-n", dest="ops", type=int, default=64_000, help="N (default: 64000)")
+    parser.add_argument("--runs", type=int, default=1, help="repeat, report the median")
+    parser.add_argument("--compare", type=Path, help="another checkout, with its own .venv")
+    args = parser.parse_args()
+    if shutil.which("valgrind") is None:
+        raise SystemExit("valgrind is not installed (apt-get install valgrind)")
+    checkouts = [ROOT] + ([args.compare.resolve()] if args.compare else [])
+    for scenario in args.scenarios.split(","):
+        figures = []
+        for checkout in checkouts:
+            runs = [per_op(checkout, scenario, args.ops) for _ in range(args.runs)]
+            figures.append(statistics.median(runs))
+            print(f"{scenario:5} {checkout}: {figures[-1]:,.0f} instructions per op", flush=True)
+        if len(figures) == 2:
+            print(f"{scenario:5} this checkout / the other: {figures[0] / figures[1]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
