@@ -248,17 +248,20 @@ class PinpriqServer:
         max_memory: int = DEFAULT_MAX_MEMORY,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
+        token: bytes | None = None,
     ) -> None:
         """``store`` defaults to an in-memory ``QueueStore`` on trio's clock. ``max_memory``
         caps ``store.bytes_held`` (0 for no cap); ``max_connections`` caps concurrent
         connections (further ones are accepted and closed at once); ``frame_timeout`` is how
-        many seconds of reading a connection may hold an incomplete frame."""
+        many seconds of reading a connection may hold an incomplete frame; ``token`` is the one
+        token clients must present (``auth.load_token``), ``None`` for none."""
         self.broker = Broker(
             store if store is not None else QueueStore(trio.current_time), max_memory=max_memory
         )
         self.broker.on_room = self._room_freed
         self.max_connections = max_connections
         self.frame_timeout = frame_timeout
+        self.token = token
         self._memory_freed = trio.Event()
         self._connections: dict[Session, _Connection] = {}
         self._all_closed = trio.Event()  # set when the last connection closes after shutdown

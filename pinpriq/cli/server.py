@@ -17,6 +17,7 @@ import sys
 import trio
 
 from pinpriq import __version__
+from pinpriq.auth import TOKEN_VARIABLE, TokenError, load_token
 from pinpriq.cli.args import OneLineParser, byte_size, int_in, port_number, seconds
 from pinpriq.server import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_CONNECTIONS, PinpriqServer
 from pinpriq.store import PACKET_OVERHEAD
@@ -70,6 +71,12 @@ def server_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="close a connection that has held an incomplete frame for this many seconds of "
         "reading (time the server itself makes it wait does not count; default: %(default)g)",
+    )
+    parser.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help=f"the token clients must present (one trailing newline stripped); or set "
+        f"{TOKEN_VARIABLE}. Never a command-line value: ps would show it",
     )
     parser.add_argument(
         "--log-level",
@@ -141,12 +148,17 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    try:
+        token = load_token(args.auth_token_file)
+    except TokenError as error:
+        sys.exit(f"pinpriq-server: {error}")
     raise_open_file_limit(args.max_connections + 64)
     tune_garbage_collector()
     server = PinpriqServer(
         max_memory=args.max_memory,
         max_connections=args.max_connections,
         frame_timeout=args.frame_timeout,
+        token=token,
     )
     try:
         outcome = trio.run(run_server, server, args.host, args.port)
