@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import socket
@@ -23,18 +22,8 @@ from pinpriq.bench.workload import (
     BenchError,
     Workload,
 )
-from pinpriq.cli.args import OneLineParser, int_in, port_number
+from pinpriq.cli.args import OneLineParser, int_in, port_number, positive, seconds
 from pinpriq.wire import DEFAULT_PORT, MAX_PRIO, MAX_TTL_MS
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
-    return value
 
 
 def _scenarios(text: str) -> list[str]:
@@ -83,11 +72,11 @@ def bench_parser() -> argparse.ArgumentParser:
     add("--subscribers", type=int_in(1, 10_000), default=1, metavar="S", help="(default: 1)")
     add("--prefetch", type=int_in(1, 0xFFFF), default=1, metavar="K",
         help="credits each subscriber keeps outstanding (default: 1)")  # fmt: skip
-    add("--rate", type=_positive_float, default=0.0, metavar="R",
+    add("--rate", type=positive("ops per second"), default=0.0, metavar="R",
         help="paced ops (subscribe: pushes) per second in all (default: unpaced)")  # fmt: skip
     add("--queue", default="bench", metavar="PREFIX", help="queue name prefix (default: bench)")
     add("--seed", type=int, default=1, help="seed of the priorities (default: 1)")
-    add("--timeout", type=_positive_float, default=30.0, metavar="S",
+    add("--timeout", type=seconds, default=30.0, metavar="S",
         help="longest wait for any one reply (default: 30)")  # fmt: skip
     add("--server-pid", type=int_in(1), metavar="PID",
         help="also report the server process's CPU time per op (Linux)")  # fmt: skip

@@ -17,6 +17,7 @@ __all__ = [
     "client_port",
     "int_in",
     "port_number",
+    "positive",
     "seconds",
 ]
 
@@ -100,12 +101,20 @@ def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def seconds(text: str) -> float:
-    """An argparse type: a positive number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
-    return value
+def positive(unit: str) -> Callable[[str], float]:
+    """An argparse type: a positive, finite number of ``unit`` (messages name the unit)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number of {unit} {text!r}") from None
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"{text} is not a positive number of {unit}")
+        return value
+
+    return parse
+
+
+#: An argparse type: a positive number of seconds.
+seconds = positive("seconds")
