@@ -312,7 +312,7 @@ class Session(Subscriber):
         assert token is not None  # a session without a token starts authenticated
         if frame.__class__ is not Auth:
             self._reject(f"{_describe(frame.__class__)} before auth")
-        elif not tokens_match(frame[0], token):  # type: ignore[arg-type]
+        elif not tokens_match(frame[0], token):
             self._reject("a wrong token")
         else:
             self.authenticated = True
