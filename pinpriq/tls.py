@@ -66,7 +66,10 @@ def describe_tls_error(error: BaseException) -> str:
     if isinstance(cause, ssl.SSLCertVerificationError):
         return f"certificate verify failed: {cause.verify_message}"
     if isinstance(cause, ssl.SSLEOFError):
-        return "the peer closed the connection during the handshake (does it speak TLS?)"
+        return (
+            "the peer closed the connection during the handshake (it may not trust the "
+            "certificate, or not speak TLS)"
+        )
     text = _reason(cause)
     if cause.reason in _NOT_TLS:
         text += " (the peer does not seem to speak TLS)"
