@@ -37,6 +37,7 @@ the reader decodes everything it has before reading again, and stops reading whi
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import ssl
@@ -126,6 +127,8 @@ class _Connection:
         #: memory budget (``PinpriqServer.hold_input``, ``hold_output``).
         self.held_input = 0
         self.held_output = 0
+        #: The last read did not wait: the reader yields to the others once it has handled it.
+        self.checkpoint_owed = False
         self.sending = False
         self.closed = False  # its socket is closed: never write to its file descriptor again
         self.reading = trio.CancelScope()  # cancelled to stop reading, as at shutdown
@@ -169,6 +172,9 @@ class _Connection:
                 await self._reject(session.rejected or "")
                 return
             decoder.feed(data)
+            # The decoder has the chunk now: no second reference across the next wait, so that
+            # discarding the decoder (``evict``) frees it at once.
+            data = b""
             frames = decoder.decode()
             if frames:
                 self.frame_budget = server.frame_timeout  # any incomplete frame is a new one
@@ -190,12 +196,22 @@ class _Connection:
             if decoder.error is not None:
                 log.warning("closing %s: %s%s", self.peer, decoder.error, self._not_tls_hint())
                 return
+            if self.checkpoint_owed:
+                self.checkpoint_owed = False
+                await trio.lowlevel.checkpoint()
 
     def _not_tls_hint(self) -> str:
         error = self.decoder.error
         if error is not None and error.offset == 0 and error.byte == _TLS_HANDSHAKE:
             return _TLS_HINT
         return ""
+
+    def evict(self) -> None:
+        """Close the connection for the client memory budget: drop its incomplete frame now,
+        and stop reading it (what it is owed still goes out, as at any close)."""
+        self.decoder.discard()
+        self.held_input = 0
+        self.reading.cancel()
 
     async def _reject(self, reason: str) -> None:
         """Close the connection after ``REJECT_DELAY`` seconds, reading nothing more; what it
@@ -220,8 +236,10 @@ class _Connection:
 
         Reads the socket directly and waits on trio only when nothing has arrived: a client
         waiting for each reply (the common case at low load) costs one wait per request rather
-        than trio's wait plus a checkpoint. When data was already there, it checkpoints, so a
-        client that never stops sending cannot starve the others.
+        than trio's wait plus a checkpoint. When data was already there, it owes a checkpoint,
+        which the read loop takes once it has handled the chunk, so a client that never stops
+        sending cannot starve the others, and no chunk waits there uncounted by the client
+        memory budget (a thousand of them would be 64 MiB).
         """
         try:
             data = os.read(self.fileno, RECEIVE_SIZE)
@@ -230,7 +248,7 @@ class _Connection:
         except OSError:
             return b""  # reset by the peer: the same as its end of stream, here
         else:
-            await trio.lowlevel.checkpoint()
+            self.checkpoint_owed = True
             return data
         return await self._receive_waiting()
 
@@ -505,8 +523,7 @@ class PinpriqServer:
             more,
         )
         for conn, _ in chosen:
-            conn.held_input = 0
-            conn.reading.cancel()
+            conn.evict()
 
     def _room_freed(self) -> None:
         self._memory_freed.set()
@@ -541,6 +558,11 @@ class PinpriqServer:
                     address[1],
                     " (TLS)" if self.tls is not None else "",
                 )
+            budget = self.client_memory.budget
+            log.info(
+                "client memory budget %s (incomplete frames and unsent output, all connections)",
+                f"{budget:.0f} bytes" if budget != math.inf else "none",
+            )
             if self.protected_mode and not all(
                 is_loopback(listener.socket.getsockname()[0]) for listener in listeners
             ):

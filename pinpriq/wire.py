@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, TypeAlias, TypeVar
 
@@ -336,6 +337,15 @@ class FrameDecoder:
     def feed(self, data: bytes) -> None:
         self._parts.append(data)
         self._pending += len(data)
+
+    def discard(self) -> None:
+        """Drop every byte not yet decoded, and decode nothing more: for a connection that is
+        being closed, so that the memory of its incomplete frame is freed at once rather than
+        when the decoder itself goes."""
+        self._data = b""
+        self._parts = []
+        self._pending = 0
+        self._need = sys.maxsize  # ``decode`` never has enough again
 
     def decode(self) -> list[ClientFrame]:
         """Every complete frame not yet returned; ``[]`` if none."""
