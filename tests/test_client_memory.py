@@ -24,7 +24,7 @@ from pinpriq.client_memory import (
 )
 from pinpriq.server import PinpriqServer
 from tests.conftest import StartServer
-from tests.rawpeer import Peer, pop, push
+from tests.rawpeer import pop, push
 
 ROOT = Path(__file__).resolve().parent.parent
 
