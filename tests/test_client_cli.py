@@ -286,7 +286,8 @@ def test_push_to_a_server_at_its_connection_limit_says_so() -> None:
     assert done.returncode == 1
     assert done.stderr == (
         f"pinpriq: 127.0.0.1:{port}: the server closed the connection at once (it may be at "
-        "its connection limit, or not speak protocol 1.1, which sync needs)\n"
+        "its connection limit, want a token or TLS, or refuse clients from other hosts, or not "
+        "speak protocol 1.1, which sync needs)\n"
     )
 
 
