@@ -160,6 +160,8 @@ async def _open_link(
         raise PinpriqTimeoutError(
             f"cannot connect to {address}: no answer within {seconds:g} s"
         ) from None
+    except PinpriqConnectionError:
+        raise  # it already says what went wrong, and where
     except OSError as error:
         raise connect_error(host, port, error) from None
     return link
