@@ -499,7 +499,8 @@ class PinpriqServer:
         memory = self.client_memory
         memory.hold_output(conn, size)
         if grew and memory.over:
-            conn.session.paused = True  # resumed by output_drained, once its client reads
+            if not conn.session.paused:  # resumed by output_drained, once its client reads
+                self.broker.subscriptions.pause(conn.session)
             self._close_largest()
 
     def _close_largest(self) -> None:
