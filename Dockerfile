@@ -15,7 +15,10 @@ RUN pip install --no-cache-dir . && rm -rf /opt/pinpriq/build
 
 USER 10001
 EXPOSE 7000
-# The server must answer a sync on its default port (loopback, so protected mode will allow it).
+# The server must answer a sync on its default port, on loopback (which protected mode lets in);
+# ping presents PINPRIQ_AUTH_TOKEN from the container's environment, as the server reads it.
+# Without a token the server refuses clients from Docker's network and its start-up log says
+# to run the image with -e PINPRIQ_AUTH_TOKEN=... (see the README, "Running pinpriq safely").
 HEALTHCHECK --interval=10s --timeout=5s --start-period=5s --retries=3 \
     CMD ["pinpriq", "--timeout", "3", "ping"]
 ENTRYPOINT ["pinpriq-server", "--host", "0.0.0.0"]

@@ -15,7 +15,9 @@ Theory of operation.
   server sent and fills the oldest slots. A caller that stops waiting (a timeout, a
   cancellation) just forgets its slot, which keeps its place until its reply arrives and is
   dropped, so the connection stays in step. A sync must be answered ``00 00``: anything else
-  means the peer is not a pinpriq 1.1 server, and is reported at its first two bytes.
+  means the peer is not a pinpriq 1.1 server, and is reported at its first two bytes. So must
+  an auth, the first request on a connection to a server with a token (decision 12); a server
+  that refuses the token closes the connection instead, which the error then says.
 * **Credits**: a subscription grants ``prefetch`` credits up front and returns one each time the
   caller comes back for the next delivery (``Credits``), so at most ``prefetch`` deliveries are
   ever taken from the server and not yet finished, the one in hand included.
@@ -27,9 +29,10 @@ import enum
 import os
 import socket
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pinpriq import wire
+from pinpriq.auth import TOKEN_VARIABLE
 from pinpriq.errors import ArgumentError, ArgumentTypeError, PinpriqConnectionError
 from pinpriq.wire import DEFAULT_PORT, Packet
 
@@ -39,6 +42,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "MAX_PREFETCH",
     "RECEIVE_SIZE",
+    "TLS_HANDSHAKE_FAILED",
     "Credits",
     "Data",
     "Exchange",
@@ -61,6 +65,9 @@ AT_ONCE_SECONDS = 1.0
 Data = bytes | bytearray | memoryview | str
 #: What ``subscribe`` takes: one queue name, or a sequence (a list, a tuple) of them.
 Queues = Data | Sequence[Data]
+
+#: How a failed TLS handshake starts its message, after "cannot connect to HOST:PORT: ".
+TLS_HANDSHAKE_FAILED = "TLS handshake failed"
 
 _SYNC = wire.encode(wire.SYNC)
 _READY = wire.encode(wire.READY)
@@ -125,6 +132,24 @@ def push_frame(
     return wire.encode(push) + _SYNC if confirm else wire.encode(push)
 
 
+def resolve_token(token: object, environ: Mapping[str, str] = os.environ) -> bytes | None:
+    """The token a client presents: ``token`` (``str`` as UTF-8), or when it is ``None`` the
+    ``PINPRIQ_AUTH_TOKEN`` environment variable, or none (``None``)."""
+    if token is None:
+        value = environ.get(TOKEN_VARIABLE)
+        return os.fsencode(value) if value else None
+    if isinstance(token, bytes | bytearray | memoryview | str):
+        resolved = as_bytes("token", token)
+        if len(resolved) > wire.MAX_FIELD:
+            raise ArgumentError(f"token is {len(resolved)} bytes; the most is {wire.MAX_FIELD}")
+        return resolved
+    raise ArgumentTypeError(f"token must be bytes, str or None, not {type(token).__name__}")
+
+
+def auth_frame(token: bytes) -> bytes:
+    return wire.encode(wire.Auth(token))
+
+
 def pop_frame(queue: Data) -> bytes:
     return wire.encode(wire.Pop(as_bytes("queue", queue)))
 
@@ -174,6 +199,7 @@ class Expect(enum.Enum):
 
     PACKETS = "a pop reply"
     NOTHING = "00 00, the answer to a sync"
+    AUTH = "00 00, the answer to auth"
 
 
 class Slot:
@@ -220,19 +246,20 @@ class Exchange:
             reply = decoder.next_reply()
             head = self._waiting[0] if self._waiting else None
             if reply is None:
-                if head is not None and head.expect is Expect.NOTHING:
+                if head is not None and head.expect is not Expect.PACKETS:
                     self._check_sync(decoder.count_in_progress)
                 return
             if head is None:
                 raise self.error(f"{self.address} sent a reply nobody asked for")
-            if head.expect is Expect.NOTHING:
+            if head.expect is not Expect.PACKETS:
                 self._check_sync(len(reply))
             self._waiting.popleft().reply = reply
 
     def _check_sync(self, count: int) -> None:
         if count:
+            what = "auth" if self._waiting[0].expect is Expect.AUTH else "a sync"
             raise self.error(
-                f"{self.address} answered a sync with {count.to_bytes(2, 'big').hex(' ')} "
+                f"{self.address} answered {what} with {count.to_bytes(2, 'big').hex(' ')} "
                 "instead of 00 00: it is not a pinpriq server speaking protocol 1.1"
             )
 
@@ -247,8 +274,16 @@ class Exchange:
 
     def closed_by_server(self, now: float) -> str:
         """Why the connection ended, when the server closed it at ``now``."""
+        if self._waiting and self._waiting[0].expect is Expect.AUTH:
+            return (
+                f"{self.address} closed the connection in answer to auth: it does not take "
+                "this token (or speaks protocol 1.0, which has no auth)"
+            )
         if self.refused(now):
-            why = "the server closed the connection at once (it may be at its connection limit"
+            why = (
+                "the server closed the connection at once (it may be at its connection limit, "
+                "want a token or TLS, or refuse clients from other hosts"
+            )
             if any(slot.expect is Expect.NOTHING for slot in self._waiting):
                 why += ", or not speak protocol 1.1, which sync needs"
             return f"{self.address}: {why})"

@@ -1,17 +1,20 @@
-"""The server's one token: where it comes from, and how a presented token is checked.
+"""Who may come in: the server's one token (where it comes from, how a presented token is
+checked) and the address test of protected mode.
 
 The token authenticates clients on the data port (protocol 1.1's auth frame, decision 12) and
 on the admin listener (``Authorization: Bearer``). It is read from a file or from the
-environment, never from a command-line value, which ``ps`` would show to every user.
+environment, never from a command-line value, which ``ps`` would show to every user. A server
+without a token is in protected mode unless told otherwise: only clients on loopback get in.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 from collections.abc import Mapping
 
-__all__ = ["TOKEN_VARIABLE", "TokenError", "load_token", "tokens_match"]
+__all__ = ["TOKEN_VARIABLE", "TokenError", "is_loopback", "load_token", "tokens_match"]
 
 #: The environment variable both the server and the clients read the token from.
 TOKEN_VARIABLE = "PINPRIQ_AUTH_TOKEN"
@@ -50,3 +53,16 @@ def tokens_match(presented: bytes, expected: bytes) -> bool:
     """Whether a presented token is the server's, in time that does not depend on where they
     differ (``hmac.compare_digest``), so timing tells an attacker nothing."""
     return hmac.compare_digest(presented, expected)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a peer's address (as ``getpeername`` gives it) is this host's loopback:
+    127.0.0.0/8, ``::1``, or an IPv4 loopback address mapped into IPv6 (``::ffff:127.0.0.1``,
+    what a dual-stack socket reports). Anything else, unparsable included, is not."""
+    try:
+        address = ipaddress.ip_address(host.partition("%")[0])  # no IPv6 zone (fe80::1%eth0)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import threading
 import time
 from types import TracebackType
@@ -23,42 +24,66 @@ from pinpriq._client_core import (
     DEFAULT_PORT,
     DEFAULT_TIMEOUT,
     RECEIVE_SIZE,
+    TLS_HANDSHAKE_FAILED,
     Credits,
     Data,
     Exchange,
     Expect,
     Queues,
+    auth_frame,
     check_address,
     check_timeout,
     connect_error,
     format_address,
     pop_frame,
     push_frame,
+    resolve_token,
     subscribe_frames,
     sync_frame,
 )
 from pinpriq.errors import PinpriqConnectionError, PinpriqError, PinpriqTimeoutError
+from pinpriq.tls import client_context, describe_tls_error
 from pinpriq.wire import Packet
 
 __all__ = ["BlockingPinpriqClient", "BlockingSubscription"]
 
 
 class _Link:
-    """A connected socket, the exchange of requests and replies on it, and the timeout."""
+    """A connected socket (TLS or not), the exchange of requests and replies on it, the
+    timeout, and how to open another like it (TLS, token)."""
 
-    def __init__(self, sock: socket.socket, exchange: Exchange, timeout: float | None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        exchange: Exchange,
+        timeout: float | None,
+        tls: ssl.SSLContext | None,
+        token: bytes | None,
+    ) -> None:
         self.sock = sock
         self.exchange = exchange
         self.timeout = timeout
         self.address = exchange.address
+        self.tls = tls
+        self.token = token
         self.closed = False
 
     @classmethod
-    def open(cls, host: str, port: int, timeout: float | None) -> _Link:
+    def open(
+        cls,
+        host: str,
+        port: int,
+        timeout: float | None,
+        tls: ssl.SSLContext | None = None,
+        token: bytes | None = None,
+    ) -> _Link:
+        """Connect within ``timeout``; shake hands over TLS if ``tls``, and present ``token``
+        first if there is one."""
+        address = format_address(host, port)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except TimeoutError:
-            address = format_address(host, port)
             raise PinpriqTimeoutError(
                 f"cannot connect to {address}: no answer within {timeout:g} s"
             ) from None
@@ -66,7 +91,31 @@ class _Link:
             raise connect_error(host, port, error) from None
         # Small request frames must not wait for the ACK of the previous one (Nagle).
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return cls(sock, Exchange(host, port, time.monotonic()), timeout)
+        if tls is not None:
+            try:
+                sock = tls.wrap_socket(sock, server_hostname=host)  # shakes hands in timeout
+            except TimeoutError:
+                sock.close()
+                raise PinpriqTimeoutError(
+                    f"cannot connect to {address}: no TLS handshake within {timeout:g} s"
+                ) from None
+            except (ssl.SSLError, OSError) as error:
+                sock.close()
+                reason = describe_tls_error(error) if isinstance(error, ssl.SSLError) else error
+                raise PinpriqConnectionError(
+                    f"cannot connect to {address}: {TLS_HANDSHAKE_FAILED}: {reason}", host, port
+                ) from None
+        link = cls(sock, Exchange(host, port, time.monotonic()), timeout, tls, token)
+        if token is not None:
+            try:
+                slot = link.exchange.expect(Expect.AUTH)
+                link.send(auth_frame(token), deadline, "cannot connect to")
+                while slot.reply is None:
+                    link.exchange.feed(link.receive(deadline, "cannot connect to"))
+            except BaseException:
+                link.close()
+                raise
+        return link
 
     def deadline(self) -> float | None:
         return None if self.timeout is None else time.monotonic() + self.timeout
@@ -150,7 +199,8 @@ class BlockingPinpriqClient:
     connecting and every call, and raises ``TimeoutError``; a refused, broken or closed
     connection raises ``PinpriqConnectionError``; arguments of the wrong type or out of range
     raise ``TypeError`` or ``ValueError`` naming the argument, before anything is sent. Every
-    error derives from ``pinpriq.PinpriqError`` too.
+    error derives from ``pinpriq.PinpriqError`` too. ``token`` and ``tls`` mean what they mean
+    for ``PinpriqClient``.
     """
 
     def __init__(self, link: _Link) -> None:
@@ -164,10 +214,16 @@ class BlockingPinpriqClient:
         port: int = DEFAULT_PORT,
         *,
         timeout: float | None = DEFAULT_TIMEOUT,
+        token: bytes | str | None = None,
+        tls: bool | ssl.SSLContext = False,
     ) -> BlockingPinpriqClient:
         """Connect to ``host:port``."""
         host, port = check_address(host, port)
-        return cls(_Link.open(host, port, check_timeout(timeout)))
+        return cls(
+            _Link.open(
+                host, port, check_timeout(timeout), client_context(tls), resolve_token(token)
+            )
+        )
 
     @property
     def address(self) -> str:
@@ -230,8 +286,8 @@ class BlockingPinpriqClient:
         for a delivery has no timeout.
         """
         opening, credits = subscribe_frames(queues, prefetch, limit)
-        exchange = self._link.exchange
-        link = _Link.open(exchange.host, exchange.port, self._link.timeout)
+        exchange, own = self._link.exchange, self._link
+        link = _Link.open(exchange.host, exchange.port, own.timeout, own.tls, own.token)
         try:
             link.send(opening, link.deadline(), "subscribe at")
         except BaseException:

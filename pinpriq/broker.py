@@ -32,6 +32,13 @@ Theory of operation, as the driver sees it:
 * **Time.** The store keeps its own clock. ``Broker.timer`` is the earliest TTL deadline the
   broker knows of; pushes only ever move it earlier. The driver sleeps until then and calls
   ``expire()``, which sweeps and sets the next one: one timer, whatever the number of packets.
+* **Auth** (decision 12). On a broker with a token, a session starts unauthenticated: its first
+  frame must be auth with the right token, answered ``00 00``. Anything else (another frame, a
+  wrong token, and later a second auth with a wrong token) makes ``receive`` stop at that frame
+  with ``Blocked.REJECTED``, applying nothing from it on; ``rejected`` says why, in words that
+  never include a token. The driver then closes the connection after ``REJECT_DELAY`` seconds,
+  which slows down guessing, and logs the reason with the peer. The check costs an
+  authenticated session one attribute test per batch, never one per frame.
 * **Counting.** ``totals()`` reads what the store already counts (pushes, expiries, packets
   held) and the deliveries, and derives the rest: an addition per packet on the hot path costs
   more than a push's whole bookkeeping in the store, so there is none.
@@ -45,12 +52,15 @@ import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from pinpriq.auth import tokens_match
 from pinpriq.store_contract import Store
 from pinpriq.subscriptions import Subscriber, Subscriptions
 from pinpriq.wire import (
     FRAMES,
+    Auth,
     ClientFrame,
     KeyedPayload,
+    Opcode,
     Pop,
     Push,
     Ready,
@@ -64,6 +74,7 @@ __all__ = [
     "DEFAULT_MAX_MEMORY",
     "LOW_WATER_FRACTION",
     "OUTPUT_HIGH_WATER",
+    "REJECT_DELAY",
     "Blocked",
     "Broker",
     "Session",
@@ -81,7 +92,10 @@ LOW_WATER_FRACTION = 0.9
 #: deliveries until its output drains: a client pipelining pops without reading its replies,
 #: or a subscriber that stops reading, must not grow the server's memory.
 OUTPUT_HIGH_WATER = 4 * 1024 * 1024
-_SYNC_REPLY = b"\x00\x00"
+#: Seconds a rejected connection is held before it is closed (decision 12): long enough to make
+#: guessing tokens slow, short enough that a client with a wrong token learns it soon.
+REJECT_DELAY = 0.5
+_SYNC_REPLY = b"\x00\x00"  # the answer to a sync, and to an auth that is accepted
 
 
 class Blocked(enum.Enum):
@@ -91,6 +105,14 @@ class Blocked(enum.Enum):
     MEMORY = "memory"
     #: The client's unread output passed ``OUTPUT_HIGH_WATER``: write it, then go on.
     OUTPUT = "output"
+    #: The connection is refused (decision 12): close it after ``REJECT_DELAY`` seconds and
+    #: apply nothing more; ``Session.rejected`` says why. There is no going on.
+    REJECTED = "rejected"
+
+
+class _Rejected(Exception):
+    """Raised by a frame's handler to stop ``receive`` at that frame: the session is
+    rejected."""
 
 
 class Totals(NamedTuple):
@@ -109,9 +131,13 @@ def _nothing() -> None:
 class Broker:
     """The state every connection shares: store, subscriptions, memory cap and counters."""
 
-    def __init__(self, store: Store, *, max_memory: int = DEFAULT_MAX_MEMORY) -> None:
-        """``max_memory`` caps ``store.bytes_held``; 0 for no cap."""
+    def __init__(
+        self, store: Store, *, max_memory: int = DEFAULT_MAX_MEMORY, token: bytes | None = None
+    ) -> None:
+        """``max_memory`` caps ``store.bytes_held``; 0 for no cap. ``token``: the one token a
+        session must present first (``auth.load_token``); ``None``: sessions need none."""
         self.store = store
+        self.token = token
         self.subscriptions = Subscriptions(store)
         self.max_memory: float = max_memory or math.inf
         self.low_water = self.max_memory * LOW_WATER_FRACTION
@@ -180,7 +206,16 @@ class Broker:
 class Session(Subscriber):
     """One connection's protocol state. Made by ``Broker.open_session``."""
 
-    __slots__ = ("blocked", "broker", "closed", "dirty", "output", "unsent")
+    __slots__ = (
+        "authenticated",
+        "blocked",
+        "broker",
+        "closed",
+        "dirty",
+        "output",
+        "rejected",
+        "unsent",
+    )
 
     def __init__(self, broker: Broker) -> None:
         super().__init__()
@@ -194,14 +229,23 @@ class Session(Subscriber):
         self.blocked: Blocked | None = None
         self.dirty = False  # filed in ``broker.dirty``
         self.closed = False
+        #: Whether frames other than auth may be applied: from the start on a broker without
+        #: a token, else once the first frame was auth with the right token.
+        self.authenticated = broker.token is None
+        #: Why the session was refused (``Blocked.REJECTED``), for the log; never a token.
+        self.rejected: str | None = None
 
     def receive(self, frames: Sequence[ClientFrame], start: int = 0) -> int:
         """Apply ``frames[start:]`` in order, appending what the client is owed to ``output``.
 
         Returns how many of ``frames`` are done: all of them, or fewer if the next must wait
         (``blocked`` says why). Call it again with the same list and the returned index once the
-        wait is over.
+        wait is over, unless the session is ``Blocked.REJECTED``, which is final.
         """
+        if not self.authenticated:
+            start = self._authenticate(frames, start)
+            if not self.authenticated:
+                return start
         broker = self.broker
         store, subscriptions, output = broker.store, broker.subscriptions, self.output
         waiting_queues = subscriptions.waiting_queues
@@ -237,9 +281,57 @@ class Session(Subscriber):
                     return index + 1
             self.blocked = None
             return len(frames)
+        except _Rejected:
+            return index  # that frame and the ones after it are not applied
         finally:
             if broker.memory_full:
                 broker.check_memory()  # pops and deliveries may have made room
+
+    def opens_with(self, opcode: int) -> bool:
+        """Whether a session that has not authenticated may go on, its next frame starting
+        with ``opcode``: only auth may, so a client without the token is refused at its first
+        byte and cannot make the server hold a frame of another kind (a push may be 196,615
+        bytes). Rejects the session if not."""
+        if self.authenticated or opcode == Opcode.AUTH:
+            return True
+        kind = FRAMES.get(opcode)
+        self._reject(
+            f"{_describe(kind)} before auth"
+            if kind is not None
+            else f"byte 0x{opcode:02x}, not an opcode, before auth"
+        )
+        return False
+
+    def _authenticate(self, frames: Sequence[ClientFrame], start: int) -> int:
+        """Before auth: take the first frame if it is auth with the right token; otherwise
+        reject. Returns the index of the first frame not taken."""
+        if start >= len(frames) or self.rejected is not None:
+            return start
+        frame = frames[start]
+        token = self.broker.token
+        assert token is not None  # a session without a token starts authenticated
+        if frame.__class__ is not Auth:
+            self._reject(f"{_describe(frame.__class__)} before auth")
+        elif not tokens_match(frame[0], token):
+            self._reject("a wrong token")
+        else:
+            self.authenticated = True
+            self.output += _SYNC_REPLY
+            return start + 1
+        return start
+
+    def _reject(self, reason: str) -> None:
+        self.rejected = reason
+        self.blocked = Blocked.REJECTED
+
+    def _auth(self, frame: Auth) -> None:
+        # Auth on an authenticated session: a server without a token takes any token; with
+        # one, a second auth must be right too (decision 12).
+        token = self.broker.token
+        if token is not None and not tokens_match(frame.token, token):
+            self._reject("a wrong token in a second auth")
+            raise _Rejected
+        self.output += _SYNC_REPLY
 
     def _subscribe(self, frame: Subscribe) -> None:
         self.broker.subscriptions.subscribe(self, frame.queue)
@@ -287,5 +379,12 @@ _HANDLERS: dict[type[ClientFrame], Callable[[Session, ClientFrame], None]] = {
     Unsubscribe: Session._unsubscribe,  # type: ignore[dict-item]
     Ready: Session._ready,  # type: ignore[dict-item]
     Sync: Session._sync,  # type: ignore[dict-item]
+    Auth: Session._auth,  # type: ignore[dict-item]
 }
 assert set(_HANDLERS) | {Push, Pop} == set(FRAMES.values()), "a frame the broker cannot handle"
+
+
+def _describe(kind: type[ClientFrame]) -> str:
+    """A frame kind for a log line: ``a pop``, ``an unsubscribe``."""
+    name = kind.__name__.lower()
+    return f"an {name}" if name[0] in "aeiou" else f"a {name}"

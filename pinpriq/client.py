@@ -23,6 +23,7 @@ next delivery, so at most ``prefetch`` deliveries are ever taken from the server
 from __future__ import annotations
 
 import math
+import ssl
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
@@ -35,37 +36,53 @@ from pinpriq._client_core import (
     DEFAULT_PORT,
     DEFAULT_TIMEOUT,
     RECEIVE_SIZE,
+    TLS_HANDSHAKE_FAILED,
     Credits,
     Data,
     Exchange,
     Expect,
     Queues,
     Slot,
+    auth_frame,
     check_address,
     check_timeout,
     connect_error,
     format_address,
     pop_frame,
     push_frame,
+    resolve_token,
     subscribe_frames,
     sync_frame,
 )
 from pinpriq.errors import PinpriqConnectionError, PinpriqTimeoutError
+from pinpriq.tls import client_context, describe_tls_error
 from pinpriq.wire import Packet
 
 __all__ = ["PinpriqClient", "PinpriqConnectionError", "Subscription"]
 
 
+#: A connection's stream: TCP, or TLS over TCP.
+Stream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
+
+
 class _Link:
-    """A stream to a server, the exchange of requests and replies on it, and the timeout."""
+    """A stream to a server, the exchange of requests and replies on it, the timeout, and how
+    to open another like it (TLS, token)."""
 
     def __init__(
-        self, stream: trio.SocketStream, exchange: Exchange, timeout: float | None
+        self,
+        stream: Stream,
+        exchange: Exchange,
+        timeout: float | None,
+        tls: ssl.SSLContext | None,
+        token: bytes | None,
     ) -> None:
         self.stream = stream
         self.exchange = exchange
         self.timeout = timeout
         self.address = exchange.address
+        self.tls = tls
+        self.token = token
 
     @contextmanager
     def time_limit(self, what: str) -> Iterator[None]:
@@ -92,7 +109,7 @@ class _Link:
         if not data:
             raise self.exchange.broken(time.monotonic(), None)
         self.exchange.received_any = True
-        return data
+        return data if isinstance(data, bytes) else bytes(data)  # bytes, from either stream
 
     async def send(self, data: bytes) -> None:
         try:
@@ -103,19 +120,51 @@ class _Link:
             raise self.exchange.broken(time.monotonic(), error) from None
 
 
-async def _open_link(host: str, port: int, seconds: float | None) -> _Link:
-    """Connect within ``seconds`` (``None``: no limit), which then bounds each call."""
+async def _open_link(
+    host: str,
+    port: int,
+    seconds: float | None,
+    tls: ssl.SSLContext | None = None,
+    token: bytes | None = None,
+) -> _Link:
+    """Connect within ``seconds`` (``None``: no limit), which then bounds each call; shake
+    hands over TLS if ``tls``, and present ``token`` first if there is one."""
+    address = format_address(host, port)
     try:
         with trio.fail_after(math.inf if seconds is None else seconds):
-            stream = await trio.open_tcp_stream(host, port)
+            tcp = await trio.open_tcp_stream(host, port)
+            stream: Stream = tcp
+            if tls is not None:
+                stream = trio.SSLStream(tcp, tls, server_hostname=host)
+                try:
+                    await stream.do_handshake()
+                except trio.BrokenResourceError as error:
+                    await trio.aclose_forcefully(tcp)
+                    raise PinpriqConnectionError(
+                        f"cannot connect to {address}: {TLS_HANDSHAKE_FAILED}: "
+                        f"{describe_tls_error(error)}",
+                        host,
+                        port,
+                    ) from None
+            link = _Link(stream, Exchange(host, port, time.monotonic()), seconds, tls, token)
+            if token is not None:
+                try:
+                    slot = link.exchange.expect(Expect.AUTH)
+                    await link.send(auth_frame(token))
+                    while slot.reply is None:
+                        link.exchange.feed(await link.receive())
+                except BaseException:
+                    await trio.aclose_forcefully(stream)
+                    raise
     except trio.TooSlowError:
-        address = format_address(host, port)
         raise PinpriqTimeoutError(
             f"cannot connect to {address}: no answer within {seconds:g} s"
         ) from None
+    except PinpriqConnectionError:
+        raise  # it already says what went wrong, and where
     except OSError as error:
         raise connect_error(host, port, error) from None
-    return _Link(stream, Exchange(host, port, time.monotonic()), seconds)
+    return link
 
 
 class PinpriqClient:
@@ -127,6 +176,12 @@ class PinpriqClient:
     ``PinpriqConnectionError``. Arguments of the wrong type or out of range raise ``TypeError``
     or ``ValueError`` naming the argument, before anything is sent. Every error derives from
     ``pinpriq.PinpriqError`` too.
+
+    ``token`` (``bytes`` or ``str``; by default the ``PINPRIQ_AUTH_TOKEN`` environment variable,
+    if set) is presented first on every connection the client opens, and connecting fails if
+    the server does not take it. ``tls=True`` speaks TLS, trusting the system's CAs and checking
+    the host name; an ``ssl.SSLContext`` speaks TLS with that context (a private CA, a client
+    certificate).
     """
 
     def __init__(self, link: _Link) -> None:
@@ -144,10 +199,15 @@ class PinpriqClient:
         *,
         # A timeout option rather than only cancel scopes: it gives errors that name the server.
         timeout: float | None = DEFAULT_TIMEOUT,  # noqa: ASYNC109
+        token: bytes | str | None = None,
+        tls: bool | ssl.SSLContext = False,
     ) -> AsyncIterator[PinpriqClient]:
         """Connect to ``host:port``; the connection closes when the block exits."""
         host, port = check_address(host, port)
-        client = cls(await _open_link(host, port, check_timeout(timeout)))
+        link = await _open_link(
+            host, port, check_timeout(timeout), client_context(tls), resolve_token(token)
+        )
+        client = cls(link)
         try:
             yield client
         finally:
@@ -226,8 +286,8 @@ class PinpriqClient:
 
     @asynccontextmanager
     async def _subscription(self, opening: bytes, credits: Credits) -> AsyncIterator[Subscription]:
-        exchange = self._link.exchange
-        link = await _open_link(exchange.host, exchange.port, self._link.timeout)
+        exchange, own = self._link.exchange, self._link
+        link = await _open_link(exchange.host, exchange.port, own.timeout, own.tls, own.token)
         try:
             with link.time_limit("subscribe at"):
                 await link.send(opening)

@@ -6,7 +6,13 @@ not know pinpriq's own codec or server: it never decodes a frame, so a fixture c
 written in any language exactly as it checks ours, and a bug in ``pinpriq.wire`` cannot hide
 the same bug here.
 
-    python -m pinpriq.conformance HOST:PORT [--fixtures DIR] [--timeout SECONDS] [NAME ...]
+    python -m pinpriq.conformance HOST:PORT [--fixtures DIR] [--timeout SECONDS]
+        [--token TOKEN] [--tls] [--tls-ca FILE] [NAME ...]
+
+A fixture may require a server with a token, or one without (a ``requires`` line); the runner
+runs it only against such a server (``--token`` says the server has one) and reports it as not
+run otherwise. With a token, the runner authenticates every connection of the other fixtures
+first, so they run unchanged against a server that has one.
 
 Exit status: 0 when every fixture passes, 1 when any fails, 2 when the suite cannot run (bad
 arguments, an unreadable fixture, or no server at the address).
@@ -18,6 +24,7 @@ import argparse
 import enum
 import os
 import re
+import ssl
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -31,6 +38,7 @@ __all__ = [
     "Action",
     "Fixture",
     "FixtureError",
+    "Requires",
     "Result",
     "Step",
     "Token",
@@ -103,11 +111,19 @@ class Step:
         return f"{self.conn} {self.action.value}"
 
 
+class Requires(enum.Enum):
+    """What kind of server a fixture needs, from its ``requires`` line."""
+
+    TOKEN = "token"  # a server with a token, given to the runner with --token
+    NO_TOKEN = "no-token"  # a server without one
+
+
 @attrs.frozen
 class Fixture:
     name: str
     description: str
     steps: tuple[Step, ...]
+    requires: Requires | None = None
 
 
 # -- the parser -------------------------------------------------------------------------------
@@ -132,7 +148,16 @@ def _parse_ms(text: str, line: int) -> int:
 Token = tuple[int, str]
 
 
-def _parse_item(line: int, token: str) -> tuple[bytes, int]:
+#: Stand for the token given to the runner: its bytes, and their count as a u16.
+TOKEN_ITEM = "$token"
+TOKEN_LENGTH_ITEM = "$token-length"
+
+
+def _parse_item(line: int, token: str, secret: bytes | None = None) -> tuple[bytes, int]:
+    if token in (TOKEN_ITEM, TOKEN_LENGTH_ITEM):
+        if secret is None:
+            raise FixtureError(f"line {line}: {token} is only for fixtures that require a token")
+        return (secret if token == TOKEN_ITEM else len(secret).to_bytes(2, "big")), 1
     match = _ITEM.fullmatch(token)
     if match is None:
         raise FixtureError(f'line {line}: {token!r} is neither hex bytes nor a "string"')
@@ -144,8 +169,9 @@ def _parse_item(line: int, token: str) -> tuple[bytes, int]:
     return match["text"].encode("ascii"), count
 
 
-def parse_bytes(tokens: Sequence[Token]) -> bytes:
-    """The bytes a list of tokens stands for: hex, "strings", X*N repeats and ( ... )*N groups."""
+def parse_bytes(tokens: Sequence[Token], secret: bytes | None = None) -> bytes:
+    """The bytes a list of tokens stands for: hex, "strings", X*N repeats, ( ... )*N groups,
+    and ``$token`` and ``$token-length`` for ``secret``, the token."""
     out = bytearray()
     group: bytearray | None = None
     line = 0
@@ -162,14 +188,14 @@ def parse_bytes(tokens: Sequence[Token]) -> bytes:
             out += bytes(group) * int(end["count"] or 1)
             group = None
             continue
-        data, count = _parse_item(line, token)
+        data, count = _parse_item(line, token, secret)
         (out if group is None else group).extend(data * count)
     if group is not None:
         raise FixtureError(f"line {line}: '(' is never closed")
     return bytes(out)
 
 
-def _parse_step(tokens: list[Token]) -> Step:
+def _parse_step(tokens: list[Token], secret: bytes | None) -> Step:
     """A step from the tokens of its line and continuation lines."""
     words = [word for _, word in tokens]
     line = tokens[0][0]
@@ -187,13 +213,17 @@ def _parse_step(tokens: list[Token]) -> Step:
     except ValueError:
         raise FixtureError(f"line {line}: unknown action {verb!r}") from None
     if action in _BYTE_ACTIONS:
-        data = parse_bytes(tokens[2:])
+        data = parse_bytes(tokens[2:], secret)
         if not data:
             raise FixtureError(f"line {line}: {verb} needs at least one byte")
         return Step(line, action, conn, data=data)
     if action is Action.EXPECT_NOTHING:
         if len(rest) != 1:
             raise FixtureError(f"line {line}: expected '{conn} expect-nothing <N>ms'")
+        return Step(line, action, conn, ms=_parse_ms(rest[0], line))
+    if action is Action.EXPECT_CLOSED and rest:  # a longer wait than the step timeout
+        if len(rest) != 1:
+            raise FixtureError(f"line {line}: expected '{conn} expect-closed [<N>ms]'")
         return Step(line, action, conn, ms=_parse_ms(rest[0], line))
     if rest:
         raise FixtureError(f"line {line}: {verb} takes nothing after it")
@@ -231,12 +261,33 @@ def _description(text: str) -> str:
     return " ".join(word for word in words if word)
 
 
-def parse_fixture(text: str, name: str) -> Fixture:
-    """Parse one fixture file's text. Raises ``FixtureError`` for anything off the format."""
+#: A placeholder for the token while parsing a fixture that requires one without a token: the
+#: fixture is not run then, but is still checked against the format.
+_NO_SECRET = b"\x00"
+
+
+def parse_fixture(text: str, name: str, token: bytes | None = None) -> Fixture:
+    """Parse one fixture file's text, with ``token`` for its ``$token`` items. Raises
+    ``FixtureError`` for anything off the format."""
     steps: list[Step] = []
     ended: set[str] = set()
+    requires = None
     for tokens in _logical_lines(text):
-        step = _parse_step(tokens)
+        if tokens[0][1] == "requires":
+            if steps or requires is not None or len(tokens) != 2:
+                raise FixtureError(
+                    f"line {tokens[0][0]}: one 'requires token' or 'requires no-token' line, "
+                    "before the first step"
+                )
+            try:
+                requires = Requires(tokens[1][1])
+            except ValueError:
+                raise FixtureError(
+                    f"line {tokens[0][0]}: requires 'token' or 'no-token', not {tokens[1][1]!r}"
+                ) from None
+            continue
+        secret = (token or _NO_SECRET) if requires is Requires.TOKEN else None
+        step = _parse_step(tokens, secret)
         if step.conn in ended:
             raise FixtureError(f"line {step.line}: connection {step.conn} was already closed")
         if step.action in _ENDING_ACTIONS:
@@ -244,11 +295,14 @@ def parse_fixture(text: str, name: str) -> Fixture:
         steps.append(step)
     if not steps:
         raise FixtureError("the fixture has no steps")
-    return Fixture(name, _description(text), tuple(steps))
+    return Fixture(name, _description(text), tuple(steps), requires)
 
 
-def load_fixtures(directory: Path, names: Sequence[str] = ()) -> list[Fixture]:
-    """The fixtures of a directory (every ``*.txt``, by name), or only those named."""
+def load_fixtures(
+    directory: Path, names: Sequence[str] = (), token: bytes | None = None
+) -> list[Fixture]:
+    """The fixtures of a directory (every ``*.txt``, by name), or only those named; ``token``
+    for the ``$token`` items of those that require one."""
     paths = {path.stem: path for path in directory.glob("*.txt")}
     if not paths:
         raise FixtureError(f"no fixtures (*.txt) in {directory}")
@@ -258,7 +312,8 @@ def load_fixtures(directory: Path, names: Sequence[str] = ()) -> list[Fixture]:
     fixtures = []
     for name in names or sorted(paths):
         try:
-            fixtures.append(parse_fixture(paths[name].read_text(encoding="ascii"), name))
+            text = paths[name].read_text(encoding="ascii")
+            fixtures.append(parse_fixture(text, name, token))
         except (FixtureError, UnicodeDecodeError) as error:
             raise FixtureError(f"{paths[name]}: {error}") from None
     return fixtures
@@ -277,9 +332,13 @@ class Result:
     passed: bool
     message: str
     seconds: float
+    #: Not run, because the server is not of the kind the fixture requires: ``message`` says.
+    skipped: bool = False
 
     def line(self) -> str:
         timing = f"({self.seconds * 1000:.0f} ms)"
+        if self.skipped:
+            return f"NOT RUN {self.name}: {self.message}"
         if self.passed:
             return f"PASS {self.name} {timing}"
         return f"FAIL {self.name} {timing}: {self.message}"
@@ -305,7 +364,7 @@ def _hex(data: bytes | bytearray, start: int, *, limit: int = EXCERPT) -> str:
 class _Link:
     """One connection of a fixture, with the bytes received but not yet matched."""
 
-    def __init__(self, name: str, stream: trio.SocketStream) -> None:
+    def __init__(self, name: str, stream: trio.abc.Stream) -> None:
         self.name = name
         self.stream = stream
         self.buffer = bytearray()
@@ -313,7 +372,7 @@ class _Link:
     async def receive(self) -> bytes:
         """The next bytes from the server; ``b""`` once it has closed (a reset counts)."""
         try:
-            return await self.stream.receive_some(RECEIVE_SIZE)
+            return bytes(await self.stream.receive_some(RECEIVE_SIZE))
         except trio.BrokenResourceError:
             return b""
 
@@ -361,6 +420,7 @@ class _Link:
             raise StepFailed("expected nothing, but the server closed the connection")
 
     async def expect_closed(self, step_timeout: float) -> None:
+        """The server closes the connection, within ``step_timeout`` seconds."""
         if self.buffer:
             raise StepFailed(f"expected a close, received {_hex(self.buffer, 0)}")
         with trio.move_on_after(step_timeout):
@@ -380,26 +440,55 @@ def _mismatch(expected: bytes, received: bytearray, offset: int) -> str:
 
 
 class _Player:
-    """Carries out one fixture's steps, opening each connection when its name first appears."""
+    """Carries out one fixture's steps, opening each connection when its name first appears:
+    over TLS if given a context, and authenticated first if given a token."""
 
-    def __init__(self, host: str, port: int, step_timeout: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        step_timeout: float,
+        tls: ssl.SSLContext | None = None,
+        token: bytes | None = None,
+    ) -> None:
         self.host = host
         self.port = port
         self.step_timeout = step_timeout
+        self.tls = tls
+        self.token = token
         self.connections: dict[str, _Link] = {}
 
     async def connection(self, name: str) -> _Link:
         conn = self.connections.get(name)
         if conn is None:
             with trio.move_on_after(self.step_timeout):
-                try:
-                    stream = await trio.open_tcp_stream(self.host, self.port)
-                except OSError as error:
-                    raise StepFailed(f"cannot connect: {_reason(error)}") from None
-                conn = self.connections[name] = _Link(name, stream)
+                conn = self.connections[name] = _Link(name, await self._open())
+                if self.token is not None:
+                    # The fixture itself knows nothing of auth: authenticate for it.
+                    frame = b"\x61" + len(self.token).to_bytes(2, "big") + self.token
+                    try:
+                        await conn.send(frame, self.step_timeout)
+                        await conn.expect(b"\x00\x00", self.step_timeout)
+                    except StepFailed as failure:
+                        raise StepFailed(f"authenticating {name} with --token: {failure}") from None
                 return conn
             raise StepFailed(f"cannot connect within {self.step_timeout:g} s")
         return conn
+
+    async def _open(self) -> trio.abc.Stream:
+        try:
+            stream = await trio.open_tcp_stream(self.host, self.port)
+        except OSError as error:
+            raise StepFailed(f"cannot connect: {_reason(error)}") from None
+        if self.tls is None:
+            return stream
+        tls = trio.SSLStream(stream, self.tls, server_hostname=self.host)
+        try:
+            await tls.do_handshake()
+        except trio.BrokenResourceError as error:
+            await trio.aclose_forcefully(stream)
+            raise StepFailed(f"TLS handshake failed: {error.__cause__ or error}") from None
+        return tls
 
     async def play(self, step: Step) -> None:
         if step.action is Action.WAIT:
@@ -418,7 +507,7 @@ class _Player:
             case Action.EXPECT_NOTHING:
                 await conn.expect_nothing(step.ms / 1000)
             case Action.EXPECT_CLOSED:
-                await conn.expect_closed(self.step_timeout)
+                await conn.expect_closed(step.ms / 1000 if step.ms else self.step_timeout)
                 await self.close(conn)
             case Action.CLOSE:
                 await self.close(conn)
@@ -442,10 +531,24 @@ class _Player:
 
 
 async def run_fixture(
-    fixture: Fixture, host: str, port: int, *, step_timeout: float = DEFAULT_TIMEOUT
+    fixture: Fixture,
+    host: str,
+    port: int,
+    *,
+    step_timeout: float = DEFAULT_TIMEOUT,
+    token: bytes | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> Result:
-    """Play one fixture on fresh connections, and close them all whatever happens."""
-    player = _Player(host, port, step_timeout)
+    """Play one fixture on fresh connections, and close them all whatever happens. ``token``:
+    the server has this token (``None``: it has none); ``tls``: connect over TLS with it.
+
+    A fixture that requires another kind of server is not run (``Result.skipped``)."""
+    if fixture.requires is Requires.TOKEN and token is None:
+        return Result(fixture.name, True, "needs a server with a token (give --token)", 0, True)
+    if fixture.requires is Requires.NO_TOKEN and token is not None:
+        return Result(fixture.name, True, "needs a server without a token", 0, True)
+    auto_auth = token if fixture.requires is None else None
+    player = _Player(host, port, step_timeout, tls, auto_auth)
     start = trio.current_time()
     message = ""
     try:
@@ -472,11 +575,15 @@ async def run_suite(
     *,
     step_timeout: float = DEFAULT_TIMEOUT,
     report: Callable[[Result], None] | None = None,
+    token: bytes | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> list[Result]:
     """Play fixtures one after another (they share the server, never a connection)."""
     results = []
     for fixture in fixtures:
-        result = await run_fixture(fixture, host, port, step_timeout=step_timeout)
+        result = await run_fixture(
+            fixture, host, port, step_timeout=step_timeout, token=token, tls=tls
+        )
         if report is not None:
             report(result)
         results.append(result)
@@ -528,16 +635,32 @@ def _argument_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long one expect, expect-closed or send step may take (default: %(default)s)",
     )
+    parser.add_argument(
+        "--token",
+        help="the server's token: run the fixtures that require one, and authenticate every "
+        "connection of the others first (default: PINPRIQ_AUTH_TOKEN, if set)",
+    )
+    parser.add_argument(
+        "--tls", action="store_true", help="connect over TLS, trusting the system's CAs"
+    )
+    parser.add_argument(
+        "--tls-ca", metavar="FILE", help="connect over TLS, trusting the CA certificates in FILE"
+    )
     return parser
 
 
-async def _check_reachable(host: str, port: int, step_timeout: float) -> str | None:
+async def _check_reachable(
+    host: str, port: int, step_timeout: float, tls: ssl.SSLContext | None
+) -> str | None:
     """Why the server cannot be reached, or ``None``: one clear line beats N failed fixtures."""
+    player = _Player(host, port, step_timeout, tls)
     with trio.move_on_after(step_timeout):
         try:
-            stream = await trio.open_tcp_stream(host, port)
-        except OSError as error:
-            return f"cannot connect to {host}:{port}: {_reason(error)}"
+            stream = await player._open()
+        except StepFailed as failure:
+            return (
+                f"cannot connect to {host}:{port}: {str(failure).removeprefix('cannot connect: ')}"
+            )
         await trio.aclose_forcefully(stream)
         return None
     return f"cannot connect to {host}:{port}: no answer within {step_timeout:g} s"
@@ -547,18 +670,30 @@ def _print(result: Result) -> None:
     print(result.line(), flush=True)
 
 
-async def _main(fixtures: list[Fixture], host: str, port: int, step_timeout: float) -> int:
-    problem = await _check_reachable(host, port, step_timeout)
+async def _main(
+    fixtures: list[Fixture],
+    host: str,
+    port: int,
+    step_timeout: float,
+    token: bytes | None,
+    tls: ssl.SSLContext | None,
+) -> int:
+    problem = await _check_reachable(host, port, step_timeout, tls)
     if problem:
         print(f"{PROG}: {problem}", file=sys.stderr)
         return 2
     start = trio.current_time()
-    results = await run_suite(fixtures, host, port, step_timeout=step_timeout, report=_print)
+    results = await run_suite(
+        fixtures, host, port, step_timeout=step_timeout, report=_print, token=token, tls=tls
+    )
     failed = sum(not r.passed for r in results)
+    skipped = sum(r.skipped for r in results)
     seconds = trio.current_time() - start
     total = len(results)
     noun = "fixture" if total == 1 else "fixtures"
-    print(f"{total} {noun}: {total - failed} passed, {failed} failed ({seconds:.2f} s)")
+    passed = total - failed - skipped
+    not_run = f", {skipped} not run" if skipped else ""
+    print(f"{total} {noun}: {passed} passed, {failed} failed{not_run} ({seconds:.2f} s)")
     return 1 if failed else 0
 
 
@@ -572,13 +707,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(error))
     if args.step_timeout <= 0:
         parser.error("--timeout must be positive")
+    text = args.token if args.token is not None else os.environ.get("PINPRIQ_AUTH_TOKEN")
+    token = os.fsencode(text) if text else None
+    tls = None
+    if args.tls or args.tls_ca:
+        try:
+            tls = ssl.create_default_context(cafile=args.tls_ca)
+        except OSError as error:
+            parser.error(f"cannot use --tls-ca {args.tls_ca}: {error.strerror or error}")
     try:
-        fixtures = load_fixtures(args.fixtures, args.names)
+        fixtures = load_fixtures(args.fixtures, args.names, token)
     except (FixtureError, OSError) as error:
         print(f"{PROG}: {error}", file=sys.stderr)
         return 2
     try:
-        return trio.run(_main, fixtures, host, port, args.step_timeout)
+        return trio.run(_main, fixtures, host, port, args.step_timeout, token, tls)
     except KeyboardInterrupt:
         return 130
 

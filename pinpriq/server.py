@@ -19,6 +19,16 @@ object. It owns only what needs an event loop or a limit:
   of reading is closed. The clock runs only while the server is reading that connection, so a
   client the server itself has paused (memory cap, output bound) is never timed out for it.
 * a connection limit: connections beyond it are accepted and closed at once, with a log line.
+* who may come in (decision 12): on a server with a token, a connection is read only as far as
+  its first frame until it has authenticated; the broker's verdict ``Blocked.REJECTED`` (or no
+  auth within the frame timeout, counted from the accept) closes it after ``REJECT_DELAY``
+  seconds, with the reason logged. A server without a token is in protected mode unless told
+  otherwise: it accepts and closes connections from any address but loopback.
+* TLS: with an ``ssl.SSLContext`` every connection is a ``trio.SSLStream`` over the socket and
+  goes through trio's stream API (``_TlsConnection``). Plain TCP keeps reading and writing the
+  socket's file descriptor directly, which is the fast path; it pays nothing for TLS.
+* the client memory budget (``client_memory.ClientMemory``): the incomplete frames and unsent
+  output of all connections, counted where they linger, never per frame.
 
 Memory held per connection is bounded: the decoder holds at most one frame plus one read, since
 the reader decodes everything it has before reading again, and stops reading while it waits.
@@ -27,13 +37,19 @@ the reader decodes everything it has before reading again, and stops reading whi
 from __future__ import annotations
 
 import logging
+import math
 import os
+import socket
+import ssl
 
 import trio
 
-from pinpriq.broker import DEFAULT_MAX_MEMORY, Blocked, Broker, Session
+from pinpriq.auth import TOKEN_VARIABLE, is_loopback
+from pinpriq.broker import DEFAULT_MAX_MEMORY, REJECT_DELAY, Blocked, Broker, Session
+from pinpriq.client_memory import ClientMemory, default_budget
 from pinpriq.store import QueueStore
 from pinpriq.store_contract import Store
+from pinpriq.tls import describe_tls_error
 from pinpriq.wire import FrameDecoder
 
 __all__ = [
@@ -55,11 +71,33 @@ DEFAULT_MAX_CONNECTIONS = 4096
 DEFAULT_FRAME_TIMEOUT = 30.0
 
 
-def _peer_name(stream: trio.SocketStream) -> str:
+#: Said when a server without a token refuses a connection from another host, and at start.
+PROTECTED_MODE_FIX = (
+    f"set a token for clients to present (--auth-token-file FILE, or the {TOKEN_VARIABLE} "
+    f"environment variable: docker run -e {TOKEN_VARIABLE}=...), or start the server with "
+    "--no-protected-mode to let clients from other hosts in without one"
+)
+#: The first byte of a TLS handshake: a TLS client on a port that speaks plain TCP.
+_TLS_HANDSHAKE = 0x16
+_TLS_HINT = (
+    " (a TLS handshake? This port speaks plain TCP: connect without TLS, or start the server "
+    "with --tls-cert and --tls-key)"
+)
+
+
+def _peer_address(stream: trio.SocketStream) -> tuple[str, int] | None:
     try:
         host, port, *_ = stream.socket.getpeername()
     except OSError:
+        return None
+    return host, port
+
+
+def _peer_name(stream: trio.SocketStream) -> str:
+    address = _peer_address(stream)
+    if address is None:
         return "unknown peer"
+    host, port = address
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -76,13 +114,21 @@ class _Connection:
 
     def __init__(self, server: PinpriqServer, stream: trio.SocketStream, session: Session) -> None:
         self.server = server
-        self.stream = stream
+        #: What the connection reads and writes through when it waits: the socket's stream,
+        #: or a TLS stream over it.
+        self.stream: trio.abc.Stream = stream
         self.session = session
         self.peer = _peer_name(stream)
         self.fileno = stream.socket.fileno()
         self.decoder = FrameDecoder()
         #: Seconds of reading left before an incomplete frame times out.
         self.frame_budget = server.frame_timeout
+        #: Bytes of an incomplete frame and of unsent output, as last reported to the client
+        #: memory budget (``PinpriqServer.hold_input``, ``hold_output``).
+        self.held_input = 0
+        self.held_output = 0
+        #: The last read did not wait: the reader yields to the others once it has handled it.
+        self.checkpoint_owed = False
         self.sending = False
         self.closed = False  # its socket is closed: never write to its file descriptor again
         self.reading = trio.CancelScope()  # cancelled to stop reading, as at shutdown
@@ -109,6 +155,9 @@ class _Connection:
         while True:
             data = await self._receive()
             if data is None:
+                if not session.authenticated:
+                    await self._reject(f"no auth within {server.frame_timeout:g} s")
+                    return
                 log.warning(
                     "closing %s: an incomplete frame (%d bytes so far) for %g s of reading",
                     self.peer,
@@ -118,30 +167,79 @@ class _Connection:
                 return
             if not data:
                 return  # EOF; a frame cut short stays in the decoder and is dropped
+            # Before auth, the next frame must be auth: judged at its first byte.
+            if not (session.authenticated or decoder.pending or session.opens_with(data[0])):
+                await self._reject(session.rejected or "")
+                return
             decoder.feed(data)
+            # The decoder has the chunk now: no second reference across the next wait, so that
+            # discarding the decoder (``evict``) frees it at once.
+            data = b""
             frames = decoder.decode()
             if frames:
                 self.frame_budget = server.frame_timeout  # any incomplete frame is a new one
+            if decoder.pending != self.held_input:
+                server.hold_input(self, decoder.pending)
             done = session.receive(frames)
             server.after_batch()  # before any await: no socket can close in between
             while done < len(frames):
+                if session.blocked is Blocked.REJECTED:
+                    await self._reject(session.rejected or "")
+                    return
                 await self._wait(session.blocked)
                 done = session.receive(frames, done)
                 server.after_batch()
-            if session.output and not self.sending:
+            if self.sending:
+                await self._backed_up()
+            elif session.output:
                 await self._send_output()
             if decoder.error is not None:
-                log.warning("closing %s: %s", self.peer, decoder.error)
+                log.warning("closing %s: %s%s", self.peer, decoder.error, self._not_tls_hint())
                 return
+            if self.checkpoint_owed:
+                self.checkpoint_owed = False
+                await trio.lowlevel.checkpoint()
+
+    def _not_tls_hint(self) -> str:
+        error = self.decoder.error
+        if error is not None and error.offset == 0 and error.byte == _TLS_HANDSHAKE:
+            return _TLS_HINT
+        return ""
+
+    def evict(self) -> None:
+        """Close the connection for the client memory budget: drop its incomplete frame now,
+        and stop reading it (what it is owed still goes out, as at any close)."""
+        self.decoder.discard()
+        self.held_input = 0
+        self.reading.cancel()
+
+    async def _reject(self, reason: str) -> None:
+        """Close the connection after ``REJECT_DELAY`` seconds, reading nothing more; what it
+        is owed already (replies before a wrong second auth) goes out meanwhile."""
+        hint = _TLS_HINT if reason.startswith(f"byte 0x{_TLS_HANDSHAKE:02x}") else ""
+        log.warning("closing %s in %g s: %s%s", self.peer, REJECT_DELAY, reason, hint)
+        self._output_ready.set()
+        await trio.sleep(REJECT_DELAY)
+
+    async def _backed_up(self) -> None:
+        """The writer could not hand everything to the kernel: count what this connection
+        holds against the client budget, and while the budget is exceeded stop reading the
+        connection (rather than close it: its output carries packets) until it drains."""
+        self.server.hold_output(self, len(self.session.output) + self.session.unsent)
+        if self.server.client_memory.over:
+            await self._drain()
 
     async def _receive(self) -> bytes | None:
         """The next chunk from the client; ``b""`` at the end of its stream or on a reset;
-        ``None`` if an incomplete frame has used up its reading time.
+        ``None`` if an incomplete frame (or, before auth, the connection) has used up its
+        reading time.
 
         Reads the socket directly and waits on trio only when nothing has arrived: a client
         waiting for each reply (the common case at low load) costs one wait per request rather
-        than trio's wait plus a checkpoint. When data was already there, it checkpoints, so a
-        client that never stops sending cannot starve the others.
+        than trio's wait plus a checkpoint. When data was already there, it owes a checkpoint,
+        which the read loop takes once it has handled the chunk, so a client that never stops
+        sending cannot starve the others, and no chunk waits there uncounted by the client
+        memory budget (a thousand of them would be 64 MiB).
         """
         try:
             data = os.read(self.fileno, RECEIVE_SIZE)
@@ -150,9 +248,14 @@ class _Connection:
         except OSError:
             return b""  # reset by the peer: the same as its end of stream, here
         else:
-            await trio.lowlevel.checkpoint()
+            self.checkpoint_owed = True
             return data
-        if not self.decoder.pending:  # between frames: a client may be idle for ever
+        return await self._receive_waiting()
+
+    async def _receive_waiting(self) -> bytes | None:
+        """``_receive`` once nothing is there to read at once: wait, within the time left."""
+        if not self.decoder.pending and self.session.authenticated:
+            # Between frames: a client may be idle for ever, once it has authenticated.
             return await self._wait_and_read()
         started = trio.current_time()
         chunk: bytes | None = None
@@ -175,7 +278,10 @@ class _Connection:
         """Write what is pending straight to the socket, if nobody is sending; leave what the
         kernel does not take to the writer task."""
         session = self.session
-        if self.closed or self.sending or not session.output:
+        if self.closed or not session.output:
+            return
+        if self.sending:  # deliveries pile up behind a slow write: they count, and may pause
+            self.server.hold_output(self, len(session.output) + session.unsent)
             return
         try:
             sent = self._send_now(session.output)
@@ -213,11 +319,14 @@ class _Connection:
                 sent = self._send_now(data)
                 if sent < len(data):
                     session.unsent = len(data) - sent
+                    self.server.hold_output(self, session.unsent)
                     await self.stream.send_all(memoryview(data)[sent:])
                     session.unsent = 0
                 session.output_drained()
         finally:
             self.sending = False
+            if self.held_output:
+                self.server.hold_output(self, 0)
         self._output_drained.set()
         self._output_drained = trio.Event()
 
@@ -238,6 +347,75 @@ class _Connection:
             await self._output_drained.wait()
 
 
+class _TlsConnection(_Connection):
+    """A connection over TLS: trio's ``SSLStream`` over the socket, read and written through
+    the stream API only (the file descriptor carries ciphertext). Its replies and deliveries
+    all go through the writer task, since encrypting and sending is a wait; everything else,
+    limits and accounting included, is ``_Connection``'s."""
+
+    def __init__(
+        self,
+        server: PinpriqServer,
+        stream: trio.SocketStream,
+        session: Session,
+        context: ssl.SSLContext,
+    ) -> None:
+        super().__init__(server, stream, session)
+        self.socket = stream.socket
+        self.tls = trio.SSLStream(stream, context, server_side=True)
+        self.stream = self.tls
+
+    async def run(self) -> None:
+        """Shake hands within the frame timeout (counted against auth's time, which starts at
+        the accept), log one line if that fails, then serve."""
+        started = trio.current_time()
+        failure = None
+        with trio.move_on_after(self.frame_budget) as waited:
+            failure = await self._not_tls()
+            if failure is None:
+                try:
+                    await self.tls.do_handshake()
+                except trio.BrokenResourceError as error:
+                    failure = f"TLS handshake failed: {describe_tls_error(error)}"
+        if waited.cancelled_caught:
+            failure = f"no TLS handshake within {self.server.frame_timeout:g} s"
+        if failure is not None:
+            log.warning("closing %s: %s", self.peer, failure)
+            self.session.close()
+            return
+        if not self.session.authenticated:
+            self.frame_budget -= trio.current_time() - started
+        await super().run()
+
+    async def _not_tls(self) -> str | None:
+        """Why the client is not starting a TLS handshake, judged by its first byte (peeked,
+        not read), or ``None``. A plain pinpriq frame can be shorter than the five bytes of a
+        TLS record header, and OpenSSL would wait for the rest until the timeout."""
+        try:
+            first = await self.socket.recv(1, socket.MSG_PEEK)
+        except OSError:
+            return None  # the handshake meets the same error and says it
+        if not first or first[0] == _TLS_HANDSHAKE:
+            return None
+        return (
+            f"the client does not speak TLS (its first byte is 0x{first[0]:02x}, not a TLS "
+            "handshake); this port speaks TLS only"
+        )
+
+    async def _receive(self) -> bytes | None:
+        return await self._receive_waiting()
+
+    async def _wait_and_read(self) -> bytes:
+        try:
+            data = await self.tls.receive_some(RECEIVE_SIZE)
+            return data if isinstance(data, bytes) else bytes(data)  # it is bytes: ssl reads
+        except trio.BrokenResourceError:
+            return b""  # a reset, or an end without TLS's close_notify: an end all the same
+
+    def _send_now(self, data: bytearray) -> int:
+        return 0  # nothing can be written without a wait: the writer task sends it all
+
+
 class PinpriqServer:
     """A broker, the connections that use it, and the limits that need a clock or a socket."""
 
@@ -249,19 +427,34 @@ class PinpriqServer:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
         token: bytes | None = None,
+        protected_mode: bool = True,
+        tls: ssl.SSLContext | None = None,
+        max_client_memory: int | None = None,
     ) -> None:
         """``store`` defaults to an in-memory ``QueueStore`` on trio's clock. ``max_memory``
         caps ``store.bytes_held`` (0 for no cap); ``max_connections`` caps concurrent
         connections (further ones are accepted and closed at once); ``frame_timeout`` is how
-        many seconds of reading a connection may hold an incomplete frame; ``token`` is the one
-        token clients must present (``auth.load_token``), ``None`` for none."""
+        many seconds of reading a connection may hold an incomplete frame, and, on a server
+        with a token, how long a new connection has to authenticate; ``token`` is the one
+        token clients must present first (``auth.load_token``), ``None`` for none; without a
+        token, ``protected_mode`` refuses connections from other hosts than this one; ``tls``
+        (``tls.server_context``) makes every connection TLS; ``max_client_memory`` caps the
+        bytes of incomplete frames and unsent output of all connections together (0 for no
+        cap; ``None`` for ``client_memory.default_budget(max_memory)``)."""
         self.broker = Broker(
-            store if store is not None else QueueStore(trio.current_time), max_memory=max_memory
+            store if store is not None else QueueStore(trio.current_time),
+            max_memory=max_memory,
+            token=token,
         )
         self.broker.on_room = self._room_freed
         self.max_connections = max_connections
         self.frame_timeout = frame_timeout
         self.token = token
+        self.protected_mode = protected_mode and token is None
+        self.tls = tls
+        if max_client_memory is None:
+            max_client_memory = default_budget(max_memory)
+        self.client_memory: ClientMemory[_Connection] = ClientMemory(max_client_memory)
         self._memory_freed = trio.Event()
         self._connections: dict[Session, _Connection] = {}
         self._all_closed = trio.Event()  # set when the last connection closes after shutdown
@@ -286,6 +479,52 @@ class PinpriqServer:
             for session in broker.take_dirty():
                 # Writing may resume a paused subscriber, which may deliver again.
                 self._connections[session].write_pending()
+
+    def hold_input(self, conn: _Connection, size: int) -> None:
+        """``conn``'s decoder now holds ``size`` bytes of an incomplete frame; past the client
+        budget, close the connections holding the largest ones."""
+        grew = size > conn.held_input
+        conn.held_input = size
+        memory = self.client_memory
+        memory.hold_input(conn, size)
+        if grew and memory.over:
+            self._close_largest()
+
+    def hold_output(self, conn: _Connection, size: int) -> None:
+        """``conn`` now holds ``size`` bytes of output the kernel has not taken. Past the client
+        budget, the connections holding output are paused (no deliveries, and their readers
+        stop) rather than closed, and those holding incomplete frames are closed."""
+        grew = size > conn.held_output
+        conn.held_output = size
+        memory = self.client_memory
+        memory.hold_output(conn, size)
+        if grew and memory.over:
+            if not conn.session.paused:  # resumed by output_drained, once its client reads
+                self.broker.subscriptions.pause(conn.session)
+            self._close_largest()
+
+    def _close_largest(self) -> None:
+        memory = self.client_memory
+        held, held_input, held_output = memory.held, memory.input, memory.output
+        chosen = memory.to_close()
+        if not chosen:
+            return
+        names = [f"{conn.peer} ({size} bytes)" for conn, size in chosen[:5]]
+        more = f" and {len(chosen) - 5} more" if len(chosen) > 5 else ""
+        log.warning(
+            "client memory over its budget (%d bytes held: %d in incomplete frames, %d in "
+            "unsent output; --max-client-memory %d): closing %d connections holding the "
+            "largest incomplete frames: %s%s",
+            held,
+            held_input,
+            held_output,
+            memory.budget,
+            len(chosen),
+            ", ".join(names),
+            more,
+        )
+        for conn, _ in chosen:
+            conn.evict()
 
     def _room_freed(self) -> None:
         self._memory_freed.set()
@@ -314,7 +553,25 @@ class PinpriqServer:
             nursery.start_soon(self._expire_loop)
             for listener in listeners:
                 address = listener.socket.getsockname()
-                log.info("pinpriq listening on %s port %d", address[0], address[1])
+                log.info(
+                    "pinpriq listening on %s port %d%s",
+                    address[0],
+                    address[1],
+                    " (TLS)" if self.tls is not None else "",
+                )
+            budget = self.client_memory.budget
+            log.info(
+                "client memory budget %s (incomplete frames and unsent output, all connections)",
+                f"{budget:.0f} bytes" if budget != math.inf else "none",
+            )
+            if self.protected_mode and not all(
+                is_loopback(listener.socket.getsockname()[0]) for listener in listeners
+            ):
+                log.warning(
+                    "protected mode: this server has no token, so it refuses connections from "
+                    "other hosts than this one; to let them in, %s",
+                    PROTECTED_MODE_FIX,
+                )
             task_status.started(listeners)
             with self._accepting:
                 # serve_listeners closes the listeners when cancelled, and outlives a lack of
@@ -339,16 +596,27 @@ class PinpriqServer:
             conn.reading.cancel()
 
     async def _handle(self, stream: trio.SocketStream) -> None:
-        if self.stopping or len(self._connections) >= self.max_connections:
-            if self.stopping:
-                reason = "shutting down"
-            else:
-                reason = f"at the connection limit, {len(self._connections)} open"
+        reason = None
+        if self.stopping:
+            reason = "shutting down"
+        elif len(self._connections) >= self.max_connections:
+            reason = f"at the connection limit, {len(self._connections)} open"
+        elif self.protected_mode:
+            address = _peer_address(stream)
+            if address is not None and not is_loopback(address[0]):
+                reason = (
+                    "protected mode: this server has no token and the client is not on this "
+                    f"host; {PROTECTED_MODE_FIX}"
+                )
+        if reason is not None:
             log.warning("refusing a connection from %s: %s", _peer_name(stream), reason)
             await trio.aclose_forcefully(stream)
             return
         session = self.broker.open_session()
-        conn = _Connection(self, stream, session)
+        if self.tls is None:
+            conn = _Connection(self, stream, session)
+        else:
+            conn = _TlsConnection(self, stream, session, self.tls)
         self._connections[session] = conn
         log.debug("connection from %s", conn.peer)
         try:
@@ -361,6 +629,7 @@ class PinpriqServer:
         finally:
             del self._connections[session]
             session.close()
+            self.client_memory.release(conn)
             conn.closed = True
             await trio.aclose_forcefully(stream)
             if not self._connections and self.stopping:

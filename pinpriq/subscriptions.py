@@ -88,6 +88,16 @@ class Subscriptions:
         sub.credits += credits
         self._settle(sub)
 
+    def pause(self, sub: Subscriber) -> None:
+        """Pause a subscriber from outside a delivery (its connection holds too much unsent
+        output for the server's client memory budget): it stops waiting, credits kept, and
+        receives nothing until ``resume``."""
+        sub.paused = True
+        if sub.stamp:
+            for queue in sub.queues:
+                self._leave(queue, sub.stamp)
+            sub.stamp = 0
+
     def resume(self, sub: Subscriber) -> None:
         """Unpause a subscriber; delivers what is already there."""
         sub.paused = False

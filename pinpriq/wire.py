@@ -6,7 +6,8 @@ is shared by HTTP clients and servers. Integers are big-endian and unsigned.
 
 Two decoders, because the two directions carry different streams:
 
-* ``FrameDecoder`` reads what a client sends (push, pop, subscribe, unsubscribe, ready, sync);
+* ``FrameDecoder`` reads what a client sends (push, pop, subscribe, unsubscribe, ready, sync,
+  auth);
 * ``ReplyDecoder`` reads what a server sends (pop replies and subscription deliveries, which
   look the same: ``u16 count`` then ``count`` packets).
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, TypeAlias, TypeVar
 
@@ -30,6 +32,7 @@ __all__ = [
     "MAX_REPLY_PACKETS",
     "READY",
     "SYNC",
+    "Auth",
     "ClientFrame",
     "FrameDecoder",
     "Opcode",
@@ -54,6 +57,7 @@ class Opcode(enum.IntEnum):
     UNSUBSCRIBE = 0x75
     READY = 0x41
     SYNC = 0x21  # protocol 1.1
+    AUTH = 0x61  # protocol 1.1
 
 
 #: The TCP port a pinpriq server listens on, and a client connects to, unless told otherwise.
@@ -69,7 +73,7 @@ MAX_PRIO = 0xFF
 
 # Headers after the opcode byte.
 _PUSH_HEADER = struct.Struct(">HHBHH")  # queue_len, ttl_ms, prio, key_len, payload_len
-_NAME_HEADER = struct.Struct(">H")  # queue_len of pop, subscribe, unsubscribe
+_NAME_HEADER = struct.Struct(">H")  # queue_len of pop, subscribe, unsubscribe; token_len of auth
 _COUNT = struct.Struct(">H")  # a reply's packet count
 _PACKET_HEADER = struct.Struct(">HH")  # key_len, payload_len
 _PUSH_PREFIX = struct.Struct(">BHHBHH")  # opcode + push header, for encoding
@@ -153,7 +157,20 @@ class Sync(NamedTuple):
     """A barrier (protocol 1.1): answered ``00 00`` once every earlier frame is applied."""
 
 
-ClientFrame: TypeAlias = Push | Pop | Subscribe | Unsubscribe | Ready | Sync
+@_distinct
+class Auth(NamedTuple):
+    """The connection's token (protocol 1.1, decision 12): first on a server that has one.
+
+    Its ``repr`` hides the token, so that a log line or a traceback that shows the frame never
+    shows the secret."""
+
+    token: bytes
+
+    def __repr__(self) -> str:
+        return f"Auth(<{len(self.token)} bytes>)"
+
+
+ClientFrame: TypeAlias = Push | Pop | Subscribe | Unsubscribe | Ready | Sync | Auth
 
 #: Every client frame the protocol has, by opcode: the one table the decoder decodes by and the
 #: broker dispatches by. A frame class missing here is neither decoded nor handled.
@@ -164,6 +181,7 @@ FRAMES: dict[int, type[ClientFrame]] = {
     Opcode.UNSUBSCRIBE: Unsubscribe,
     Opcode.READY: Ready,
     Opcode.SYNC: Sync,
+    Opcode.AUTH: Auth,
 }
 _OPCODE_BYTE = {cls: bytes([op]) for op, cls in FRAMES.items()}
 
@@ -174,15 +192,18 @@ SYNC = Sync()
 # and, for one-byte frames, the frame itself (they carry nothing, so one instance serves every
 # time). Tuples indexed by the byte: an index into a tuple is the cheapest lookup CPython has.
 _UNKNOWN, _PUSH, _NAMED, _SINGLE = range(4)
+#: The frames laid out as an opcode and one u16-length byte string have one of these fields.
+_NAMED_FIELDS = (("queue",), ("token",))
 
 
 def _layout(cls: type[ClientFrame] | None) -> int:
-    """Not an opcode; the push; a queue name after the opcode; the opcode alone."""
+    """Not an opcode; the push; one u16-length byte string (a queue name, auth's token) after
+    the opcode; the opcode alone."""
     if cls is None:
         return _UNKNOWN
     if cls is Push:
         return _PUSH
-    if cls._fields == ("queue",):
+    if cls._fields in _NAMED_FIELDS:
         return _NAMED
     if not cls._fields:
         return _SINGLE
@@ -232,9 +253,9 @@ def encode(frame: ClientFrame) -> bytes:
     opcode = _OPCODE_BYTE[frame.__class__]
     if not frame:  # a frame of one byte: ready, sync
         return opcode
-    (queue,) = frame
-    _check_field("queue", queue)
-    return b"".join((opcode, _NAME_HEADER.pack(len(queue)), queue))
+    (field,) = frame
+    _check_field(frame._fields[0], field)
+    return b"".join((opcode, _NAME_HEADER.pack(len(field)), field))
 
 
 def encode_reply(packets: Sequence[KeyedPayload]) -> bytes:
@@ -316,6 +337,15 @@ class FrameDecoder:
     def feed(self, data: bytes) -> None:
         self._parts.append(data)
         self._pending += len(data)
+
+    def discard(self) -> None:
+        """Drop every byte not yet decoded, and decode nothing more: for a connection that is
+        being closed, so that the memory of its incomplete frame is freed at once rather than
+        when the decoder itself goes."""
+        self._data = b""
+        self._parts = []
+        self._pending = 0
+        self._need = sys.maxsize  # ``decode`` never has enough again
 
     def decode(self) -> list[ClientFrame]:
         """Every complete frame not yet returned; ``[]`` if none."""

@@ -1,30 +1,53 @@
-"""Shared fixtures: a live server on an ephemeral loopback port, and virtual time."""
+"""Shared fixtures: a live server on an ephemeral loopback port, virtual time, and a throwaway
+certificate authority for TLS."""
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 
 import pytest
 import trio
 import trio.testing
+import trustme
 
 from pinpriq.server import PinpriqServer
-from tests.rawpeer import Peer
+from tests.rawpeer import Peer, auth
+
+#: The token of the servers that have one, in tests.
+TOKEN = b"t0ken for tests only"
 
 
 class LiveServer:
-    def __init__(self, server: PinpriqServer, port: int, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        server: PinpriqServer,
+        port: int,
+        nursery: trio.Nursery,
+        client_tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.server = server
         self.port = port
         self._nursery = nursery
         self.broker = server.broker
         self.store = server.broker.store
         self.peers: list[Peer] = []
+        #: How clients connect: over TLS with this context (trusting the server's CA), or not.
+        self.client_tls = client_tls
 
-    async def connect(self) -> Peer:
-        peer = Peer(await trio.open_tcp_stream("127.0.0.1", self.port))
+    async def connect(self, *, authenticate: bool = True) -> Peer:
+        """A connection to the server, over TLS if it speaks TLS, and authenticated first
+        (auth answered ``00 00``) if it has a token, unless ``authenticate`` is false."""
+        stream = await trio.open_tcp_stream("127.0.0.1", self.port)
+        if self.client_tls is None:
+            peer = Peer(stream)
+        else:
+            tls = trio.SSLStream(stream, self.client_tls, server_hostname="127.0.0.1")
+            peer = Peer(tls)
         self.peers.append(peer)
+        if authenticate and self.server.token is not None:
+            assert await peer.request(auth(self.server.token)) == []
         return peer
 
 
@@ -53,6 +76,45 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[StartServer]:
 async def live(start_server: StartServer) -> LiveServer:
     """A pinpriq server with default limits on 127.0.0.1 and an ephemeral port."""
     return await start_server(PinpriqServer())
+
+
+@pytest.fixture(scope="session")
+def ca() -> trustme.CA:
+    """A throwaway certificate authority, made for the test run."""
+    return trustme.CA()
+
+
+@pytest.fixture(scope="session")
+def server_tls(ca: trustme.CA) -> ssl.SSLContext:
+    """A server context with a certificate for 127.0.0.1 and localhost, issued by ``ca``."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1", "localhost").configure_cert(context)
+    return context
+
+
+@pytest.fixture(scope="session")
+def client_tls(ca: trustme.CA) -> ssl.SSLContext:
+    """A client context that trusts ``ca`` and checks host names."""
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    return context
+
+
+@pytest.fixture(params=["plain", "auth+tls"])
+async def hardened(
+    request: pytest.FixtureRequest,
+    start_server: StartServer,
+    server_tls: ssl.SSLContext,
+    client_tls: ssl.SSLContext,
+) -> LiveServer:
+    """A server with default limits twice: as it is, and with a token and TLS on (the peers
+    ``connect`` gives then speak TLS and authenticate first). For the hostile-client tests:
+    nothing that gets through the plain server may get through the hardened one differently."""
+    if request.param == "plain":
+        return await start_server(PinpriqServer())
+    live = await start_server(PinpriqServer(token=TOKEN, tls=server_tls))
+    live.client_tls = client_tls
+    return live
 
 
 @pytest.fixture

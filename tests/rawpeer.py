@@ -32,6 +32,11 @@ def unsubscribe(queue: bytes) -> bytes:
 
 
 READY = b"\x41"
+SYNC = b"\x21"
+
+
+def auth(token: bytes) -> bytes:
+    return b"\x61" + struct.pack(">H", len(token)) + token
 
 
 def reply(*packets: tuple[bytes, bytes]) -> bytes:
@@ -43,15 +48,22 @@ def reply(*packets: tuple[bytes, bytes]) -> bytes:
 
 
 class Peer:
-    """A client connection speaking raw bytes."""
+    """A client connection speaking raw bytes, over TCP or TLS (``trio.SSLStream``)."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]) -> None:
         self.stream = stream
         self.buffer = bytearray()
 
     @property
+    def socket_stream(self) -> trio.SocketStream:
+        """The TCP stream under the peer, TLS or not."""
+        if isinstance(self.stream, trio.SSLStream):
+            return self.stream.transport_stream
+        return self.stream
+
+    @property
     def local_port(self) -> int:
-        port: int = self.stream.socket.getsockname()[1]
+        port: int = self.socket_stream.socket.getsockname()[1]
         return port
 
     async def send(self, data: bytes) -> None:
@@ -90,9 +102,13 @@ class Peer:
         assert not self.buffer, f"expected nothing, had {bytes(self.buffer)!r} buffered"
 
     async def expect_closed(self) -> None:
-        """The server closes the connection; nothing (more) arrives before it does."""
+        """The server closes the connection (an end of stream, or a reset: a server that closes
+        with bytes of ours unread resets); nothing (more) arrives before it does."""
         assert not self.buffer, f"expected the server to close, had {bytes(self.buffer)!r} unread"
-        data = await self.stream.receive_some(1 << 16)
+        try:
+            data = await self.stream.receive_some(1 << 16)
+        except trio.BrokenResourceError:
+            return
         assert data == b"", f"expected the server to close, received {data!r}"
 
     async def aclose(self) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -287,3 +288,47 @@ def test_percentiles_nearest_rank() -> None:
     figures = percentiles(list(range(1000, 1001000, 1000)))  # 1..1000 us
     assert figures == {"p50": 500.0, "p99": 990.0, "p99.9": 999.0, "max": 1000.0}
     assert percentiles([]) is None
+
+
+# -- TLS and a token ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scenario", ["push", "pop"])
+def test_tls_with_a_token(tmp_path: Path, scenario: str) -> None:
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1")
+    leaf.private_key_and_cert_chain_pem.write_to_path(tmp_path / "cert.pem")
+    leaf.private_key_pem.write_to_path(tmp_path / "key.pem")
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    tls = ["--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")]
+    environ = {**os.environ, "PINPRIQ_AUTH_TOKEN": "bench token"}
+    server = subprocess.Popen(
+        [str(BIN / "pinpriq-server"), "--port", "0", *tls],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=environ,
+    )
+    try:
+        assert server.stderr is not None
+        match = LISTENING.search(server.stderr.readline())
+        assert match
+        args = ["--port", match.group(1), "--json", "-t", scenario, "-n", "200", "-c", "2"]
+        done = subprocess.run(
+            [str(BIN / "pinpriq-bench"), *args, "-P", "16", "--tls-ca", str(tmp_path / "ca.pem")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=environ,
+        )
+        assert done.returncode == 0, done.stderr
+        (result,) = json.loads(done.stdout)["results"]
+        assert result["ops"] == 200
+        assert result["ops_per_sec"] > 0
+        plain = subprocess.run(  # the same server, plain: refused at once
+            [str(BIN / "pinpriq-bench"), *args], capture_output=True, text=True, timeout=60
+        )
+        assert plain.returncode != 0
+    finally:
+        server.kill()
+        server.communicate(timeout=10)

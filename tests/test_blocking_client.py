@@ -362,7 +362,8 @@ def test_a_server_at_its_connection_limit_is_named_as_the_likely_cause() -> None
                 client.pop("q")
         assert str(info.value) == (
             f"127.0.0.1:{live.port}: the server closed the connection at once "
-            "(it may be at its connection limit)"
+            "(it may be at its connection limit, want a token or TLS, or refuse clients from "
+            "other hosts)"
         )
     finally:
         live.stop()

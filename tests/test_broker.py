@@ -11,7 +11,18 @@ import pytest
 
 from pinpriq.broker import OUTPUT_HIGH_WATER, Blocked, Broker, Session
 from pinpriq.store import PACKET_OVERHEAD, QueueStore
-from pinpriq.wire import FRAMES, READY, SYNC, ClientFrame, Pop, Push, Subscribe, Unsubscribe
+from pinpriq.wire import (
+    FRAMES,
+    READY,
+    SYNC,
+    Auth,
+    ClientFrame,
+    Opcode,
+    Pop,
+    Push,
+    Subscribe,
+    Unsubscribe,
+)
 from tests.rawpeer import reply
 
 
@@ -28,8 +39,8 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-def broker_with(clock: FakeClock, **options: int) -> Broker:
-    return Broker(QueueStore(clock), **options)
+def broker_with(clock: FakeClock, *, token: bytes | None = None, **options: int) -> Broker:
+    return Broker(QueueStore(clock), token=token, **options)
 
 
 def take(session: Session) -> bytes:
@@ -59,6 +70,7 @@ def test_every_frame_of_the_protocol_is_handled(clock: FakeClock) -> None:
     session = broker_with(clock).open_session()
     examples = {Push: Push(b"q", b"k", b"v"), Pop: Pop(b"q"), Subscribe: Subscribe(b"q")}
     examples |= {Unsubscribe: Unsubscribe(b"q"), type(READY): READY, type(SYNC): SYNC}
+    examples |= {Auth: Auth(b"any token: this broker has none")}
     assert set(examples) == set(FRAMES.values())
     assert session.receive(list(examples.values())) == len(examples)
 
@@ -214,4 +226,96 @@ def test_a_subscriber_past_the_bound_is_paused_and_resumes_when_drained(
     other.receive([Pop(b"q")])
     assert take(other) != reply()
     take(subscriber)  # the driver wrote it all: deliveries go on
+    assert len(broker.store) == 0
+
+
+# -- auth (decision 12) -----------------------------------------------------------------------
+
+TOKEN = b"the right token"
+
+
+def test_the_right_token_first_is_answered_and_the_rest_of_the_batch_applied(
+    clock: FakeClock,
+) -> None:
+    broker = broker_with(clock, token=TOKEN)
+    session = broker.open_session()
+    assert not session.authenticated
+    frames: list[ClientFrame] = [Auth(TOKEN), Push(b"q", b"k", b"v"), Pop(b"q")]
+    assert session.receive(frames) == 3
+    assert session.authenticated
+    assert take(session) == reply() + reply((b"k", b"v"))
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason"),
+    [
+        ([Auth(b"the wrong token"), Push(b"q", b"k", b"v")], "a wrong token"),
+        ([Auth(b""), Push(b"q", b"k", b"v")], "a wrong token"),
+        ([Auth(TOKEN + b"!"), Push(b"q", b"k", b"v")], "a wrong token"),
+        ([Push(b"q", b"k", b"v"), Auth(TOKEN)], "a push before auth"),
+        ([SYNC, Auth(TOKEN)], "a sync before auth"),
+        ([Unsubscribe(b"q")], "an unsubscribe before auth"),
+    ],
+)
+def test_anything_but_the_right_token_first_is_rejected_and_nothing_applied(
+    clock: FakeClock, frames: list[ClientFrame], reason: str
+) -> None:
+    broker = broker_with(clock, token=TOKEN)
+    session = broker.open_session()
+    assert session.receive(frames) == 0
+    assert (session.blocked, session.rejected) == (Blocked.REJECTED, reason)
+    assert TOKEN not in session.rejected.encode()
+    assert not session.authenticated
+    assert session.output == b""  # no answer: the driver closes the connection
+    assert len(broker.store) == 0
+    assert session.receive(frames) == 0  # final: asking again applies nothing either
+    assert len(broker.store) == 0
+
+
+def test_an_empty_batch_before_auth_is_no_rejection(clock: FakeClock) -> None:
+    session = broker_with(clock, token=TOKEN).open_session()
+    assert session.receive([]) == 0
+    assert (session.blocked, session.rejected, session.authenticated) == (None, None, False)
+
+
+def test_a_session_without_the_token_is_refused_at_the_first_byte(clock: FakeClock) -> None:
+    session = broker_with(clock, token=TOKEN).open_session()
+    assert session.opens_with(Opcode.AUTH)
+    assert session.rejected is None
+    assert not session.opens_with(Opcode.PUSH)
+    assert (session.blocked, session.rejected) == (Blocked.REJECTED, "a push before auth")
+    other = broker_with(clock, token=TOKEN).open_session()
+    assert not other.opens_with(0x16)  # a TLS handshake on a plain port
+    assert other.rejected == "byte 0x16, not an opcode, before auth"
+
+
+def test_without_a_token_any_auth_is_answered_and_the_first_byte_never_matters(
+    clock: FakeClock,
+) -> None:
+    session = broker_with(clock).open_session()
+    assert session.authenticated
+    assert session.opens_with(Opcode.PUSH)
+    frames: list[ClientFrame] = [Push(b"q", b"k", b"v"), Auth(b"whatever"), Auth(b""), Pop(b"q")]
+    assert session.receive(frames) == 4
+    assert take(session) == reply() + reply() + reply((b"k", b"v"))
+
+
+def test_a_second_auth_is_answered_if_right_and_rejected_if_wrong(clock: FakeClock) -> None:
+    broker = broker_with(clock, token=TOKEN)
+    session = broker.open_session()
+    frames: list[ClientFrame] = [
+        Auth(TOKEN),
+        Push(b"q", b"k1", b"v"),
+        Auth(TOKEN),
+        Pop(b"q"),
+        Push(b"q", b"k2", b"v"),
+        Auth(b"guess"),
+        Push(b"q", b"k3", b"v"),
+    ]
+    assert session.receive(frames) == 5  # stops at the wrong auth
+    assert session.blocked is Blocked.REJECTED
+    assert session.rejected == "a wrong token in a second auth"
+    # The frames before it were applied and answered (decision 9); nothing after it was.
+    assert take(session) == reply() + reply() + reply((b"k1", b"v"))
+    assert [packet[0] for packet in broker.store.pop(b"q")] == [b"k2"]
     assert len(broker.store) == 0

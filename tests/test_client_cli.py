@@ -15,8 +15,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
+from urllib.parse import quote
 
 import pytest
+import trustme
 
 BIN = Path(sys.executable).parent
 PINPRIQ = str(BIN / "pinpriq")
@@ -61,7 +63,9 @@ def port() -> Iterator[int]:
 
 
 def env(**extra: str) -> dict[str, str]:
-    environment = {k: v for k, v in os.environ.items() if k != "PINPRIQ_URL"}
+    environment = {
+        k: v for k, v in os.environ.items() if k not in ("PINPRIQ_URL", "PINPRIQ_AUTH_TOKEN")
+    }
     return environment | extra
 
 
@@ -286,10 +290,102 @@ def test_push_to_a_server_at_its_connection_limit_says_so() -> None:
     assert done.returncode == 1
     assert done.stderr == (
         f"pinpriq: 127.0.0.1:{port}: the server closed the connection at once (it may be at "
-        "its connection limit, or not speak protocol 1.1, which sync needs)\n"
+        "its connection limit, want a token or TLS, or refuse clients from other hosts, or not "
+        "speak protocol 1.1, which sync needs)\n"
     )
 
 
 def test_ping_prints_the_round_trip(port: int) -> None:
     out = ok(port, "ping")
     assert re.fullmatch(rf"pong from 127\.0\.0\.1:{port} in \d+\.\d ms\n", out), out
+
+
+# -- a server with a token and TLS -----------------------------------------------------------
+
+SECRET = "cli t0ken/with:odd@chars"
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
+    """``pinpriq-server --tls-cert --tls-key`` with a token from the environment; its port and
+    the PEM file of the CA its certificate comes from."""
+    files = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1")
+    leaf.private_key_and_cert_chain_pem.write_to_path(files / "cert.pem")
+    leaf.private_key_pem.write_to_path(files / "key.pem")
+    ca.cert_pem.write_to_path(files / "ca.pem")
+    tls = ["--tls-cert", str(files / "cert.pem"), "--tls-key", str(files / "key.pem")]
+    server = subprocess.Popen(
+        [str(BIN / "pinpriq-server"), "--port", "0", *tls],
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=env(PINPRIQ_AUTH_TOKEN=SECRET),
+    )
+    assert server.stderr is not None
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while b"listening on" not in (line := read_line(server.stderr, deadline)):
+            pass
+        assert line.endswith(b"(TLS)\n")
+        yield int(line.split()[-2]), files / "ca.pem"
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(TIMEOUT)
+        finally:
+            server.kill()
+            server.stderr.close()
+
+
+def test_a_pinpriqs_url_with_a_token_reaches_a_tls_server(secured: tuple[int, Path]) -> None:
+    port, ca = secured
+    url = f"pinpriqs://:{quote(SECRET, safe='')}@127.0.0.1:{port}"
+    assert pinpriq(None, "--tls-ca", str(ca), "push", "tls", "k", "v", PINPRIQ_URL=url).stderr == ""
+    done = pinpriq(None, "pop", "tls", "--tls-ca", str(ca), PINPRIQ_URL=url)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "k\tv\n", "")
+
+
+def test_the_token_comes_from_the_environment_too(secured: tuple[int, Path]) -> None:
+    port, ca = secured
+    done = pinpriq(port, "--tls-ca", str(ca), "ping", PINPRIQ_AUTH_TOKEN=SECRET)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert done.stdout.startswith(f"pong from 127.0.0.1:{port} in ")
+
+
+def test_a_wrong_token_is_one_line_that_does_not_show_it(secured: tuple[int, Path]) -> None:
+    port, ca = secured
+    url = f"pinpriqs://:not-the-token@127.0.0.1:{port}"
+    done = pinpriq(None, "--tls-ca", str(ca), "pop", "q", PINPRIQ_URL=url)
+    assert done.returncode == 1
+    assert done.stderr == (
+        f"pinpriq: 127.0.0.1:{port} closed the connection in answer to auth: it does not take "
+        "this token (or speaks protocol 1.0, which has no auth)\n"
+    )
+
+
+def test_tls_without_trusting_the_ca_is_one_line(secured: tuple[int, Path]) -> None:
+    port, _ = secured
+    done = pinpriq(port, "--tls", "pop", "q", PINPRIQ_AUTH_TOKEN=SECRET)
+    assert done.returncode == 1
+    assert done.stderr.startswith(
+        f"pinpriq: cannot connect to 127.0.0.1:{port}: TLS handshake failed: certificate verify"
+    )
+    assert done.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "url", "message"),
+    [
+        ([], "pinpriq://user:pw@h:1", "PINPRIQ_URL must look like pinpriq://HOST:PORT"),
+        ([], "pinpriq://:@h:1", "PINPRIQ_URL: the token after ':' is empty"),
+        (["--tls-cert", "c.pem"], "pinpriq://h:1", "--tls-cert and --tls-key go together"),
+        (["--tls-ca", "/nonexistent"], "pinpriq://h:1", "cannot use the TLS files"),
+    ],
+)
+def test_bad_tokens_and_tls_options_are_one_line(args: list[str], url: str, message: str) -> None:
+    done = pinpriq(None, *args, "pop", "q", PINPRIQ_URL=url)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1
+    assert message in done.stderr
+    assert "pw" not in done.stderr

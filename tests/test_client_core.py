@@ -169,7 +169,8 @@ def test_a_close_at_once_with_nothing_received_reads_as_a_refusal() -> None:
     ex = exchange(opened_at=100.0)
     assert ex.closed_by_server(100.5) == (
         "127.0.0.1:7000: the server closed the connection at once "
-        "(it may be at its connection limit)"
+        "(it may be at its connection limit, want a token or TLS, or refuse clients from "
+        "other hosts)"
     )
     assert ex.closed_by_server(100.0 + AT_ONCE_SECONDS) == (
         "connection to 127.0.0.1:7000 was closed by the server"

@@ -14,6 +14,8 @@ how long anything took.
 from __future__ import annotations
 
 import contextlib
+import os
+import ssl
 import struct
 import sys
 from collections.abc import Callable
@@ -26,6 +28,7 @@ import trio
 
 from pinpriq.conformance import (
     DEFAULT_FIXTURES,
+    Requires,
     Result,
     load_fixtures,
     parse_fixture,
@@ -38,6 +41,8 @@ from pinpriq.subscriptions import Subscriber, Subscriptions
 
 FIXTURES = load_fixtures(DEFAULT_FIXTURES)
 HOST = "127.0.0.1"
+TOKEN = b"conformance t0ken"
+WITH_TOKEN = load_fixtures(DEFAULT_FIXTURES, token=TOKEN)
 
 
 async def start(nursery: trio.Nursery, server: PinpriqServer) -> int:
@@ -50,13 +55,40 @@ def failures(results: list[Result]) -> list[str]:
     return [result.line() for result in results if not result.passed]
 
 
+def not_run(results: list[Result]) -> set[str]:
+    return {result.name for result in results if result.skipped}
+
+
+def requiring(kind: Requires) -> set[str]:
+    return {fixture.name for fixture in FIXTURES if fixture.requires is kind}
+
+
 async def test_our_server_passes_every_fixture_in_any_order(nursery: trio.Nursery) -> None:
     server = PinpriqServer()
     port = await start(nursery, server)
-    assert failures(await run_suite(FIXTURES, HOST, port)) == []
+    results = await run_suite(FIXTURES, HOST, port)
+    assert failures(results) == []
+    assert not_run(results) == requiring(Requires.TOKEN)  # reported, not failed
     # Again on the same server, backwards: no fixture depends on another's leftovers...
     assert failures(await run_suite(FIXTURES[::-1], HOST, port)) == []
     # ...because each leaves every queue it used empty.
+    assert len(server.broker.store) == 0
+
+
+@pytest.mark.parametrize("transport", ["tcp", "tls"])
+async def test_our_server_with_a_token_passes_every_fixture(
+    nursery: trio.Nursery,
+    transport: str,
+    server_tls: ssl.SSLContext,
+    client_tls: ssl.SSLContext,
+) -> None:
+    # A one-second frame timeout, so that auth-timeout takes a second rather than thirty.
+    tls = transport == "tls"
+    server = PinpriqServer(token=TOKEN, frame_timeout=1, tls=server_tls if tls else None)
+    port = await start(nursery, server)
+    results = await run_suite(WITH_TOKEN, HOST, port, token=TOKEN, tls=client_tls if tls else None)
+    assert failures(results) == []
+    assert not_run(results) == requiring(Requires.NO_TOKEN)
     assert len(server.broker.store) == 0
 
 
@@ -558,6 +590,17 @@ async def test_wrong_variant_fails_the_fixtures_that_pin_its_fault(
     assert [result.line() for result in results if result.passed] == []
 
 
+async def test_a_server_that_checks_no_token_fails_the_token_fixtures(
+    nursery: trio.Nursery,
+) -> None:
+    # The runner is told the server has a token; the server takes anything.
+    port = await start(nursery, PinpriqServer(frame_timeout=1))
+    catchers = {"auth-wrong-token", "auth-frame-before-auth", "auth-timeout", "auth-second"}
+    fixtures = [fixture for fixture in WITH_TOKEN if fixture.name in catchers]
+    results = await run_suite(fixtures, HOST, port, token=TOKEN, step_timeout=0.5)
+    assert [result.line() for result in results if result.passed] == []
+
+
 async def test_the_proxy_alone_changes_nothing(nursery: trio.Nursery) -> None:
     port = await start(nursery, PinpriqServer())
     port = await nursery.start(Proxy(port, None, None).serve)
@@ -575,11 +618,13 @@ async def test_the_proxy_alone_changes_nothing(nursery: trio.Nursery) -> None:
 
 
 async def conformance(*args: str) -> trio.Process:
+    environ = {k: v for k, v in os.environ.items() if k != "PINPRIQ_AUTH_TOKEN"}
     return await trio.run_process(
         [sys.executable, "-m", "pinpriq.conformance", *args],
         capture_stdout=True,
         capture_stderr=True,
         check=False,
+        env=environ,
     )
 
 
@@ -589,6 +634,24 @@ async def test_command_line_passes_against_our_server(nursery: trio.Nursery) -> 
     assert done.returncode == 0, done.stderr
     assert done.stdout.decode().splitlines()[0].startswith("PASS push-pop (")
     assert done.stdout.decode().splitlines()[-1].startswith("2 fixtures: 2 passed, 0 failed")
+
+
+async def test_command_line_reports_fixtures_for_another_server_as_not_run(
+    nursery: trio.Nursery,
+) -> None:
+    port = await start(nursery, PinpriqServer(token=TOKEN))
+    names = ["push-pop", "auth-right-token", "auth-without-token"]
+    done = await conformance(f"{HOST}:{port}", *names, "--token", TOKEN.decode())
+    assert done.returncode == 0, done.stdout
+    lines = done.stdout.decode().splitlines()
+    assert lines[0].startswith("PASS push-pop (")  # authenticated by the runner
+    assert lines[1].startswith("PASS auth-right-token (")
+    assert lines[2] == "NOT RUN auth-without-token: needs a server without a token"
+    assert lines[-1].startswith("3 fixtures: 2 passed, 0 failed, 1 not run")
+    done = await conformance(f"{HOST}:{port}", "auth-right-token")  # no --token
+    assert done.stdout.decode().splitlines()[0] == (
+        "NOT RUN auth-right-token: needs a server with a token (give --token)"
+    )
 
 
 async def test_command_line_fails_against_a_wrong_server(nursery: trio.Nursery) -> None:

@@ -17,13 +17,14 @@ from pinpriq.conformance import (
     Action,
     Fixture,
     FixtureError,
+    Requires,
     Step,
     load_fixtures,
     parse_address,
     parse_bytes,
     parse_fixture,
 )
-from pinpriq.wire import FrameDecoder, ProtocolError, Push, Ready, ReplyDecoder, Sync
+from pinpriq.wire import Auth, FrameDecoder, ProtocolError, Push, Ready, ReplyDecoder, Sync
 
 FIXTURES = load_fixtures(DEFAULT_FIXTURES)
 REPO = DEFAULT_FIXTURES.parent
@@ -132,11 +133,27 @@ def test_a_whole_fixture() -> None:
         ("A expect-closed\nA expect 00\n", "line 2: connection A was already closed"),
         ("A send 00\n\n  wait 1ms\n", "line 3: 'wait' is neither hex bytes"),
         ("A send\n  ( 00\n  01\n", "line 3: '(' is never closed"),
+        ("A send 61 $token-length $token\n", "line 1: $token-length is only for fixtures that"),
+        ("requires token\nrequires token\nA send 00\n", "line 2: one 'requires token'"),
+        ("A send 00\nrequires token\n", "line 2: one 'requires token' or 'requires no-token'"),
+        ("requires tls\nA send 00\n", "line 1: requires 'token' or 'no-token', not 'tls'"),
+        ("A expect-closed 1s\n", "expected a duration like 100ms"),
     ],
 )
 def test_bad_fixtures(text: str, message: str) -> None:
     with pytest.raises(FixtureError, match=re.escape(message)):
         parse_fixture(text, "bad")
+
+
+def test_a_fixture_that_requires_a_token_names_it_with_its_length() -> None:
+    text = "# auth\nrequires token\nA send 61 $token-length $token\nA expect-closed 5000ms\n"
+    fixture = parse_fixture(text, "t", b"s3cret")
+    assert fixture.requires is Requires.TOKEN
+    assert fixture.steps == (
+        Step(3, Action.SEND, "A", data=b"\x61\x00\x06s3cret"),
+        Step(4, Action.EXPECT_CLOSED, "A", ms=5000),
+    )
+    assert parse_fixture("requires no-token\nA send 00\n", "t").requires is Requires.NO_TOKEN
 
 
 def test_load_names_the_file_of_a_bad_fixture(tmp_path: Path) -> None:
@@ -199,7 +216,7 @@ def test_fixture_sends_whole_frames_to_its_own_queues(fixture: Fixture) -> None:
                 # A frame cut short only where the client closes the connection.
                 assert last_action(fixture, conn) is Action.CLOSE, f"{conn}: bytes left over"
         for frame in frames:
-            if isinstance(frame, Ready | Sync):
+            if isinstance(frame, Ready | Sync | Auth):
                 continue
             if fixture.name == "empty-name-and-key":
                 assert frame.queue == b""

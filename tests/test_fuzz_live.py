@@ -9,6 +9,10 @@ Random bytes can form valid frames, including pushes that add packets and subscr
 credits, so the well-behaved clients use queue names that random data cannot realistically
 produce, and the leftovers check decodes every chaos stream itself to know which queues it could
 have subscribed to.
+
+Each seed runs twice: against a plain server, and against one with a token and TLS on, where the
+chaos clients speak TLS but present no token. There none of them gets in: nothing they send is
+applied, and the well-behaved (authenticated) clients carry on as before.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import os
 import random
 import socket
+import ssl
 import struct
 
 import pytest
@@ -106,28 +111,34 @@ def reset(stream: trio.SocketStream) -> None:
     stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
-async def read_until_closed(stream: trio.SocketStream, done: trio.Event | None = None) -> None:
+async def read_all(stream: trio.abc.Stream, done: trio.Event | None = None) -> None:
     try:
         while await stream.receive_some(65536):
             pass
     except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass  # reset by the server (it closed with our bytes unread), or closed by us
+        pass
     if done is not None:
         done.set()
 
 
-async def chaos_client(port: int, rng: random.Random, stream_bytes: bytes) -> None:
+async def chaos_client(
+    port: int, rng: random.Random, stream_bytes: bytes, tls: ssl.SSLContext | None = None
+) -> None:
     """Send a prefix of ``stream_bytes`` in random chunks and end the connection one way or
-    another. Reads replies concurrently, or never."""
+    another. Reads replies concurrently, or never. With ``tls``, over TLS (which has no
+    half-close: that ending is a plain close there)."""
     await trio.sleep(rng.uniform(0, 0.3))  # staggered, so connections overlap in many ways
     cut = rng.choice([len(stream_bytes), rng.randint(0, len(stream_bytes))])
     ending = rng.choice(list(Ending))
     reads = rng.random() < 0.6
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    tcp = await trio.open_tcp_stream("127.0.0.1", port)
+    stream: trio.abc.Stream = tcp
+    if tls is not None:
+        stream = trio.SSLStream(tcp, tls, server_hostname="127.0.0.1")
     server_closed = trio.Event()
-    async with stream, trio.open_nursery() as nursery:
+    async with tcp, trio.open_nursery() as nursery:
         if reads:
-            nursery.start_soon(read_until_closed, stream, server_closed)
+            nursery.start_soon(read_all, stream, server_closed)
         try:
             pos = 0
             while pos < cut:
@@ -135,15 +146,15 @@ async def chaos_client(port: int, rng: random.Random, stream_bytes: bytes) -> No
                 await stream.send_all(stream_bytes[pos : min(cut, pos + size)])
                 pos += size
                 await trio.sleep(rng.choice([0, 0, 0, 0.001, 0.01]))
-            if ending is Ending.HALF_CLOSE:
-                await stream.send_eof()
+            if ending is Ending.HALF_CLOSE and tls is None:
+                await tcp.send_eof()
                 if not reads:
-                    nursery.start_soon(read_until_closed, stream, server_closed)
+                    nursery.start_soon(read_all, stream, server_closed)
                 await server_closed.wait()
-        except trio.BrokenResourceError:
+        except (trio.BrokenResourceError, trio.BusyResourceError):
             pass  # the server closed on garbage, or we reset
         if ending is Ending.RESET:
-            reset(stream)
+            reset(tcp)
         nursery.cancel_scope.cancel()
 
 
@@ -192,8 +203,10 @@ async def wait_for_connections(live: LiveServer, count: int, seconds: float = 5)
 
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_hostile_connections_leave_nothing_behind(
-    live: LiveServer, seed: int, caplog: pytest.LogCaptureFixture
+    hardened: LiveServer, seed: int, caplog: pytest.LogCaptureFixture
 ) -> None:
+    live = hardened
+    secure = live.server.token is not None
     caplog.set_level(logging.WARNING, logger="pinpriq.server")
     rng = random.Random(seed)
     streams = [chaos_stream(rng) for _ in range(CHAOS_CONNECTIONS)]
@@ -207,18 +220,27 @@ async def test_hostile_connections_leave_nothing_behind(
             nursery.start_soon(good_subscription, sub, sub_pusher, rounds_done, stop)
             async with trio.open_nursery() as chaos:
                 for client_rng, stream_bytes in zip(client_rngs, streams, strict=True):
-                    chaos.start_soon(chaos_client, live.port, client_rng, stream_bytes)
+                    chaos.start_soon(
+                        chaos_client, live.port, client_rng, stream_bytes, live.client_tls
+                    )
             stop.set()
         # The good clients kept working throughout, and the chaos reached the parser.
         assert min(rounds_done) > 0, f"seed {seed}: good clients made no progress"
         closed_on_garbage = sum("unknown opcode" in r.getMessage() for r in caplog.records)
-        assert closed_on_garbage > 0, f"seed {seed}: no connection was closed for bad bytes"
+        refused = sum("before auth" in r.getMessage() for r in caplog.records)
+        if secure:  # none got in, so none reached the parser beyond its first byte
+            assert closed_on_garbage == 0, f"seed {seed}: an unauthenticated client got in"
+            assert refused > 0, f"seed {seed}: no connection was refused for lack of auth"
+        else:
+            assert closed_on_garbage > 0, f"seed {seed}: no connection was closed for bad bytes"
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert not errors, f"seed {seed}: the server logged errors: {errors}"
         print(f"seed {seed}: {closed_on_garbage} closed on garbage; good rounds {rounds_done}")
 
         # The server is done with every chaos connection, and forgot it.
         await wait_for_connections(live, 3)
+        if secure:  # nothing a chaos client sent was applied
+            assert len(live.store) == 0
         queues = set().union(*map(subscribed_queues, streams))
         waiting = {
             q[:40]: len(waiters)

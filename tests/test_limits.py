@@ -209,8 +209,9 @@ async def test_a_producer_the_server_paused_is_not_timed_out_for_it(
 
 
 async def test_a_client_that_does_not_read_its_replies_is_not_read_either(
-    live: LiveServer,
+    hardened: LiveServer,
 ) -> None:
+    live = hardened  # plain, and with a token and TLS
     filler, greedy = await live.connect(), await live.connect()
     payload = b"x" * 60_000
     count = 600  # 36 MB of replies, far beyond the output bound plus the socket buffers

@@ -299,7 +299,8 @@ async def fill_past_the_cap(live: LiveServer, cap: int) -> None:
 DRIBBLE_INTERVAL = 0.1
 
 
-async def test_one_byte_every_100ms_stalls_no_one(live: LiveServer) -> None:
+async def test_one_byte_every_100ms_stalls_no_one(hardened: LiveServer) -> None:
+    live = hardened  # plain, and with a token and TLS
     dribbler, watcher = await live.connect(), await live.connect()
     frame = push(b"d", b"k", b"dribbled", ttl_ms=60_000, prio=7)
     assert len(frame) == 20  # two seconds at one byte per 100 ms

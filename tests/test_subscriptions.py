@@ -498,3 +498,18 @@ def test_a_subscriber_paused_in_deliver_receives_nothing_more_until_resumed() ->
 
 def pause(sub: Subscriber) -> None:
     sub.paused = True
+
+
+def test_a_waiting_subscriber_paused_from_outside_lets_the_next_one_be_served() -> None:
+    server = Server()
+    first, second = Conn(), Conn()
+    for conn in (first, second):
+        server.subs.subscribe(conn.sub, b"q")
+        server.subs.ready(conn.sub)
+    server.subs.pause(first.sub)  # the client memory budget: it owes too much output
+    assert server.subs.waiting(b"q") == [second.sub]
+    server.push(b"q", b"1")
+    assert (first.deliveries, second.deliveries) == ([], [[b"1"]])
+    server.subs.resume(first.sub)  # its output drained; the credit was kept
+    server.push(b"q", b"2")
+    assert first.deliveries == [[b"2"]]

@@ -20,6 +20,7 @@ from pinpriq import wire
 from pinpriq.wire import (
     READY,
     SYNC,
+    Auth,
     ClientFrame,
     FrameDecoder,
     Packet,
@@ -33,7 +34,7 @@ from pinpriq.wire import (
     encode_reply,
 )
 
-OPCODES = {0x70, 0x50, 0x73, 0x75, 0x41, 0x21}
+OPCODES = {0x70, 0x50, 0x73, 0x75, 0x41, 0x21, 0x61}
 
 # (frame, its bytes as written from the layout table). Spaces separate the fields.
 PINNED_FRAMES: list[tuple[ClientFrame, str]] = [
@@ -59,6 +60,9 @@ PINNED_FRAMES: list[tuple[ClientFrame, str]] = [
     (Unsubscribe(b""), "75 0000"),
     (READY, "41"),
     (SYNC, "21"),
+    # 61 | token_len | token
+    (Auth(b"s3cret"), "61 0006 733363726574"),
+    (Auth(b""), "61 0000"),
 ]
 
 MAX_PUSH = Push(queue=b"q" * 65535, key=b"k" * 65535, payload=b"p" * 65535, ttl_ms=65535, prio=255)
@@ -263,6 +267,7 @@ client_frames: st.SearchStrategy[ClientFrame] = st.one_of(
     st.builds(Unsubscribe, fields),
     st.just(READY),
     st.just(SYNC),
+    st.builds(Auth, fields),
 )
 packets = st.builds(Packet, fields, fields)
 replies = st.lists(packets, max_size=5)
@@ -402,6 +407,7 @@ TOO_LONG = b"x" * 65536
         (Pop(TOO_LONG), "queue"),
         (Subscribe(TOO_LONG), "queue"),
         (Unsubscribe(TOO_LONG), "queue"),
+        (Auth(TOO_LONG), "token"),
     ],
 )
 def test_encode_rejects_out_of_range_field_naming_it(frame: ClientFrame, field: str) -> None:
@@ -409,11 +415,25 @@ def test_encode_rejects_out_of_range_field_naming_it(frame: ClientFrame, field: 
         encode(frame)
 
 
-@pytest.mark.parametrize("frame_type", [Pop, Subscribe, Unsubscribe])
-def test_encode_accepts_longest_queue_name(frame_type: type[Pop | Subscribe | Unsubscribe]) -> None:
+@pytest.mark.parametrize("frame_type", [Pop, Subscribe, Unsubscribe, Auth])
+def test_encode_accepts_longest_queue_name(
+    frame_type: type[Pop | Subscribe | Unsubscribe | Auth],
+) -> None:
     data = encode(frame_type(b"n" * 65535))
     assert data[1:3] == b"\xff\xff"
     assert len(data) == 3 + 65535
+
+
+def test_an_auth_frame_never_shows_its_token() -> None:
+    frame = Auth(b"hunter2")
+    assert "hunter2" not in repr(frame)
+    assert "hunter2" not in str(frame)
+    assert repr(frame) == "Auth(<7 bytes>)"
+
+
+def test_an_auth_frame_is_not_a_pop_of_the_same_bytes() -> None:
+    assert Auth(b"q") != Pop(b"q")
+    assert decode_frames([b"\x61\x00\x01q\x50\x00\x01q"]) == [Auth(b"q"), Pop(b"q")]
 
 
 def test_encode_reply_rejects_more_than_65535_packets() -> None:

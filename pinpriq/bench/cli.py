@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pinpriq import __version__
+from pinpriq.auth import TOKEN_VARIABLE
 from pinpriq.bench.runner import run_scenario
 from pinpriq.bench.workload import (
     REDIS_PORT,
@@ -80,6 +81,10 @@ def bench_parser() -> argparse.ArgumentParser:
         help="longest wait for any one reply (default: 30)")  # fmt: skip
     add("--server-pid", type=int_in(1), metavar="PID",
         help="also report the server process's CPU time per op (Linux)")  # fmt: skip
+    add("--tls", action="store_true",
+        help="connect over TLS, trusting the system's CAs")  # fmt: skip
+    add("--tls-ca", metavar="FILE",
+        help="connect over TLS, trusting the CA certificates in FILE")  # fmt: skip
     add("--json", action="store_true", help="print one JSON object instead of a table")
     add("-q", "--quiet", action="store_true", help="no progress line")
     add("--version", action="version", version=f"%(prog)s {__version__}")
@@ -93,12 +98,16 @@ def workloads(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Iter
     names = "host redis clients ops pipeline key_size payload_size prio_levels keys prefill"
     names += " subscribers prefetch rate seed timeout"
     fields = {name: getattr(args, name) for name in names.split()}
+    token = os.environ.get(TOKEN_VARIABLE)
     for scenario in args.scenarios:
         yield Workload(
             scenario=scenario,
             port=port,
             ttl_ms=args.ttl,
             queue=os.fsencode(args.queue),
+            tls=args.tls or args.tls_ca is not None,
+            tls_ca=args.tls_ca,
+            token=os.fsencode(token) if token and not args.redis else None,
             **fields,
         )
 
@@ -106,6 +115,8 @@ def workloads(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Iter
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.redis and args.ttl:
         parser.error("--ttl has no Redis counterpart (a sorted set has no per-member TTL)")
+    if (args.tls or args.tls_ca) and (args.redis or "subscribe" in args.scenarios):
+        parser.error("--tls is for pinpriq's throughput scenarios; drop --redis and subscribe")
     if args.redis and "subscribe" in args.scenarios:
         parser.error("the subscribe scenario has no Redis counterpart; drop it from -t")
     if "subscribe" in args.scenarios and args.payload_size < 8:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import array
 import os
 import random
+import select
 import selectors
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Iterable
@@ -31,7 +33,16 @@ from pinpriq.bench.dialects import (
 )
 from pinpriq.bench.plans import Batch, build_plan, draw_prios
 from pinpriq.bench.workload import BenchError, Workload, share
-from pinpriq.wire import READY, Packet, Push, ReplyDecoder, Subscribe, encode, encode_reply
+from pinpriq.wire import (
+    READY,
+    Auth,
+    Packet,
+    Push,
+    ReplyDecoder,
+    Subscribe,
+    encode,
+    encode_reply,
+)
 
 RECEIVE_SIZE = 256 * 1024
 #: Seconds the parent waits for every client to connect and prefill.
@@ -53,15 +64,33 @@ class Sync:
         return sum(self.progress[i] for i in self.subscriber_slots)
 
 
+def _connect(w: Workload) -> socket.socket:
+    """A connected socket: over TLS if the workload says so, and authenticated if it has a
+    token (the auth's ``00 00`` read here, before anything is counted)."""
+    try:
+        sock = socket.create_connection((w.host, w.port), timeout=w.timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if w.tls:
+            context = ssl.create_default_context(cafile=w.tls_ca)
+            sock = context.wrap_socket(sock, server_hostname=w.host)
+        if w.token is not None:
+            sock.sendall(encode(Auth(w.token)))
+            answer = b""
+            while len(answer) < 2 and (data := sock.recv(2 - len(answer))):
+                answer += data
+            if answer != b"\x00\x00":
+                raise BenchError(f"{w.host}:{w.port} did not take the token")
+    except OSError as error:
+        raise BenchError(f"cannot connect to {w.host}:{w.port}: {error}") from None
+    return sock
+
+
 class _Link:
-    """A blocking socket and the replies counted on it."""
+    """A blocking socket (TLS or not) and the replies counted on it."""
 
     def __init__(self, w: Workload, replies: Replies) -> None:
-        try:
-            self.sock = socket.create_connection((w.host, w.port), timeout=w.timeout)
-        except OSError as error:
-            raise BenchError(f"cannot connect to {w.host}:{w.port}: {error}") from None
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = _connect(w)
+        self.tls = isinstance(self.sock, ssl.SSLSocket)
         # A Python-level timeout makes every read that would block a poll() plus a recv();
         # a blocking socket with a kernel timeout costs one syscall and still cannot hang.
         self.sock.settimeout(None)
@@ -74,9 +103,13 @@ class _Link:
 
     def receive(self, flags: int = 0) -> bool:
         """Read once and count; False when nothing was ready (non-blocking ``flags``)."""
+        if self.tls and flags:  # an SSL socket takes no recv flags: look before reading
+            if not self.sock.pending() and not select.select([self.sock], [], [], 0)[0]:  # type: ignore[attr-defined]
+                return False
+            flags = 0
         try:
             data = self.sock.recv(RECEIVE_SIZE, flags)
-        except BlockingIOError:  # nothing ready, or SO_RCVTIMEO passed on a blocking read
+        except (BlockingIOError, ssl.SSLWantReadError):  # nothing, or SO_RCVTIMEO passed
             if flags & socket.MSG_DONTWAIT:
                 return False
             raise BenchError("timed out waiting for the server") from None

@@ -50,6 +50,9 @@ class Workload:
     seed: int = 1
     timeout: float = 30.0
     max_seconds: float = 900.0
+    tls: bool = False  # connect over TLS
+    tls_ca: str | None = None  # trusting these CA certificates (PEM) instead of the system's
+    token: bytes | None = None  # presented first on every connection (pinpriq only)
 
     @property
     def fill(self) -> int:

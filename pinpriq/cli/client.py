@@ -11,14 +11,16 @@ import argparse
 import base64
 import json
 import os
+import ssl
 import sys
 import time
 from collections.abc import Iterable
-from typing import TextIO
-from urllib.parse import urlsplit
+from typing import NamedTuple, TextIO
+from urllib.parse import unquote, urlsplit
 
 from pinpriq import __version__
 from pinpriq._client_core import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TIMEOUT, MAX_PREFETCH
+from pinpriq.auth import TOKEN_VARIABLE
 from pinpriq.blocking import BlockingPinpriqClient
 from pinpriq.cli.args import OneLineParser, client_port, int_in, seconds
 from pinpriq.errors import ArgumentError, ArgumentTypeError, PinpriqError
@@ -33,6 +35,8 @@ INTERRUPTED = 130
 CLIENT_EPILOG = f"""\
 The server is --host and --port if given, else the {URL_VARIABLE} environment variable
 (pinpriq://HOST:PORT, the port defaulting to {DEFAULT_PORT}), else {DEFAULT_HOST}:{DEFAULT_PORT}.
+The token is the one in {URL_VARIABLE} (pinpriq://:TOKEN@HOST:PORT), else {TOKEN_VARIABLE}.
+pinpriqs://HOST:PORT, --tls or --tls-ca speak TLS.
 
 `push` waits until the server confirms it has the packet (a protocol 1.1 sync), so exit status
 0 means the packet is queued. Output is one line per packet, KEY<tab>PAYLOAD, with backslash
@@ -43,21 +47,37 @@ escapes for bytes that are not printable text. With --json, each line is a JSON 
 {INTERRUPTED} interrupted (Ctrl-C)."""
 
 
-def parse_url(text: str) -> tuple[str, int]:
-    """``pinpriq://host:port`` (port optional; IPv6 hosts in brackets) as ``(host, port)``."""
-    usage = f"{URL_VARIABLE} must look like pinpriq://HOST:PORT, not {text!r}"
+class ServerUrl(NamedTuple):
+    host: str
+    port: int
+    token: bytes | None  # pinpriq://:TOKEN@HOST
+    tls: bool  # pinpriqs://
+
+
+def parse_url(text: str) -> ServerUrl:
+    """``pinpriq://HOST:PORT`` (port optional; IPv6 hosts in brackets), with ``:TOKEN@``
+    before the host to give a token (percent-encoded where it must be), or ``pinpriqs://`` for
+    TLS."""
+    usage = f"{URL_VARIABLE} must look like pinpriq://HOST:PORT or pinpriqs://:TOKEN@HOST:PORT"
     parts = urlsplit(text)
     extra = parts.path.strip("/") or parts.query or parts.fragment or parts.username
-    if parts.scheme != "pinpriq" or not parts.hostname or extra:
-        raise ValueError(usage)
-    port = parts.netloc.rpartition("]")[2].rpartition(":")[2] if ":" in parts.netloc else ""
+    if parts.scheme not in ("pinpriq", "pinpriqs") or not parts.hostname or extra:
+        raise ValueError(usage)  # never the URL itself: it may hold a token
+    token = None
+    if parts.password is not None:
+        token = os.fsencode(unquote(parts.password))
+        if not token:
+            raise ValueError(f"{URL_VARIABLE}: the token after ':' is empty")
+    tls = parts.scheme == "pinpriqs"
+    location = parts.netloc.rpartition("@")[2]
+    port = location.rpartition("]")[2].rpartition(":")[2] if ":" in location else ""
     if not port:
-        return parts.hostname, DEFAULT_PORT
+        return ServerUrl(parts.hostname, DEFAULT_PORT, token, tls)
     if not port.isdigit():
         raise ValueError(usage)
     if not 1 <= int(port) <= 65535:
-        raise ValueError(f"{URL_VARIABLE}: port {port} is out of range (1..65535) in {text!r}")
-    return parts.hostname, int(port)
+        raise ValueError(f"{URL_VARIABLE}: port {port} is out of range (1..65535)")
+    return ServerUrl(parts.hostname, int(port), token, tls)
 
 
 def client_parser() -> argparse.ArgumentParser:
@@ -77,6 +97,27 @@ def client_parser() -> argparse.ArgumentParser:
     )
     connection.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="one JSON object per line"
+    )
+    connection.add_argument(
+        "--tls",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="speak TLS, trusting the system's CAs (as pinpriqs:// does)",
+    )
+    connection.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="speak TLS, trusting the CA certificates in FILE (PEM)",
+    )
+    connection.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="speak TLS, presenting this client certificate (PEM; with --tls-key)",
+    )
+    connection.add_argument(
+        "--tls-key", metavar="FILE", default=argparse.SUPPRESS, help="the client certificate's key"
     )
     parser = OneLineParser(
         prog="pinpriq",
@@ -140,13 +181,33 @@ def client_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def server_address(args: argparse.Namespace) -> tuple[str, int]:
-    """--host and --port, falling back to PINPRIQ_URL, then to the defaults."""
-    host, port = DEFAULT_HOST, DEFAULT_PORT
-    url = os.environ.get(URL_VARIABLE)
-    if url:
-        host, port = parse_url(url)
-    return getattr(args, "host", host), getattr(args, "port", port)
+def server_url(args: argparse.Namespace) -> ServerUrl:
+    """--host and --port, falling back to PINPRIQ_URL, then to the defaults; the token from
+    PINPRIQ_URL, else PINPRIQ_AUTH_TOKEN (``BlockingPinpriqClient`` reads it when the token is
+    ``None``); TLS from pinpriqs:// or any --tls option."""
+    url = ServerUrl(DEFAULT_HOST, DEFAULT_PORT, None, False)
+    text = os.environ.get(URL_VARIABLE)
+    if text:
+        url = parse_url(text)
+    tls = url.tls or any(hasattr(args, name) for name in ("tls", "tls_ca", "tls_cert"))
+    return ServerUrl(
+        getattr(args, "host", url.host), getattr(args, "port", url.port), url.token, tls
+    )
+
+
+def tls_context(args: argparse.Namespace) -> ssl.SSLContext:
+    """The client's TLS context from --tls-ca, --tls-cert and --tls-key (``ValueError`` with
+    one line if a file cannot be used)."""
+    ca, cert, key = (getattr(args, name, None) for name in ("tls_ca", "tls_cert", "tls_key"))
+    if (cert is None) != (key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    try:
+        context = ssl.create_default_context(cafile=ca)
+        if cert is not None:
+            context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as error:
+        raise ValueError(f"cannot use the TLS files: {error.strerror or error}") from None
+    return context
 
 
 def escape(data: bytes) -> str:
@@ -184,10 +245,14 @@ def print_packets(packets: Iterable[Packet], as_json: bool, out: TextIO) -> None
     out.flush()  # a subscriber's reader sees each delivery as it comes
 
 
-def run_client(args: argparse.Namespace, host: str, port: int, out: TextIO) -> None:
+def run_client(
+    args: argparse.Namespace, url: ServerUrl, tls: ssl.SSLContext | None, out: TextIO
+) -> None:
     timeout = getattr(args, "timeout", DEFAULT_TIMEOUT)
     as_json = getattr(args, "json", False)
-    with BlockingPinpriqClient.connect(host, port, timeout=timeout) as client:
+    with BlockingPinpriqClient.connect(
+        url.host, url.port, timeout=timeout, token=url.token, tls=tls or False
+    ) as client:
         if args.command == "push":
             queue, key, payload = (os.fsencode(arg) for arg in (args.queue, args.key, args.payload))
             client.push(queue, key, payload, ttl_ms=args.ttl, prio=args.prio, confirm=True)
@@ -213,10 +278,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = parser.parse_args(argv)
         try:
-            host, port = server_address(args)
+            url = server_url(args)
+            tls = tls_context(args) if url.tls else None
         except ValueError as error:
             parser.error(str(error))
-        run_client(args, host, port, sys.stdout)
+        run_client(args, url, tls, sys.stdout)
     except (ArgumentError, ArgumentTypeError) as error:  # a field longer than the protocol allows
         parser.exit(2, f"pinpriq: error: {error}\n")
     except PinpriqError as error:  # unreachable, lost, timed out, not a pinpriq 1.1 server

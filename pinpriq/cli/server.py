@@ -19,8 +19,10 @@ import trio
 from pinpriq import __version__
 from pinpriq.auth import TOKEN_VARIABLE, TokenError, load_token
 from pinpriq.cli.args import OneLineParser, byte_size, int_in, port_number, seconds
+from pinpriq.client_memory import MIN_DEFAULT_BUDGET
 from pinpriq.server import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_CONNECTIONS, PinpriqServer
 from pinpriq.store import PACKET_OVERHEAD
+from pinpriq.tls import TlsError, server_context
 from pinpriq.wire import DEFAULT_PORT
 
 __all__ = ["main", "server_parser"]
@@ -73,10 +75,36 @@ def server_parser() -> argparse.ArgumentParser:
         "reading (time the server itself makes it wait does not count; default: %(default)g)",
     )
     parser.add_argument(
+        "--max-client-memory",
+        type=byte_size,
+        metavar="SIZE",
+        help="cap on what all connections together make the server hold in incomplete frames "
+        "and unsent replies; past it, the connections holding the largest incomplete frames "
+        "are closed, and those owed replies stop being read. 0 for no cap (default: a quarter "
+        f"of --max-memory, at least {MIN_DEFAULT_BUDGET // 1024**2}MiB)",
+    )
+    parser.add_argument(
         "--auth-token-file",
         metavar="FILE",
         help=f"the token clients must present (one trailing newline stripped); or set "
         f"{TOKEN_VARIABLE}. Never a command-line value: ps would show it",
+    )
+    parser.add_argument(
+        "--no-protected-mode",
+        dest="protected_mode",
+        action="store_false",
+        help="without a token, accept clients from other hosts too (by default a server with "
+        "no token refuses every connection that does not come from loopback)",
+    )
+    tls = parser.add_argument_group(
+        "TLS", "With --tls-cert and --tls-key every connection must speak TLS."
+    )
+    tls.add_argument("--tls-cert", metavar="FILE", help="the server's certificate chain (PEM)")
+    tls.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (PEM)")
+    tls.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="CA certificates (PEM): clients must present a certificate signed by one of them",
     )
     parser.add_argument(
         "--log-level",
@@ -142,7 +170,12 @@ def tune_garbage_collector() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``pinpriq-server``."""
-    args = server_parser().parse_args(argv)
+    parser = server_parser()
+    args = parser.parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_ca is not None and args.tls_cert is None:
+        parser.error("--tls-ca needs --tls-cert and --tls-key")
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -152,6 +185,12 @@ def main(argv: list[str] | None = None) -> None:
         token = load_token(args.auth_token_file)
     except TokenError as error:
         sys.exit(f"pinpriq-server: {error}")
+    tls = None
+    if args.tls_cert is not None:
+        try:
+            tls = server_context(args.tls_cert, args.tls_key, args.tls_ca)
+        except TlsError as error:
+            sys.exit(f"pinpriq-server: {error}")
     raise_open_file_limit(args.max_connections + 64)
     tune_garbage_collector()
     server = PinpriqServer(
@@ -159,6 +198,9 @@ def main(argv: list[str] | None = None) -> None:
         max_connections=args.max_connections,
         frame_timeout=args.frame_timeout,
         token=token,
+        protected_mode=args.protected_mode,
+        tls=tls,
+        max_client_memory=args.max_client_memory,
     )
     try:
         outcome = trio.run(run_server, server, args.host, args.port)

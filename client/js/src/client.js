@@ -14,8 +14,10 @@
 // each time the consumer takes a delivery, but never more than `limit` in all.
 
 import net from 'node:net';
+import tls from 'node:tls';
 import {
-  ReplyDecoder, checkInteger, encodePop, encodePush, encodeReady, encodeSubscribe, encodeSync,
+  ReplyDecoder, checkInteger, encodeAuth, encodePop, encodePush, encodeReady, encodeSubscribe,
+  encodeSync, toBytes,
 } from './wire.js';
 
 /** @typedef {import('./wire.js').Data} Data */
@@ -33,7 +35,9 @@ const MAX_TIMER_MS = 2 ** 31 - 1;
 // sending anything. A close that quick, with no byte received, is reported as such.
 const CLOSED_AT_ONCE_MS = 1000;
 const CLOSED_AT_ONCE = 'the server closed the connection at once (it may be at its connection '
-  + 'limit)';
+  + 'limit, want a token or TLS, or refuse clients from other hosts)';
+/** The environment variable the token is read from when the `token` option is not given. */
+export const TOKEN_VARIABLE = 'PINPRIQ_AUTH_TOKEN';
 
 const REASONS = {
   ECONNREFUSED: 'connection refused',
@@ -114,15 +118,28 @@ export function formatAddress(host, port) {
  * @property {number} [port] default 7000
  * @property {number} [timeout] milliseconds for connecting and for each call, default 10000;
  *   0 waits forever
+ * @property {string | Uint8Array | null} [token] presented first on every connection (protocol
+ *   1.1 auth); default: the PINPRIQ_AUTH_TOKEN environment variable, if set; `null` for none
+ * @property {boolean | import('node:tls').ConnectionOptions} [tls] speak TLS: `true` trusts
+ *   the system's CAs and checks the host name; an object is passed to `tls.connect` (`ca`,
+ *   `cert`, `key`, ...)
  */
 
 /** Where to connect and how long to wait: checked once, shared by a client's connections. */
 class Endpoint {
   /** @param {ConnectOptions} options */
-  constructor({ host = DEFAULT_HOST, port = DEFAULT_PORT, timeout = DEFAULT_TIMEOUT } = {}) {
+  constructor({
+    host = DEFAULT_HOST, port = DEFAULT_PORT, timeout = DEFAULT_TIMEOUT,
+    token = process.env[TOKEN_VARIABLE] || null, tls: tlsOption = false,
+  } = {}) {
     if (typeof host !== 'string' || host === '') {
       throw new TypeError('host must be a non-empty string');
     }
+    this.token = token === null ? null : toBytes('token', token);
+    if (typeof tlsOption !== 'boolean' && (typeof tlsOption !== 'object' || tlsOption === null)) {
+      throw new TypeError('tls must be true, false or an object of tls.connect options');
+    }
+    this.tls = tlsOption === false ? null : { ...(tlsOption === true ? {} : tlsOption) };
     this.host = host;
     this.port = checkInteger('port', port, 1, 65535);
     if (typeof timeout !== 'number' || !(timeout >= 0)) {
@@ -164,24 +181,98 @@ class Endpoint {
    * @returns {Promise<net.Socket>}
    */
   async open() {
-    const socket = net.connect({ host: this.host, port: this.port });
+    const socket = this.tls === null
+      ? net.connect({ host: this.host, port: this.port })
+      : tls.connect({
+        host: this.host,
+        port: this.port,
+        // SNI takes host names only; the certificate is checked against the host either way.
+        servername: net.isIP(this.host) ? undefined : this.host,
+        ...this.tls,
+      });
+    let onError;
+    let onClose;
     const connected = new Promise((resolve, reject) => {
-      socket.once('connect', resolve);
-      socket.once('error', (error) => {
-        // A reset while connecting: the server accepted the connection and reset it at once.
-        const reason = error.code === 'ECONNRESET'
-          ? CLOSED_AT_ONCE
-          : REASONS[error.code] ?? error.code ?? error.message;
-        reject(this.connectionError(`cannot connect to ${this.address}: ${reason}`, {
+      socket.once(this.tls === null ? 'connect' : 'secureConnect', resolve);
+      onError = (error) => {
+        reject(this.connectionError(`cannot connect to ${this.address}: ${this.#reason(error)}`, {
           code: error.code, cause: error,
         }));
-      });
+      };
+      // A TLS server that closes before the handshake ends (a plain pinpriq server does).
+      onClose = () => reject(this.connectionError(
+        `cannot connect to ${this.address}: ${this.tls === null ? CLOSED_AT_ONCE
+          : 'the server closed the connection during the TLS handshake (does it speak TLS?)'}`,
+      ));
+      socket.once('error', onError);
+      socket.once('close', onClose);
     });
-    await this.limit(connected, 'cannot connect to', () => socket.destroy());
-    socket.removeAllListeners('error');
+    try {
+      await this.limit(connected, 'cannot connect to', () => socket.destroy());
+    } finally {
+      socket.removeListener('error', onError);
+      socket.removeListener('close', onClose);
+    }
     // Frames are small and often answered at once: don't let Nagle's algorithm hold them back.
     socket.setNoDelay(true);
+    if (this.token !== null) await this.#authenticate(socket);
     return socket;
+  }
+
+  /** @param {Error & { code?: string }} error */
+  #reason(error) {
+    // A reset while connecting: the server accepted the connection and reset it at once.
+    if (error.code === 'ECONNRESET') return CLOSED_AT_ONCE;
+    if (this.tls !== null && (error.code?.startsWith('ERR_TLS') || error.code?.startsWith('ERR_SSL')
+      || /certificate|self.signed|altnames|SSL/i.test(error.message))) {
+      return `TLS handshake failed: ${error.message}`;
+    }
+    return REASONS[error.code] ?? error.code ?? error.message;
+  }
+
+  /**
+   * Presents the token and waits for its `00 00`: a server that does not take it closes the
+   * connection, which is reported as such.
+   * @param {net.Socket} socket
+   */
+  async #authenticate(socket) {
+    const handlers = {};
+    const answered = new Promise((resolve, reject) => {
+      let received = Buffer.alloc(0);
+      handlers.data = (chunk) => {
+        received = Buffer.concat([received, chunk]);
+        if (received.length < 2) return;
+        if (received[0] === 0 && received[1] === 0 && received.length === 2) resolve();
+        else {
+          reject(new PinpriqProtocolError(
+            `the server at ${this.address} did not answer like a pinpriq 1.1 server: its `
+              + `answer to auth began ${describeStart(received.readUInt16BE(0))}, not 00 00`,
+            this,
+          ));
+        }
+      };
+      handlers.error = (error) => reject(this.#refused(error));
+      handlers.close = () => reject(this.#refused(null));
+      for (const [event, handler] of Object.entries(handlers)) socket.on(event, handler);
+    });
+    socket.write(encodeAuth(this.token));
+    try {
+      await this.limit(answered, 'cannot connect to', () => socket.destroy());
+    } catch (error) {
+      socket.destroy();
+      throw error;
+    } finally {
+      for (const [event, handler] of Object.entries(handlers)) socket.removeListener(event, handler);
+    }
+  }
+
+  /** @param {(Error & { code?: string }) | null} error */
+  #refused(error) {
+    return this.connectionError(
+      `${this.address} closed the connection in answer to auth: it does not take this token `
+        + '(or speaks protocol 1.0, which has no auth)',
+      error ? { code: error.code, cause: error } : {},
+    );
   }
 }
 

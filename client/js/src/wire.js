@@ -1,9 +1,10 @@
-// The pinpriq wire format (protocol 1.0 and the sync frame of 1.1, docs/protocol.md), sans I/O:
+// The pinpriq wire format (protocol 1.0 and the sync and auth frames of 1.1, docs/protocol.md),
+// sans I/O:
 // functions from arguments to frame bytes, and a decoder from received bytes to replies.
 // Nothing here touches a socket, so every byte layout lives in this one file and can be tested
 // without a server.
 
-/** Opcodes of the client frames: the five of protocol 1.0, and sync from 1.1. */
+/** Opcodes of the client frames: the five of protocol 1.0, and sync and auth from 1.1. */
 export const OPCODE = Object.freeze({
   PUSH: 0x70,
   POP: 0x50,
@@ -11,6 +12,7 @@ export const OPCODE = Object.freeze({
   UNSUBSCRIBE: 0x75,
   READY: 0x41,
   SYNC: 0x21,
+  AUTH: 0x61,
 });
 
 /** Largest queue name, key or payload, in bytes (a u16 length). */
@@ -151,6 +153,21 @@ export function encodeReady(credits = 1) {
 export function encodeSync() {
   return Buffer.from([OPCODE.SYNC]);
 }
+
+/**
+ * An auth frame (protocol 1.1, decision 12): the token a server with one wants first on every
+ * connection. It answers `00 00` if the token is right; otherwise it closes the connection.
+ * @param {Data} token
+ * @returns {Buffer}
+ */
+export const encodeAuth = (token) => {
+  const t = toBytes('token', token);
+  const frame = Buffer.allocUnsafe(3 + t.length);
+  frame[0] = OPCODE.AUTH;
+  frame.writeUInt16BE(t.length, 1);
+  t.copy(frame, 3);
+  return frame;
+};
 
 /**
  * Turns the bytes a server sends into replies (a pop's answer or a subscription's delivery:

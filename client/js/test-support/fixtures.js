@@ -15,6 +15,12 @@ export const FIXTURES_DIR = fileURLToPath(new URL('../../../wire-fixtures/', imp
  *   words: string[] }} Step
  */
 
+/**
+ * The token `$token` and `$token-length` stand for in fixtures that require one: a runner is
+ * given the server's; this reader only parses, so any token does.
+ */
+export const FIXTURE_TOKEN = Buffer.from('a token for the fixture reader');
+
 /** @returns {string[]} every fixture's name, sorted */
 export function fixtureNames() {
   return readdirSync(FIXTURES_DIR)
@@ -47,7 +53,9 @@ export function readFixture(name) {
       raw.push({ line: index + 1, words });
     }
   });
-  return raw.map(({ line, words }) => toStep(name, line, words));
+  // A `requires token` or `requires no-token` line, before the steps, is a header, not a step.
+  return raw.filter(({ words }) => words[0] !== 'requires')
+    .map(({ line, words }) => toStep(name, line, words));
 }
 
 function toStep(name, line, words) {
@@ -96,6 +104,12 @@ export function parseBytes(name, line, words) {
 }
 
 function parseItem(name, line, word) {
+  if (word === '$token') return FIXTURE_TOKEN;
+  if (word === '$token-length') {
+    const length = Buffer.alloc(2);
+    length.writeUInt16BE(FIXTURE_TOKEN.length);
+    return length;
+  }
   const match = ITEM.exec(word);
   if (!match) throw formatError(name, line, `not a byte item: ${word}`);
   const [, text, hex, times] = match;

@@ -64,13 +64,15 @@ if (!canRun(COMMAND)) {
 
 /**
  * Start a server on an ephemeral port and wait until it listens.
- * @param {{ args?: string[] }} [options] `args`: more command-line options for the server
+ * @param {{ args?: string[], env?: Record<string, string> }} [options] `args`: more
+ *   command-line options for the server; `env`: more environment variables (a token)
  * @returns {Promise<RunningServer>}
  */
-export async function startServer({ args = [] } = {}) {
+export async function startServer({ args = [], env = {} } = {}) {
   const command = COMMAND;
   const child = spawn(command, ['--host', '127.0.0.1', '--port', '0', ...args], {
     stdio: ['ignore', 'ignore', 'pipe'],
+    env: { ...process.env, ...env },
   });
   // If the test process dies before its after() hook runs, don't leave the server behind.
   const killOnExit = () => child.kill('SIGKILL');

@@ -7,8 +7,8 @@ import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 
 import {
-  OPCODE, ReplyDecoder, encodePop, encodePush, encodeReady, encodeSubscribe, encodeSync,
-  encodeUnsubscribe,
+  OPCODE, ReplyDecoder, encodeAuth, encodePop, encodePush, encodeReady, encodeSubscribe,
+  encodeSync, encodeUnsubscribe,
 } from '../src/wire.js';
 import { fixtureNames, readFixture, streamsByConnection } from '../test-support/fixtures.js';
 
@@ -46,7 +46,8 @@ function readClientFrame(stream, at) {
       return whole(at + 1, {});
     case OPCODE.POP:
     case OPCODE.SUBSCRIBE:
-    case OPCODE.UNSUBSCRIBE: {
+    case OPCODE.UNSUBSCRIBE:
+    case OPCODE.AUTH: { // the same layout: one u16-length byte string (auth's is the token)
       const length = u16(at + 1);
       if (length === null) return null;
       return whole(at + 3 + length, { queue: stream.subarray(at + 3, at + 3 + length) });
@@ -87,6 +88,7 @@ function encodeAgain({ opcode, fields }) {
     case OPCODE.UNSUBSCRIBE: return encodeUnsubscribe(fields.queue);
     case OPCODE.READY: return encodeReady();
     case OPCODE.SYNC: return encodeSync();
+    case OPCODE.AUTH: return encodeAuth(fields.queue);
     default: throw new Error(`opcode ${opcode}`);
   }
 }

@@ -257,7 +257,8 @@ describe('a server at its connection limit', () => {
       await assert.rejects(second.pop(fresh('limit')), (error) => {
         assert.ok(error instanceof PinpriqConnectionError, `${error.name}: ${error.message}`);
         assert.equal(error.message, `connection to ${limited.host}:${limited.port}: the server `
-          + 'closed the connection at once (it may be at its connection limit)');
+          + 'closed the connection at once (it may be at its connection limit, want a token or TLS, '
+          + 'or refuse clients from other hosts)');
         return true;
       });
     } finally {

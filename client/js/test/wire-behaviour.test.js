@@ -154,7 +154,8 @@ async function refusingServer(close, spared = 0) {
   return { port: server.address().port, stop };
 }
 
-const CLOSED_AT_ONCE = 'the server closed the connection at once (it may be at its connection limit)';
+const CLOSED_AT_ONCE = 'the server closed the connection at once (it may be at its connection limit, want a '
+  + 'token or TLS, or refuse clients from other hosts)';
 const CLOSE_AT_ONCE = [
   ['closes', (socket) => socket.end()],
   ['resets', (socket) => socket.resetAndDestroy()],
