@@ -100,6 +100,7 @@ class Totals(NamedTuple):
     popped: int  # returned by pop frames
     delivered: int  # sent to subscribers
     expired: int  # removed at their TTL deadline
+    purged: int  # removed by an operator's purge
 
 
 def _nothing() -> None:
@@ -134,11 +135,23 @@ class Broker:
         return Session(self)
 
     def totals(self) -> Totals:
-        """The totals so far. O(1): every packet pushed is held, popped, delivered or expired."""
+        """The totals so far. O(1): every packet pushed is held, popped, delivered, expired
+        or purged."""
         store = self.store
-        pushed, expired = store.pushed, store.expired
-        popped = pushed - len(store) - expired - self.delivered
-        return Totals(pushed, popped, self.delivered, expired)
+        pushed, expired, purged = store.pushed, store.expired, store.purged
+        popped = pushed - len(store) - expired - purged - self.delivered
+        return Totals(pushed, popped, self.delivered, expired, purged)
+
+    def purge(self, queue: bytes) -> int:
+        """Remove every packet of a queue, prio 0 included (an operator's way out of a cap full
+        of prio-0 packets); pushes waiting for room resume if it made enough. Returns how many
+        packets went."""
+        purged = self.store.purge(queue)
+        if purged:
+            log.info("purged %d packets from queue %r", purged, queue)
+            if self.memory_full:
+                self.check_memory()
+        return purged
 
     def take_dirty(self) -> list[Session]:
         """The sessions given deliveries since the last call, whose output is to be written."""
