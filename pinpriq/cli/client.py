@@ -8,7 +8,6 @@ traceback reaches the user.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import sys
@@ -21,6 +20,7 @@ from pinpriq import __version__
 from pinpriq._client_core import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TIMEOUT, MAX_PREFETCH
 from pinpriq.blocking import BlockingPinpriqClient
 from pinpriq.cli.args import OneLineParser, client_port, int_in, seconds
+from pinpriq.display import escape, json_value
 from pinpriq.errors import ArgumentError, ArgumentTypeError, PinpriqError
 from pinpriq.wire import MAX_PRIO, MAX_TTL_MS, Packet
 
@@ -147,29 +147,6 @@ def server_address(args: argparse.Namespace) -> tuple[str, int]:
     if url:
         host, port = parse_url(url)
     return getattr(args, "host", host), getattr(args, "port", port)
-
-
-def escape(data: bytes) -> str:
-    """``data`` as one line of text: UTF-8 shown as text, anything else as backslash escapes."""
-    out = []
-    for char in data.decode("utf-8", "surrogateescape"):
-        code = ord(char)
-        if char == "\\":
-            out.append("\\\\")
-        elif 0xDC80 <= code <= 0xDCFF:  # a byte that is not UTF-8, smuggled by surrogateescape
-            out.append(f"\\x{code - 0xDC00:02x}")
-        elif char.isprintable():
-            out.append(char)
-        else:
-            out.append(char.encode("unicode_escape").decode("ascii"))
-    return "".join(out)
-
-
-def json_value(data: bytes) -> str | dict[str, str]:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return {"base64": base64.b64encode(data).decode("ascii")}
 
 
 def print_packets(packets: Iterable[Packet], as_json: bool, out: TextIO) -> None:
