@@ -85,6 +85,9 @@ class _Connection:
         self.frame_budget = server.frame_timeout
         self.sending = False
         self.closed = False  # its socket is closed: never write to its file descriptor again
+        #: Frames handled so far, counted per batch; and why the connection ended (debug log).
+        self.frames = 0
+        self.close_reason = "closed by the client"
         self.reading = trio.CancelScope()  # cancelled to stop reading, as at shutdown
         self._output_ready = trio.Event()
         self._output_drained = trio.Event()
@@ -97,6 +100,8 @@ class _Connection:
             try:
                 with self.reading:
                     await self._read_loop()
+                if self.reading.cancelled_caught:
+                    self.close_reason = "the server is shutting down"
             finally:
                 # No deliveries to a connection that is going away (decision 7).
                 self.session.close()
@@ -115,6 +120,7 @@ class _Connection:
                     decoder.pending,
                     server.frame_timeout,
                 )
+                self.close_reason = "frame timeout"
                 return
             if not data:
                 return  # EOF; a frame cut short stays in the decoder and is dropped
@@ -124,6 +130,7 @@ class _Connection:
                 self.frame_budget = server.frame_timeout  # any incomplete frame is a new one
             done = session.receive(frames)
             server.after_batch()  # before any await: no socket can close in between
+            self.frames += len(frames)
             while done < len(frames):
                 await self._wait(session.blocked)
                 done = session.receive(frames, done)
@@ -132,6 +139,7 @@ class _Connection:
                 await self._send_output()
             if decoder.error is not None:
                 log.warning("closing %s: %s", self.peer, decoder.error)
+                self.close_reason = f"protocol error: {decoder.error}"
                 return
 
     async def _receive(self) -> bytes | None:
@@ -267,6 +275,7 @@ class PinpriqServer:
         self._all_closed = trio.Event()  # set when the last connection closes after shutdown
         self._expiry_scope = trio.CancelScope()
         self._accepting = trio.CancelScope()
+        self._listening = False
 
     @property
     def connections(self) -> int:
@@ -315,6 +324,7 @@ class PinpriqServer:
             for listener in listeners:
                 address = listener.socket.getsockname()
                 log.info("pinpriq listening on %s port %d", address[0], address[1])
+            self._listening = True
             task_status.started(listeners)
             with self._accepting:
                 # serve_listeners closes the listeners when cancelled, and outlives a lack of
@@ -323,6 +333,12 @@ class PinpriqServer:
             if self._connections:
                 await self._all_closed.wait()
             nursery.cancel_scope.cancel()
+
+    @property
+    def ready(self) -> bool:
+        """Whether clients are being served: listening, and not shutting down. A full server is
+        ready: consumers must reach it to drain it."""
+        return self._listening and not self.stopping
 
     @property
     def stopping(self) -> bool:
@@ -354,11 +370,18 @@ class PinpriqServer:
         try:
             await conn.run()
         except* (trio.BrokenResourceError, trio.ClosedResourceError):
-            log.debug("connection from %s broke", conn.peer)
+            conn.close_reason = "the connection broke"
         except* Exception:
             # A bug in handling one connection must not take the others down.
             log.exception("error serving %s; closing its connection", conn.peer)
+            conn.close_reason = "an error (logged above)"
         finally:
+            log.debug(
+                "connection from %s closed: %s; %d frames handled",
+                conn.peer,
+                conn.close_reason,
+                conn.frames,
+            )
             del self._connections[session]
             session.close()
             conn.closed = True

@@ -260,14 +260,16 @@ class QueueStore:
         self.purged = 0
         self._queues: dict[bytes, _Queue] = {}
         self._seq = 0
-        self._count = 0
+        #: Packets removed by pops. Packets held are derived (``__len__``), which spares a push
+        #: the addition that pays for its queue's ``bytes``.
+        self._popped = 0
         self._expiry: list[_ExpiryEntry] = []
         #: ``(seq, time)``: by ``time``, packets up to ``seq`` had been pushed (``note_time``).
         self._time_notes: list[tuple[int, float]] = []
 
     def __len__(self) -> int:
         """Packets held, in all queues."""
-        return self._count
+        return self._seq - self._popped - self.expired - self.purged
 
     @property
     def pushed(self) -> int:
@@ -321,7 +323,6 @@ class QueueStore:
             self._file_expiry(q, (deadline, seq, q.name, key))
         q.size += 1
         q.bytes += size
-        self._count += 1
         self.bytes_held += size
         return deadline
 
@@ -372,13 +373,13 @@ class QueueStore:
                 break
             q.stale[prio] -= 1  # type: ignore[index]  # a stale entry skipped: it was counted
         q.size -= len(reply)
-        self._count -= len(reply)
+        self._popped += len(reply)
         if not groups:
             del self._queues[queue]
         elif q.entries > 2 * q.size + _STALE_SLACK:
             q.compact()
         # The first test is redundant but spares the arithmetic when nothing has a TTL.
-        if len(expiry) > _STALE_SLACK and len(expiry) > 2 * self._count + _STALE_SLACK:
+        if len(expiry) > _STALE_SLACK and len(expiry) > 2 * len(self) + _STALE_SLACK:
             self._compact_expiry()
         return reply
 
@@ -459,7 +460,6 @@ class QueueStore:
                 if q.entries > 2 * q.size + _STALE_SLACK:
                     q.compact()
             removed.append(packet)
-        self._count -= len(removed)
         self.bytes_held -= _held(removed)
         self.unselectable_bytes -= _unselectable(removed)
         self.expired += len(removed)
@@ -544,7 +544,6 @@ class QueueStore:
             return 0
         # Its expiry entries go stale: they name a queue that is gone, or, once the name is
         # used again, sequence numbers that are not there.
-        self._count -= q.size
         self.bytes_held -= q.bytes
         self.unselectable_bytes -= _unselectable(q.packets())
         self.purged += q.size
@@ -632,7 +631,7 @@ class QueueStore:
                     assert id(entry) in in_heap, "a live expiry entry missing from its queue"
             heap = q.expiry or []
             assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap))), "not a heap"
-        assert count == self._count, f"count {self._count} but {count} packets held"
+        assert count == len(self), f"count {len(self)} but {count} packets held"
         assert _held(held) == self.bytes_held, f"bytes_held {self.bytes_held} but {_held(held)}"
         assert _unselectable(held) == self.unselectable_bytes, "unselectable_bytes is wrong"
         live_seqs = [entry[1] for entry in self._expiry if self._live(entry) is not None]

@@ -108,6 +108,11 @@ class Store(Protocol):
     # What operators read and do (the admin listener). None of it is on the hot path, and none
     # may cost O(packets) except ``purge``, which removes them.
 
+    @property
+    def queue_count(self) -> int:
+        """Queues holding at least one packet."""
+        ...
+
     def depths(self) -> Iterator[tuple[bytes, int]]:
         """Every queue holding packets, with its depth; O(1) per queue."""
         ...

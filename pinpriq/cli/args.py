@@ -7,7 +7,9 @@ argument is one line from ``OneLineParser``.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
+import socket
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -15,7 +17,9 @@ __all__ = [
     "OneLineParser",
     "byte_size",
     "client_port",
+    "http_port",
     "int_in",
+    "is_loopback",
     "port_number",
     "seconds",
 ]
@@ -109,3 +113,19 @@ def seconds(text: str) -> float:
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
     return value
+
+
+def http_port(text: str) -> int | None:
+    """An argparse type: a port to listen on, or ``off`` (``None``) for no listener."""
+    return None if text.strip().lower() == "off" else _port(text, 0)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one (127.0.0.0/8, ::1)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False  # the listener will fail to start and say why
+    return bool(infos) and all(
+        ipaddress.ip_address(str(info[4][0]).partition("%")[0]).is_loopback for info in infos
+    )

@@ -13,12 +13,25 @@ import logging
 import resource
 import signal
 import sys
+from functools import partial
+from typing import NamedTuple
 
 import trio
 
 from pinpriq import __version__
+from pinpriq.admin import serve_admin
+from pinpriq.admin.stats import DEFAULT_MAX_QUEUES
 from pinpriq.auth import TOKEN_VARIABLE, TokenError, load_token
-from pinpriq.cli.args import OneLineParser, byte_size, int_in, port_number, seconds
+from pinpriq.cli.args import (
+    OneLineParser,
+    byte_size,
+    http_port,
+    int_in,
+    is_loopback,
+    port_number,
+    seconds,
+)
+from pinpriq.cli.logs import LOG_FORMATS, configure_logging
 from pinpriq.server import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_CONNECTIONS, PinpriqServer
 from pinpriq.store import PACKET_OVERHEAD
 from pinpriq.wire import DEFAULT_PORT
@@ -26,6 +39,8 @@ from pinpriq.wire import DEFAULT_PORT
 __all__ = ["main", "server_parser"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: The admin listener's default port: the data port's neighbour.
+DEFAULT_HTTP_PORT = 7001
 
 
 def server_parser() -> argparse.ArgumentParser:
@@ -79,10 +94,39 @@ def server_parser() -> argparse.ArgumentParser:
         f"{TOKEN_VARIABLE}. Never a command-line value: ps would show it",
     )
     parser.add_argument(
+        "--http-port",
+        type=http_port,
+        default=DEFAULT_HTTP_PORT,
+        metavar="PORT",
+        help="port of the admin listener (dashboard, /metrics, /stats, peek, purge, health "
+        "checks); 0 for any free port, off for none (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--http-host",
+        default="127.0.0.1",
+        help="address of the admin listener, whatever --host is (default: %(default)s). "
+        "Anything but loopback needs a token (--auth-token-file)",
+    )
+    parser.add_argument(
+        "--metrics-max-queues",
+        type=int_in(0),
+        default=DEFAULT_MAX_QUEUES,
+        metavar="N",
+        help="most queues given their own series in /metrics and listed by /stats, the deepest "
+        "first (default: %(default)s)",
+    )
+    parser.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default="info",
-        help="least severe messages to log (default: %(default)s)",
+        help="least severe messages to log; debug adds each connection's end, its reason and "
+        "the frames it sent (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text lines, or one JSON object per line (default: %(default)s)",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser
@@ -92,11 +136,35 @@ def server_parser() -> argparse.ArgumentParser:
 FORCED_EXIT = 1
 
 
-async def run_server(server: PinpriqServer, host: str, port: int) -> int | str:
+class AdminOptions(NamedTuple):
+    port: int
+    host: str
+    max_queues: int
+
+
+async def run_server(
+    server: PinpriqServer, host: str, port: int, admin: AdminOptions | None = None
+) -> int | str:
     """Serve until a signal. Returns the exit status, or why the server could not start."""
     log = logging.getLogger("pinpriq.server")
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
+            if admin is not None:  # first, so that /readyz answers 503 while starting
+                try:
+                    await nursery.start(
+                        partial(
+                            serve_admin,
+                            server,
+                            admin.port,
+                            host=admin.host,
+                            max_queues=admin.max_queues,
+                        )
+                    )
+                except OSError as error:
+                    return (
+                        f"cannot listen on {admin.host} port {admin.port} (--http-port): "
+                        f"{error.strerror or error}"
+                    )
 
             async def serve_then_stop(task_status: trio.TaskStatus[object]) -> None:
                 await server.serve(port, host=host, task_status=task_status)
@@ -143,15 +211,20 @@ def tune_garbage_collector() -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``pinpriq-server``."""
     args = server_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level, args.log_format)
     try:
         token = load_token(args.auth_token_file)
     except TokenError as error:
         sys.exit(f"pinpriq-server: {error}")
+    admin = None
+    if args.http_port is not None:
+        if token is None and not is_loopback(args.http_host):
+            sys.exit(
+                f"pinpriq-server: refusing an admin listener on {args.http_host} without a "
+                "token: give one (--auth-token-file), use a loopback --http-host, or "
+                "--http-port off"
+            )
+        admin = AdminOptions(args.http_port, args.http_host, args.metrics_max_queues)
     raise_open_file_limit(args.max_connections + 64)
     tune_garbage_collector()
     server = PinpriqServer(
@@ -161,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         token=token,
     )
     try:
-        outcome = trio.run(run_server, server, args.host, args.port)
+        outcome = trio.run(run_server, server, args.host, args.port, admin)
     except KeyboardInterrupt:
         outcome = 0  # Ctrl-C before the signal handler was installed
     if isinstance(outcome, str):
