@@ -14,7 +14,9 @@ COPY wire-fixtures ./wire-fixtures
 RUN pip install --no-cache-dir . && rm -rf /opt/pinpriq/build
 
 USER 10001
-EXPOSE 7000
+# 7000: the data port. 7001: the admin listener (dashboard, /metrics, /stats, /healthz), which
+# listens on the container's loopback only unless given --http-host 0.0.0.0 and a token.
+EXPOSE 7000 7001
 # The server must answer a sync on its default port (loopback, so protected mode will allow it).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=5s --retries=3 \
     CMD ["pinpriq", "--timeout", "3", "ping"]

@@ -51,7 +51,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    started = Server(str(BIN / "pinpriq-server"), "--port", "0")
+    started = Server(str(BIN / "pinpriq-server"), "--port", "0", "--http-port", "off")
     yield started
     started.stop()
 

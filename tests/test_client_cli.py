@@ -41,7 +41,7 @@ def read_line(stream: IO[bytes], deadline: float) -> bytes:
 def port() -> Iterator[int]:
     """A ``pinpriq-server --port 0`` subprocess; the port is parsed from its log line."""
     server = subprocess.Popen(
-        [str(BIN / "pinpriq-server"), "--host", "127.0.0.1", "--port", "0"],
+        [str(BIN / "pinpriq-server"), "--host", "127.0.0.1", "--port", "0", "--http-port", "off"],
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
     )
@@ -265,7 +265,7 @@ def test_push_to_something_that_is_not_pinpriq_fails_loudly() -> None:
 
 def test_push_to_a_server_at_its_connection_limit_says_so() -> None:
     server = subprocess.Popen(
-        [str(BIN / "pinpriq-server"), "--port", "0", "--max-connections", "1"],
+        [str(BIN / "pinpriq-server"), "--port", "0", "--http-port", "off", "--max-connections", "1"],
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
     )

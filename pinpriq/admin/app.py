@@ -89,7 +89,7 @@ class AdminApp:
             route = self._route(request.method, path, segments)
             if path.decode("latin-1") not in PUBLIC:
                 self._authorize(request)
-            return route(parse_qs(query.decode("latin-1")))
+            return route(parse_qs(query.decode("latin-1"), keep_blank_values=True))
         except HTTPError as error:
             response = _json({"error": str(error)}, error.status)
             return Response(response.status, response.body, headers=error.headers)

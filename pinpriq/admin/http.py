@@ -27,8 +27,9 @@ __all__ = ["MAX_BODY", "Handler", "Request", "Response", "serve_http"]
 
 log = logging.getLogger("pinpriq.admin")
 
-#: Largest request head and body accepted; the admin API's requests carry no body to speak of.
-MAX_HEAD = 16 * 1024
+#: Largest request head accepted: room for the longest queue name, percent-encoded (3 x 65,535
+#: bytes). And the largest body: the admin API's requests carry none to speak of.
+MAX_HEAD = 256 * 1024
 MAX_BODY = 64 * 1024
 #: Seconds a client may take to send one request, and an idle keep-alive connection may last.
 REQUEST_TIMEOUT = 30.0

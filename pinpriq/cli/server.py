@@ -173,6 +173,7 @@ async def run_server(
             try:
                 await nursery.start(serve_then_stop)
             except OSError as error:
+                nursery.cancel_scope.cancel()  # the admin listener, if it started
                 return f"cannot listen on {host} port {port}: {error.strerror or error}"
             async for signum in signals:
                 name = signal.Signals(signum).name
