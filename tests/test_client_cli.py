@@ -265,7 +265,14 @@ def test_push_to_something_that_is_not_pinpriq_fails_loudly() -> None:
 
 def test_push_to_a_server_at_its_connection_limit_says_so() -> None:
     server = subprocess.Popen(
-        [str(BIN / "pinpriq-server"), "--port", "0", "--http-port", "off", "--max-connections", "1"],
+        [
+            str(BIN / "pinpriq-server"),
+            "--port",
+            "0",
+            "--http-port",
+            "off",
+            *["--max-connections", "1"],
+        ],
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
     )

@@ -32,7 +32,8 @@ def test_escape_shows_printable_utf8_and_escapes_the_rest(data: bytes, shown: st
 @given(st.binary(max_size=64) | st.text(max_size=32).map(str.encode))
 def test_escape_is_one_line_and_reversible(data: bytes) -> None:
     shown = escape(data)
-    assert "\n" not in shown and "\r" not in shown
+    assert "\n" not in shown
+    assert "\r" not in shown
     assert unescape(shown) == data
 
 
