@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from pinpriq import __version__
 from pinpriq._client_core import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TIMEOUT, MAX_PREFETCH
 from pinpriq.blocking import BlockingPinpriqClient
+from pinpriq.cli.admin import ADMIN_COMMANDS, AdminError, add_admin_commands, run_admin
 from pinpriq.cli.args import OneLineParser, client_port, int_in, seconds
 from pinpriq.display import escape, json_value
 from pinpriq.errors import ArgumentError, ArgumentTypeError, PinpriqError
@@ -40,7 +41,12 @@ escapes for bytes that are not printable text. With --json, each line is a JSON 
 {{"key": ..., "payload": ...}} whose values are strings when the bytes are UTF-8, else
 {{"base64": "..."}}. Popping an empty queue prints nothing and exits 0. Exit status: 0 done,
 1 server unreachable, connection lost, or no answer within --timeout, 2 bad arguments,
-{INTERRUPTED} interrupted (Ctrl-C)."""
+{INTERRUPTED} interrupted (Ctrl-C).
+
+`stats`, `queues`, `peek` and `purge` ask the server's admin listener over HTTP instead: --admin
+URL, else the PINPRIQ_ADMIN_URL environment variable, else http://127.0.0.1:7001, with the
+token in PINPRIQ_AUTH_TOKEN if the server has one. Queue names are shown as keys and payloads
+are; --json prints the admin listener's JSON."""
 
 
 def parse_url(text: str) -> tuple[str, int]:
@@ -137,6 +143,7 @@ def client_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="check that the server answers (a sync): prints the round trip, exits 0 if it does",
     )
+    add_admin_commands(parser, commands, common)
     return parser
 
 
@@ -189,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = client_parser()
     try:
         args = parser.parse_args(argv)
+        if args.command in ADMIN_COMMANDS:  # HTTP to the admin listener, not the data port
+            run_admin(args, sys.stdout)
+            return
         try:
             host, port = server_address(args)
         except ValueError as error:
@@ -197,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ArgumentError, ArgumentTypeError) as error:  # a field longer than the protocol allows
         parser.exit(2, f"pinpriq: error: {error}\n")
     except PinpriqError as error:  # unreachable, lost, timed out, not a pinpriq 1.1 server
+        sys.exit(f"pinpriq: {error}")
+    except AdminError as error:  # the admin listener unreachable, or it said no
         sys.exit(f"pinpriq: {error}")
     except KeyboardInterrupt:
         sys.exit(INTERRUPTED)
