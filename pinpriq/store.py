@@ -210,10 +210,12 @@ class _Queue:
         return oldest
 
     def by_priority(self) -> dict[int, int]:
-        """Live packets per priority, prio 0 included; only those held. O(levels)."""
-        stale = self.stale or Counter()
-        counts = {prio: len(level) - stale[prio] for prio, level in self.levels.items()}
-        counts = {prio: n for prio, n in counts.items() if n}
+        """Live packets per priority, prio 0 included, ascending; only those held. O(levels)."""
+        levels, stale = self.levels, self.stale
+        counts = {prio: len(levels[prio]) for prio in sorted(levels)}
+        if stale:  # levels may hold entries of packets that left: not counted
+            counts = {prio: n - stale.get(prio, 0) for prio, n in counts.items()}
+            counts = {prio: n for prio, n in counts.items() if n}
         unselectable = self.size - sum(counts.values())
         return {0: unselectable, **counts} if unselectable else counts
 
@@ -286,10 +288,10 @@ class QueueStore:
         q = self._queues.get(queue)
         return q.size if q is not None else 0
 
-    def depths(self) -> Iterator[tuple[bytes, int]]:
-        """Every queue holding packets, with its depth. O(1) per queue."""
+    def sizes(self) -> Iterator[tuple[bytes, int, int]]:
+        """Every queue holding packets, with its packets and its bytes. O(1) per queue."""
         for name, q in self._queues.items():
-            yield name, q.size
+            yield name, q.size, q.bytes
 
     def push(self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> float:
         """Queue a packet; returns its deadline on the store's clock (inf for TTL 0)."""
@@ -563,7 +565,7 @@ class QueueStore:
         return QueueInfo(
             q.size,
             q.bytes,
-            dict(sorted(q.by_priority().items())),
+            q.by_priority(),
             None if oldest is None else self._age(oldest[SEQ], now),
             max(0.0, heap[0][0] - now) if heap else None,
         )

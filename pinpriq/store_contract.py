@@ -113,8 +113,8 @@ class Store(Protocol):
         """Queues holding at least one packet."""
         ...
 
-    def depths(self) -> Iterator[tuple[bytes, int]]:
-        """Every queue holding packets, with its depth; O(1) per queue."""
+    def sizes(self) -> Iterator[tuple[bytes, int, int]]:
+        """Every queue holding packets, with its packets and its bytes; O(1) per queue."""
         ...
 
     def queue_info(self, queue: bytes) -> QueueInfo:

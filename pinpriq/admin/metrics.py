@@ -94,12 +94,11 @@ class BrokerCollector(Collector):
         subscribers = GaugeMetricFamily(
             "pinpriq_queue_subscribers", "Subscribers of a queue", labels=["queue"]
         )
-        store, counts = self.broker.store, self.broker.subscriptions.subscribers
-        for queue in listed_queues(self.broker, self.max_queues):
+        counts = self.broker.subscriptions.subscribers
+        for queue, queue_packets, queue_bytes in listed_queues(self.broker, self.max_queues):
             label = [escape(queue)]
-            info = store.queue_info(queue)
-            packets.add_metric(label, info.packets)
-            size.add_metric(label, info.bytes)
+            packets.add_metric(label, queue_packets)
+            size.add_metric(label, queue_bytes)
             subscribers.add_metric(label, counts.get(queue, 0))
         yield from (packets, size, subscribers)
 

@@ -106,16 +106,17 @@ class Sampler:
         return series
 
 
-def listed_queues(broker: Broker, limit: int) -> list[bytes]:
-    """The queues to list: the ``limit`` deepest, then queues with subscribers and no packets
-    (consumers waiting), while room is left. O(queues log limit)."""
-    depths: Iterable[tuple[bytes, int]] = broker.store.depths()
-    deepest = [name for name, _ in heapq.nlargest(limit, depths, key=itemgetter(1))]
-    if len(deepest) < limit:
-        held = set(deepest)
-        idle = (q for q in broker.subscriptions.subscribers if q not in held)
-        deepest += sorted(islice(idle, limit - len(deepest)))
-    return deepest
+def listed_queues(broker: Broker, limit: int) -> list[tuple[bytes, int, int]]:
+    """The queues to list, as ``(name, packets, bytes)``: the ``limit`` deepest, then queues
+    with subscribers and no packets (consumers waiting), while room is left. O(queues log
+    limit)."""
+    sizes: Iterable[tuple[bytes, int, int]] = broker.store.sizes()
+    listed = heapq.nlargest(limit, sizes, key=itemgetter(1))
+    if len(listed) < limit:
+        held = {name for name, _, _ in listed}
+        idle = sorted(q for q in broker.subscriptions.subscribers if q not in held)
+        listed += [(name, 0, 0) for name in idle[: limit - len(listed)]]
+    return listed
 
 
 def queue_stats(broker: Broker, queue: bytes) -> dict[str, Any]:
@@ -125,7 +126,7 @@ def queue_stats(broker: Broker, queue: bytes) -> dict[str, Any]:
         "name": escape(queue),
         "packets": info.packets,
         "bytes": info.bytes,
-        "by_priority": {str(prio): count for prio, count in info.by_priority.items()},
+        "by_priority": info.by_priority,  # JSON makes the keys strings
         "subscribers": broker.subscriptions.subscribers.get(queue, 0),
         "oldest_age_ms": _ms(info.oldest_age),
         "next_expiry_ms": _ms(info.next_expiry),
@@ -161,7 +162,7 @@ def server_stats(
         "queues_total": store.queue_count,
         "totals": now.totals._asdict(),
         "rates_per_s": sampler.rates(now),
-        "queues": [queue_stats(broker, queue) for queue in queues],
+        "queues": [queue_stats(broker, queue) for queue, _, _ in queues],
     }
     if history:
         stats["history"] = sampler.history()
