@@ -101,7 +101,8 @@ class Sampler:
         }
         for index, field in enumerate(Totals._fields):
             series[f"{field}_per_s"] = [
-                round((b.totals[index] - a.totals[index]) / (b.time - a.time), 3) for a, b in pairs
+                round((b.totals[index] - a.totals[index]) / max(b.time - a.time, 1e-9), 3)
+                for a, b in pairs
             ]
         return series
 
