@@ -765,3 +765,25 @@ def test_stale_level_entries_stay_bounded() -> None:
     q = store._queues[b"q"]
     assert q.entries <= 2 * q.size + 65
     assert store.depth(b"q") == len(store)
+
+
+def test_displaced_keys_stay_bounded(store: QueueStore, clock: FakeClock) -> None:
+    # Groups that lose their oldest packet are remembered (for the queue's oldest packet); the
+    # memory must not grow with keys that have since left. White-box: reads the queue's set.
+    for round_number in range(20):
+        for i in range(100):
+            key = b"k%d-%d" % (round_number, i)
+            store.push(b"q", key, b"first", 125, 0)
+            store.push(b"q", key, b"second", 0, 1)
+        clock.advance(0.125)
+        store.expire()  # every group loses its first packet: displaced
+        for _ in range(100):
+            assert store.pop(b"q")  # and then leaves
+    store.push(b"q", b"last", b"p", 125, 0)
+    store.push(b"q", b"last", b"p", 0, 0)
+    clock.advance(0.125)
+    store.expire()
+    displaced = store._queues[b"q"].displaced
+    assert displaced is not None
+    assert len(displaced) <= 100 + 64 + 1
+    store.check_invariants()
