@@ -33,8 +33,8 @@ Theory of operation, as the driver sees it:
   broker knows of; pushes only ever move it earlier. The driver sleeps until then and calls
   ``expire()``, which sweeps and sets the next one: one timer, whatever the number of packets.
 * **Counting.** ``totals()`` reads what the store already counts (pushes, expiries, purges,
-  packets held) and the deliveries, and derives the rest: an addition per packet on the hot path costs
-  more than a push's whole bookkeeping in the store, so there is none.
+  packets held) and the deliveries, and derives the rest: an addition per packet on the hot
+  path costs more than a push's whole bookkeeping in the store, so there is none.
 """
 
 from __future__ import annotations
