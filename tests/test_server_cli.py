@@ -86,6 +86,19 @@ def test_port_in_use_is_one_line_and_non_zero(server: ServerProcess) -> None:
     assert "in use" in lines[0].lower()
 
 
+def test_admin_port_in_use_is_one_line_and_non_zero() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run("--port", "0", "--http-port", str(port))
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"port {port} (--http-port)" in lines[0]
+    assert "in use" in lines[0].lower()
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [

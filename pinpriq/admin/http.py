@@ -55,17 +55,8 @@ class Response:
 Handler = Callable[[Request], Response]
 
 
-async def serve_http(
-    handler: Handler,
-    port: int,
-    *,
-    host: str,
-    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Answer HTTP requests on ``host:port`` (0: a free port) with ``handler`` until cancelled;
-    reports the listeners through ``task_status``."""
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    task_status.started(listeners)
+async def serve_http(handler: Handler, listeners: list[trio.SocketListener]) -> None:
+    """Answer HTTP requests on ``listeners`` with ``handler`` until cancelled."""
     await trio.serve_listeners(partial(_connection, handler), listeners)
 
 

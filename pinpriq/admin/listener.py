@@ -4,7 +4,6 @@ sampler that rates, the chart and packets' ages read."""
 from __future__ import annotations
 
 import logging
-from functools import partial
 
 import trio
 
@@ -32,9 +31,11 @@ async def serve_admin(
     reports the listeners through ``task_status`` once requests are accepted."""
     sampler = Sampler(server.broker, trio.current_time)
     app = AdminApp(server, sampler, max_queues=max_queues)
+    # Outside the nursery, so that a port in use is a plain OSError for the caller.
+    listeners = await trio.open_tcp_listeners(port, host=host)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_sample, sampler)
-        listeners = await nursery.start(partial(serve_http, app.handle, port, host=host))
+        nursery.start_soon(serve_http, app.handle, listeners)
         for listener in listeners:
             address = listener.socket.getsockname()
             # Not "listening on ... port N": harnesses read the data port from that line.
