@@ -50,7 +50,7 @@ import math
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from itertools import islice
+from itertools import chain, islice
 from typing import Final
 
 # The one thing the store takes from the rest of pinpriq: the record its contract returns.
@@ -527,11 +527,8 @@ class QueueStore:
                 if selected[SEQ] in taken or not q.holds(selected):
                     continue
                 siblings = _members(q.groups[selected[KEY]])
-                group = [
-                    selected,
-                    *(p for p in siblings if p[SEQ] not in taken and p is not selected),
-                ]
-                for packet in group[: self._max_pop]:
+                rest = (p for p in siblings if p[SEQ] not in taken and p is not selected)
+                for packet in islice(chain((selected,), rest), self._max_pop):
                     taken.add(packet[SEQ])
                     found.append(packet)
                     if len(found) == count:
