@@ -31,8 +31,9 @@ WORKLOAD += ["--prio-levels", "255"]
 LISTENING = re.compile(rb"listening on \S+ port (\d+)")
 
 
-def throughput(checkout: Path, scenario: str) -> float:
-    """Operations per second of one fresh server of ``checkout``."""
+def throughput(checkout: Path, scenario: str) -> tuple[float, float]:
+    """Operations per second of one fresh server of ``checkout``, and its CPU microseconds per
+    operation (less sensitive than the rate to what else the machine runs)."""
     server = str(checkout / ".venv" / "bin" / "pinpriq-server")
     usage = subprocess.run([server, "--help"], capture_output=True, text=True, check=True).stdout
     admin = ["--http-port", "0"] if "--http-port" in usage else []
@@ -40,8 +41,9 @@ def throughput(checkout: Path, scenario: str) -> float:
         process = subprocess.Popen([server, "--port", "0", *admin], stderr=log)
         try:
             port = _port(log, process)
+            bench = [str(BENCH), "--port", str(port), "--server-pid", str(process.pid)]
             done = subprocess.run(
-                [str(BENCH), "--port", str(port), "-q", "--json", "-t", scenario, *WORKLOAD],
+                [*bench, "-q", "--json", "-t", scenario, *WORKLOAD],
                 check=True,
                 capture_output=True,
                 text=True,
@@ -50,8 +52,8 @@ def throughput(checkout: Path, scenario: str) -> float:
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=30)
-    results = json.loads(done.stdout)["results"]
-    return float(next(r["ops_per_sec"] for r in results if r["scenario"] == scenario))
+    result = next(r for r in json.loads(done.stdout)["results"] if r["scenario"] == scenario)
+    return float(result["ops_per_sec"]), float(result["server_cpu_us_per_op"])
 
 
 def _port(log: object, process: subprocess.Popen[bytes]) -> int:
@@ -74,19 +76,22 @@ def main() -> None:
     args = parser.parse_args()
     checkouts = [ROOT, args.other.resolve()]
     for scenario in args.scenarios.split(","):
-        ratios = []
+        ratios, cpu_ratios = [], []
         for round_number in range(args.rounds):
             order = checkouts if round_number % 2 == 0 else checkouts[::-1]
             figures = {checkout: throughput(checkout, scenario) for checkout in order}
-            ratios.append(figures[ROOT] / figures[checkouts[1]])
+            (ours, our_cpu), (theirs, their_cpu) = figures[ROOT], figures[checkouts[1]]
+            ratios.append(ours / theirs)
+            cpu_ratios.append(our_cpu / their_cpu)
             print(
-                f"{scenario} round {round_number + 1}: this {figures[ROOT]:,.0f}/s, "
-                f"other {figures[checkouts[1]]:,.0f}/s, ratio {ratios[-1]:.3f}",
+                f"{scenario} round {round_number + 1}: this {ours:,.0f}/s ({our_cpu} us/op), "
+                f"other {theirs:,.0f}/s ({their_cpu} us/op), ratio {ratios[-1]:.3f}",
                 flush=True,
             )
         print(
-            f"{scenario}: median ratio {statistics.median(ratios):.3f} "
-            f"(range {min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} rounds)",
+            f"{scenario}: median throughput ratio {statistics.median(ratios):.3f} "
+            f"(range {min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} rounds); server CPU "
+            f"per op, this / other: {statistics.median(cpu_ratios):.3f}",
             flush=True,
         )
 
