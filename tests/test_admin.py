@@ -281,6 +281,35 @@ async def test_what_is_not_http_gets_400_and_the_listener_goes_on(admin: Admin) 
     assert (await admin.json("/healthz")) == {"status": "serving"}
 
 
+async def test_a_body_too_large_is_refused(admin: Admin) -> None:
+    def post() -> int:
+        connection = http.client.HTTPConnection("127.0.0.1", admin.port, timeout=10)
+        try:
+            connection.request("POST", "/queues/q/purge", body=b"x" * (65 * 1024))
+            return connection.getresponse().status
+        finally:
+            connection.close()
+
+    assert await trio.to_thread.run_sync(post) == 413
+    assert (await admin.request("GET", "/healthz"))[0] == 200
+
+
+async def test_admin_connections_beyond_the_limit_are_closed(
+    admin: Admin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("pinpriq.admin.http.MAX_CONNECTIONS", 2)
+    held = [await trio.open_tcp_stream("127.0.0.1", admin.port) for _ in range(2)]
+    await trio.sleep(0.1)  # both accepted and counted
+    extra = await trio.open_tcp_stream("127.0.0.1", admin.port)
+    with trio.fail_after(5):
+        assert await extra.receive_some(100) == b""  # closed at once
+    await extra.aclose()
+    for stream in held:
+        await stream.aclose()
+    await trio.sleep(0.1)
+    assert (await admin.request("GET", "/healthz"))[0] == 200
+
+
 async def test_one_connection_serves_several_requests(admin: Admin) -> None:
     def two_requests() -> list[int]:
         connection = http.client.HTTPConnection("127.0.0.1", admin.port, timeout=10)

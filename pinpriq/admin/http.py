@@ -34,6 +34,9 @@ MAX_BODY = 64 * 1024
 #: Seconds a client may take to send one request, and an idle keep-alive connection may last.
 REQUEST_TIMEOUT = 30.0
 RECEIVE_SIZE = 16 * 1024
+#: Admin connections served at once; more are closed on arrival, so that a flood of them cannot
+#: take the file descriptors the data port needs.
+MAX_CONNECTIONS = 64
 
 
 @attrs.frozen
@@ -57,10 +60,15 @@ Handler = Callable[[Request], Response]
 
 async def serve_http(handler: Handler, listeners: list[trio.SocketListener]) -> None:
     """Answer HTTP requests on ``listeners`` with ``handler`` until cancelled."""
-    await trio.serve_listeners(partial(_connection, handler), listeners)
+    await trio.serve_listeners(partial(_connection, handler, [0]), listeners)
 
 
-async def _connection(handler: Handler, stream: trio.SocketStream) -> None:
+async def _connection(handler: Handler, open_count: list[int], stream: trio.SocketStream) -> None:
+    if open_count[0] >= MAX_CONNECTIONS:
+        log.warning("refusing an admin connection: %d already open", open_count[0])
+        await trio.aclose_forcefully(stream)
+        return
+    open_count[0] += 1
     connection = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
     try:
         while True:
@@ -82,6 +90,7 @@ async def _connection(handler: Handler, stream: trio.SocketStream) -> None:
     except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
         pass  # the client went away mid-answer
     finally:
+        open_count[0] -= 1
         await trio.aclose_forcefully(stream)
 
 
