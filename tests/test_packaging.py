@@ -99,6 +99,13 @@ def test_the_wheel_ships_every_module(wheel: Path) -> None:
         assert modules <= set(archive.namelist())
 
 
+def test_the_wheel_ships_the_dashboard(wheel: Path) -> None:
+    # Package data, not a module: the admin listener serves it, and cannot start without it.
+    page = REPO / "pinpriq" / "admin" / "dashboard.html"
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.read("pinpriq/admin/dashboard.html") == page.read_bytes()
+
+
 async def run_installed(installed: Path, cwd: Path, *argv: str | Path) -> tuple[int, str, str]:
     env = {**os.environ, "PYTHONPATH": str(installed)}
     with trio.fail_after(60):
