@@ -14,12 +14,15 @@ COPY wire-fixtures ./wire-fixtures
 RUN pip install --no-cache-dir . && rm -rf /opt/pinpriq/build
 
 USER 10001
-EXPOSE 7000
-# The server must answer a sync on its default port, on loopback (which protected mode lets in);
-# ping presents PINPRIQ_AUTH_TOKEN from the container's environment, as the server reads it.
-# Without a token the server refuses clients from Docker's network and its start-up log says
-# to run the image with -e PINPRIQ_AUTH_TOKEN=... (see the README, "Running pinpriq safely").
+# 7000: the data port. 7001: the admin listener (dashboard, /metrics, /stats, /healthz), which
+# listens on the container's loopback only unless given --http-host 0.0.0.0 and a token.
+EXPOSE 7000 7001
+# The admin listener's /healthz on the container's loopback: it needs no token, and it answers
+# only while the server's Trio run is alive. Without a token the server refuses clients from
+# Docker's network and its start-up log says to run the image with -e PINPRIQ_AUTH_TOKEN=...
+# (see the README, "Running pinpriq safely"). With --tls-cert the admin listener speaks HTTPS:
+# set PINPRIQ_ADMIN_URL=https://127.0.0.1:7001 and SSL_CERT_FILE to the CA's file.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=5s --retries=3 \
-    CMD ["pinpriq", "--timeout", "3", "ping"]
+    CMD ["pinpriq", "--timeout", "3", "health"]
 ENTRYPOINT ["pinpriq-server", "--host", "0.0.0.0"]
 CMD ["--port", "7000"]

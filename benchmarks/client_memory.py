@@ -61,7 +61,7 @@ def budget_of(log: str) -> int:
 async def measure(connections: int, server_args: list[str]) -> dict[str, int]:
     resource.setrlimit(resource.RLIMIT_NOFILE, (connections + 256,) * 2)
     server = await trio.lowlevel.open_process(
-        [SERVER, "--port", "0", "--log-level", "info", *server_args],
+        [SERVER, "--port", "0", "--http-port", "off", "--log-level", "info", *server_args],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
     )

@@ -94,7 +94,7 @@ class Servers:
             command = [sys.executable, str(ROOT / "benchmarks" / "null_server.py")]
             command += ["--reply-packet"]
         else:
-            command = [str(BIN / "pinpriq-server"), "--port", "0"]
+            command = [str(BIN / "pinpriq-server"), "--port", "0", "--http-port", "0"]
         process = self._spawn(command, stderr_file=True)
         port = _port_from_log(process)
         _wait_listening(port, process)

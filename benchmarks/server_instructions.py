@@ -43,8 +43,9 @@ def server_instructions(checkout: Path, scenario: str, ops: int) -> int:
     """Instructions of one server process serving ``ops`` operations of ``scenario``."""
     valgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     with tempfile.TemporaryFile() as log:
+        command = [str(checkout / ".venv" / "bin" / "pinpriq-server"), "--port", "0"]
         server = subprocess.Popen(
-            [*valgrind, str(checkout / ".venv" / "bin" / "pinpriq-server"), "--port", "0"],
+            [*valgrind, *command, *_admin_options(command[0])],
             stderr=log,
             stdout=subprocess.DEVNULL,
         )
@@ -68,6 +69,13 @@ def server_instructions(checkout: Path, scenario: str, ops: int) -> int:
     if match is None:
         raise SystemExit(f"no instruction total from valgrind for {checkout}")
     return int(match.group(1))
+
+
+def _admin_options(server: str) -> list[str]:
+    """``--http-port 0`` for a server with an admin listener (so it is measured running, on a
+    free port); nothing for one from before it."""
+    usage = subprocess.run([server, "--help"], capture_output=True, text=True, check=True)
+    return ["--http-port", "0"] if "--http-port" in usage.stdout else []
 
 
 def _port(log: IO[bytes], server: subprocess.Popen[bytes]) -> int:

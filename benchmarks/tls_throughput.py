@@ -31,7 +31,7 @@ WORKLOAD = ["-c", "4", "-P", "64", "--key-size", "8", "--payload-size", "16"]
 def rate(scenario: str, ops: int, tls: list[str], bench_tls: list[str]) -> float:
     """Ops per second of one scenario on a fresh server."""
     server = subprocess.Popen(
-        [str(BIN / "pinpriq-server"), "--port", "0", *tls],
+        [str(BIN / "pinpriq-server"), "--port", "0", "--http-port", "off", *tls],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,

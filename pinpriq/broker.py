@@ -39,9 +39,9 @@ Theory of operation, as the driver sees it:
   never include a token. The driver then closes the connection after ``REJECT_DELAY`` seconds,
   which slows down guessing, and logs the reason with the peer. The check costs an
   authenticated session one attribute test per batch, never one per frame.
-* **Counting.** ``totals()`` reads what the store already counts (pushes, expiries, packets
-  held) and the deliveries, and derives the rest: an addition per packet on the hot path costs
-  more than a push's whole bookkeeping in the store, so there is none.
+* **Counting.** ``totals()`` reads what the store already counts (pushes, expiries, purges,
+  packets held) and the deliveries, and derives the rest: an addition per packet on the hot
+  path costs more than a push's whole bookkeeping in the store, so there is none.
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ class Totals(NamedTuple):
     popped: int  # returned by pop frames
     delivered: int  # sent to subscribers
     expired: int  # removed at their TTL deadline
+    purged: int  # removed by an operator's purge
 
 
 def _nothing() -> None:
@@ -160,11 +161,23 @@ class Broker:
         return Session(self)
 
     def totals(self) -> Totals:
-        """The totals so far. O(1): every packet pushed is held, popped, delivered or expired."""
+        """The totals so far. O(1): every packet pushed is held, popped, delivered, expired
+        or purged."""
         store = self.store
-        pushed, expired = store.pushed, store.expired
-        popped = pushed - len(store) - expired - self.delivered
-        return Totals(pushed, popped, self.delivered, expired)
+        pushed, expired, purged = store.pushed, store.expired, store.purged
+        popped = pushed - len(store) - expired - purged - self.delivered
+        return Totals(pushed, popped, self.delivered, expired, purged)
+
+    def purge(self, queue: bytes) -> int:
+        """Remove every packet of a queue, prio 0 included (an operator's way out of a cap full
+        of prio-0 packets); pushes waiting for room resume if it made enough. Returns how many
+        packets went."""
+        purged = self.store.purge(queue)
+        if purged:
+            log.info("purged %d packets from queue %r", purged, queue)
+            if self.memory_full:
+                self.check_memory()
+        return purged
 
     def take_dirty(self) -> list[Session]:
         """The sessions given deliveries since the last call, whose output is to be written."""

@@ -131,6 +131,9 @@ class _Connection:
         self.checkpoint_owed = False
         self.sending = False
         self.closed = False  # its socket is closed: never write to its file descriptor again
+        #: Frames handled so far, counted per batch; and why the connection ended (debug log).
+        self.frames = 0
+        self.close_reason = "closed by the client"
         self.reading = trio.CancelScope()  # cancelled to stop reading, as at shutdown
         self._output_ready = trio.Event()
         self._output_drained = trio.Event()
@@ -143,6 +146,8 @@ class _Connection:
             try:
                 with self.reading:
                     await self._read_loop()
+                if self.reading.cancelled_caught and self.server.stopping:
+                    self.close_reason = "the server is shutting down"
             finally:
                 # No deliveries to a connection that is going away (decision 7).
                 self.session.close()
@@ -164,6 +169,7 @@ class _Connection:
                     decoder.pending,
                     server.frame_timeout,
                 )
+                self.close_reason = "frame timeout"
                 return
             if not data:
                 return  # EOF; a frame cut short stays in the decoder and is dropped
@@ -182,6 +188,7 @@ class _Connection:
                 server.hold_input(self, decoder.pending)
             done = session.receive(frames)
             server.after_batch()  # before any await: no socket can close in between
+            self.frames += len(frames)
             while done < len(frames):
                 if session.blocked is Blocked.REJECTED:
                     await self._reject(session.rejected or "")
@@ -195,6 +202,7 @@ class _Connection:
                 await self._send_output()
             if decoder.error is not None:
                 log.warning("closing %s: %s%s", self.peer, decoder.error, self._not_tls_hint())
+                self.close_reason = f"protocol error: {decoder.error}"
                 return
             if self.checkpoint_owed:
                 self.checkpoint_owed = False
@@ -211,6 +219,7 @@ class _Connection:
         and stop reading it (what it is owed still goes out, as at any close)."""
         self.decoder.discard()
         self.held_input = 0
+        self.close_reason = "closed for the client memory budget"
         self.reading.cancel()
 
     async def _reject(self, reason: str) -> None:
@@ -218,6 +227,7 @@ class _Connection:
         is owed already (replies before a wrong second auth) goes out meanwhile."""
         hint = _TLS_HINT if reason.startswith(f"byte 0x{_TLS_HANDSHAKE:02x}") else ""
         log.warning("closing %s in %g s: %s%s", self.peer, REJECT_DELAY, reason, hint)
+        self.close_reason = f"rejected: {reason}"
         self._output_ready.set()
         await trio.sleep(REJECT_DELAY)
 
@@ -460,6 +470,7 @@ class PinpriqServer:
         self._all_closed = trio.Event()  # set when the last connection closes after shutdown
         self._expiry_scope = trio.CancelScope()
         self._accepting = trio.CancelScope()
+        self._listening = False
 
     @property
     def connections(self) -> int:
@@ -572,6 +583,7 @@ class PinpriqServer:
                     "other hosts than this one; to let them in, %s",
                     PROTECTED_MODE_FIX,
                 )
+            self._listening = True
             task_status.started(listeners)
             with self._accepting:
                 # serve_listeners closes the listeners when cancelled, and outlives a lack of
@@ -580,6 +592,12 @@ class PinpriqServer:
             if self._connections:
                 await self._all_closed.wait()
             nursery.cancel_scope.cancel()
+
+    @property
+    def ready(self) -> bool:
+        """Whether clients are being served: listening, and not shutting down. A full server is
+        ready: consumers must reach it to drain it."""
+        return self._listening and not self.stopping
 
     @property
     def stopping(self) -> bool:
@@ -622,11 +640,18 @@ class PinpriqServer:
         try:
             await conn.run()
         except* (trio.BrokenResourceError, trio.ClosedResourceError):
-            log.debug("connection from %s broke", conn.peer)
+            conn.close_reason = "the connection broke"
         except* Exception:
             # A bug in handling one connection must not take the others down.
             log.exception("error serving %s; closing its connection", conn.peer)
+            conn.close_reason = "an error (logged above)"
         finally:
+            log.debug(
+                "connection from %s closed: %s; %d frames handled",
+                conn.peer,
+                conn.close_reason,
+                conn.frames,
+            )
             del self._connections[session]
             session.close()
             self.client_memory.release(conn)

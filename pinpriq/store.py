@@ -24,15 +24,37 @@ Across all queues, one heap of ``(deadline, seq, queue, key)`` orders packets wi
 the same lazy deletion: entries of packets that left by pop stay until they reach the top, or
 until the heap holds more than twice as many entries as the store holds packets, when it is
 rebuilt (trio's timer heap does the same).
+
+What an operator reads (``queue_info``, ``peek``) is kept as the store changes, at no cost to a
+push or pop of a lone key beyond one addition for a queue's bytes:
+
+* ``bytes``: the queue's share of ``bytes_held``.
+* ``stale``: per priority, how many of a level's entries are stale. Entries go stale only off
+  the hot path (a key group's siblings, expiry), so a level's live count is its length less
+  these, and prio 0's is what the levels do not hold.
+* ``displaced``: keys whose group may have lost its oldest packet while the group stayed (a
+  sibling expired, or a pop took part of a group). ``groups`` is in the order keys arrived, so
+  the first key not displaced holds the oldest packet among undisplaced groups; the oldest
+  packet of the queue is that one or the oldest of a displaced group.
+* ``expiry``: the queue's own heap of the same entries as the store-wide one (shared tuples),
+  for its next deadline; stale entries leave it as they leave the store-wide heap.
+
+Packets carry no time: ``note_time``, called about once a second by the owner, records which
+sequence number had been reached when, so a packet's age is known to within that interval.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterable
-from itertools import islice
+from bisect import bisect_left
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from itertools import chain, islice
 from typing import Final
+
+# The one thing the store takes from the rest of pinpriq: the record its contract returns.
+from pinpriq.store_contract import QueueInfo
 
 __all__ = [
     "DEFAULT_MAX_POP",
@@ -42,6 +64,7 @@ __all__ = [
     "PRIO",
     "SEQ",
     "Clock",
+    "QueueInfo",
     "QueueStore",
     "QueuedPacket",
 ]
@@ -60,6 +83,9 @@ _NEVER = math.inf
 PACKET_OVERHEAD = 256
 #: Stale level entries a queue may hold beyond its live packets before its levels are rebuilt.
 _STALE_SLACK = 64
+#: Most time notes (``note_time``) kept; past it the older half is thinned to every other note,
+#: so the age of old packets is known more coarsely, and memory stays bounded.
+_MAX_TIME_NOTES = 4096
 
 # (deadline, seq, queue, key): ordered by deadline, then push order; names the packet it stands for.
 _ExpiryEntry = tuple[float, int, bytes, bytes]
@@ -98,7 +124,18 @@ def _members(group: _Group) -> Iterable[QueuedPacket]:
 
 
 class _Queue:
-    __slots__ = ("entries", "groups", "levels", "mask", "name", "size")
+    __slots__ = (
+        "bytes",
+        "displaced",
+        "entries",
+        "expiry",
+        "groups",
+        "levels",
+        "mask",
+        "name",
+        "size",
+        "stale",
+    )
 
     def __init__(self, name: bytes) -> None:
         # Expiry entries refer to this one name object, not to each push's copy of it.
@@ -108,6 +145,12 @@ class _Queue:
         self.mask = 0
         self.size = 0  # live packets, prio 0 included
         self.entries = 0  # level entries, live or stale
+        self.bytes = 0  # its share of bytes_held
+        # Made when first needed: most queues never have a stale entry, a displaced group or
+        # a TTL, and a queue is made per push to an empty one.
+        self.stale: Counter[int] | None = None  # stale level entries per prio
+        self.displaced: set[bytes] | None = None  # keys whose oldest packet may have left
+        self.expiry: list[_ExpiryEntry] | None = None  # this queue's expiry entries, a heap
 
     def holds(self, packet: QueuedPacket) -> bool:
         """Whether ``packet`` is live: still in its key group."""
@@ -128,12 +171,58 @@ class _Queue:
         return None
 
     def drop_top(self, prio: int, level: list[QueuedPacket]) -> None:
-        """Remove the newest entry of a level, forgetting the level if it empties."""
+        """Remove the newest entry of a level, a stale one, forgetting the level if it empties."""
         level.pop()
         self.entries -= 1
+        self.stale[prio] -= 1  # type: ignore[index]  # a stale entry was counted there
         if not level:
             del self.levels[prio]
             self.mask &= ~(1 << prio)
+
+    def went_stale(self, packets: Iterable[QueuedPacket]) -> None:
+        """Count the level entries of packets that left other than by being popped off their
+        level (prio 0 has no level: not counted)."""
+        if self.stale is None:
+            self.stale = Counter()
+        self.stale.update(p[PRIO] for p in packets if p[PRIO])
+
+    def displace(self, key: bytes) -> None:
+        """Note that ``key``'s group may have lost its oldest packet and stays queued."""
+        if self.displaced is None:
+            self.displaced = set()
+        self.displaced.add(key)
+        if len(self.displaced) > len(self.groups) + _STALE_SLACK:
+            self.displaced &= self.groups.keys()  # forget keys that left: O(1) amortised
+
+    def oldest(self) -> QueuedPacket | None:
+        """The live packet pushed first. O(displaced keys)."""
+        displaced = self.displaced or set()
+        groups = self.groups
+        oldest = None
+        for key in groups:  # in the order keys arrived; each group in push order
+            if key not in displaced:
+                oldest = next(iter(_members(groups[key])))
+                break
+        for key in displaced & groups.keys():
+            first = next(iter(_members(groups[key])))
+            if oldest is None or first[SEQ] < oldest[SEQ]:
+                oldest = first
+        return oldest
+
+    def by_priority(self) -> dict[int, int]:
+        """Live packets per priority, prio 0 included, ascending; only those held. O(levels)."""
+        levels, stale = self.levels, self.stale
+        counts = {prio: len(levels[prio]) for prio in sorted(levels)}
+        if stale:  # levels may hold entries of packets that left: not counted
+            counts = {prio: n - stale.get(prio, 0) for prio, n in counts.items()}
+            counts = {prio: n for prio, n in counts.items() if n}
+        unselectable = self.size - sum(counts.values())
+        return {0: unselectable, **counts} if unselectable else counts
+
+    def packets(self) -> Iterator[QueuedPacket]:
+        """Every live packet, in no particular order. O(packets)."""
+        for group in self.groups.values():
+            yield from _members(group)
 
     def compact(self) -> None:
         """Rebuild the levels without stale entries. O(entries)."""
@@ -145,6 +234,7 @@ class _Queue:
         self.levels = levels
         self.mask = sum(1 << prio for prio in levels)
         self.entries = sum(len(level) for level in levels.values())
+        self.stale = None
 
 
 class QueueStore:
@@ -168,14 +258,20 @@ class QueueStore:
         self.unselectable_bytes = 0
         #: Packets removed at their deadline so far, by ``expire`` or before a read.
         self.expired = 0
+        #: Packets removed by ``purge`` so far.
+        self.purged = 0
         self._queues: dict[bytes, _Queue] = {}
         self._seq = 0
-        self._count = 0
+        #: Packets removed by pops. Packets held are derived (``__len__``), which spares a push
+        #: the addition that pays for its queue's ``bytes``.
+        self._popped = 0
         self._expiry: list[_ExpiryEntry] = []
+        #: ``(seq, time)``: by ``time``, packets up to ``seq`` had been pushed (``note_time``).
+        self._time_notes: list[tuple[int, float]] = []
 
     def __len__(self) -> int:
         """Packets held, in all queues."""
-        return self._count
+        return self._seq - self._popped - self.expired - self.purged
 
     @property
     def pushed(self) -> int:
@@ -192,12 +288,18 @@ class QueueStore:
         q = self._queues.get(queue)
         return q.size if q is not None else 0
 
+    def sizes(self) -> Iterator[tuple[bytes, int, int]]:
+        """Every queue holding packets, with its packets and its bytes. O(1) per queue."""
+        for name, q in self._queues.items():
+            yield name, q.size, q.bytes
+
     def push(self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> float:
         """Queue a packet; returns its deadline on the store's clock (inf for TTL 0)."""
         self._seq += 1
         seq = self._seq
         deadline = self._clock() + ttl_ms / 1000 if ttl_ms else _NEVER
         packet = (key, payload, prio, seq)
+        size = len(key) + len(payload) + PACKET_OVERHEAD
         q = self._queues.get(queue)
         if q is None:
             q = self._queues[queue] = _Queue(queue)
@@ -218,13 +320,21 @@ class QueueStore:
                 level.append(packet)
             q.entries += 1
         else:
-            self.unselectable_bytes += len(key) + len(payload) + PACKET_OVERHEAD
+            self.unselectable_bytes += size
         if ttl_ms:
-            heapq.heappush(self._expiry, (deadline, seq, q.name, key))
+            self._file_expiry(q, (deadline, seq, q.name, key))
         q.size += 1
-        self._count += 1
-        self.bytes_held += len(key) + len(payload) + PACKET_OVERHEAD
+        q.bytes += size
+        self.bytes_held += size
         return deadline
+
+    def _file_expiry(self, q: _Queue, entry: _ExpiryEntry) -> None:
+        """Enter a packet's expiry entry in the store's heap and its queue's."""
+        heapq.heappush(self._expiry, entry)
+        if q.expiry is None:
+            q.expiry = [entry]
+        else:
+            heapq.heappush(q.expiry, entry)
 
     def pop(self, queue: bytes) -> list[QueuedPacket]:
         """Remove and return the best packet with the rest of its key group (decision 3).
@@ -256,18 +366,22 @@ class QueueStore:
             if group is selected:  # a key of its own: the common case
                 del groups[key]
                 reply = [selected]
-                self.bytes_held -= len(key) + len(selected[PAYLOAD]) + PACKET_OVERHEAD
+                size = len(key) + len(selected[PAYLOAD]) + PACKET_OVERHEAD
+                self.bytes_held -= size
+                q.bytes -= size
                 break
             if isinstance(group, dict) and selected[SEQ] in group:
                 reply = self._take_group(q, key, group, selected)
                 break
+            q.stale[prio] -= 1  # type: ignore[index]  # a stale entry skipped: it was counted
         q.size -= len(reply)
-        self._count -= len(reply)
+        self._popped += len(reply)
         if not groups:
             del self._queues[queue]
         elif q.entries > 2 * q.size + _STALE_SLACK:
             q.compact()
-        if len(expiry) > 2 * self._count + _STALE_SLACK:
+        # The first test is redundant but spares the arithmetic when nothing has a TTL.
+        if len(expiry) > _STALE_SLACK and len(expiry) > 2 * len(self) + _STALE_SLACK:
             self._compact_expiry()
         return reply
 
@@ -285,7 +399,11 @@ class QueueStore:
                 del group[sibling[SEQ]]
             if len(group) == 1:
                 q.groups[key] = next(iter(group.values()))
-        self.bytes_held -= _held(reply)
+            q.displace(key)
+        q.went_stale(islice(reply, 1, None))
+        held = _held(reply)
+        self.bytes_held -= held
+        q.bytes -= held
         self.unselectable_bytes -= _unselectable(reply)
         return reply
 
@@ -303,8 +421,16 @@ class QueueStore:
         """When the earliest live packet expires, on the store's clock; ``None`` if none will."""
         heap = self._expiry
         while heap and self._live(heap[0]) is None:
-            heapq.heappop(heap)
+            self._drop_queue_entries(heapq.heappop(heap)[2])
         return heap[0][0] if heap else None
+
+    def _drop_queue_entries(self, queue: bytes) -> None:
+        """Drop the stale entries at the top of a queue's expiry heap: called when an entry of
+        that queue left the store-wide heap, the earliest, so the queue's copy is at its top."""
+        q = self._queues.get(queue)
+        heap = q.expiry if q is not None else None
+        while heap and self._live(heap[0]) is None:
+            heapq.heappop(heap)
 
     def expire(self) -> int:
         """Remove every packet whose deadline has come; returns how many were removed.
@@ -321,17 +447,21 @@ class QueueStore:
             entry = heapq.heappop(heap)
             packet = self._live(entry)
             if packet is None:
+                self._drop_queue_entries(entry[2])
                 continue
             queue = entry[2]
             q = self._queues[queue]
             self._ungroup(q, packet)
             q.size -= 1
+            q.bytes -= len(packet[KEY]) + len(packet[PAYLOAD]) + PACKET_OVERHEAD
             if not q.groups:
                 del self._queues[queue]
-            elif q.entries > 2 * q.size + _STALE_SLACK:
-                q.compact()
+            else:
+                q.went_stale((packet,))
+                self._drop_queue_entries(queue)
+                if q.entries > 2 * q.size + _STALE_SLACK:
+                    q.compact()
             removed.append(packet)
-        self._count -= len(removed)
         self.bytes_held -= _held(removed)
         self.unselectable_bytes -= _unselectable(removed)
         self.expired += len(removed)
@@ -348,6 +478,7 @@ class QueueStore:
         del group[packet[SEQ]]
         if len(group) == 1:
             q.groups[key] = next(iter(group.values()))
+        q.displace(key)
 
     def _live(self, entry: _ExpiryEntry) -> QueuedPacket | None:
         """The packet an expiry entry stands for, or ``None`` if it has left the store."""
@@ -365,6 +496,93 @@ class QueueStore:
         twice over, so the heap's memory stays O(live) and the rebuild's cost is amortised."""
         self._expiry = [entry for entry in self._expiry if self._live(entry) is not None]
         heapq.heapify(self._expiry)
+        for q in self._queues.values():
+            q.expiry = None
+        for entry in self._expiry:
+            q = self._queues[entry[2]]
+            if q.expiry is None:
+                q.expiry = [entry]
+            else:
+                q.expiry.append(entry)
+        for q in self._queues.values():
+            if q.expiry is not None:
+                heapq.heapify(q.expiry)
+
+    def peek(self, queue: bytes, count: int) -> list[QueuedPacket]:
+        """The next ``count`` packets (at most) that pops of ``queue`` would return, in that
+        order, without removing any: each pop's selected packet, then its key group.
+
+        O(count + levels), plus the stale entries passed on the way.
+        """
+        expiry = self._expiry
+        if expiry and expiry[0][0] <= self._clock():
+            self.expire()
+        q = self._queues.get(queue)
+        if q is None:
+            return []
+        taken: set[int] = set()  # seqs already in the answer
+        found: list[QueuedPacket] = []
+        for prio in sorted(q.levels):
+            for selected in reversed(q.levels[prio]):  # newest first
+                if selected[SEQ] in taken or not q.holds(selected):
+                    continue
+                siblings = _members(q.groups[selected[KEY]])
+                rest = (p for p in siblings if p[SEQ] not in taken and p is not selected)
+                for packet in islice(chain((selected,), rest), self._max_pop):
+                    taken.add(packet[SEQ])
+                    found.append(packet)
+                    if len(found) == count:
+                        return found
+        return found
+
+    def purge(self, queue: bytes) -> int:
+        """Remove every packet of ``queue``, prio 0 included; returns how many. O(packets
+        removed)."""
+        q = self._queues.pop(queue, None)
+        if q is None:
+            return 0
+        # Its expiry entries go stale: they name a queue that is gone, or, once the name is
+        # used again, sequence numbers that are not there.
+        self.bytes_held -= q.bytes
+        self.unselectable_bytes -= _unselectable(q.packets())
+        self.purged += q.size
+        return q.size
+
+    def queue_info(self, queue: bytes) -> QueueInfo:
+        """What one queue holds (all zero for one that holds nothing). O(levels + displaced
+        keys), plus the stale expiry entries it drops."""
+        q = self._queues.get(queue)
+        if q is None:
+            return QueueInfo(0, 0, {}, None, None)
+        now = self._clock()
+        heap = q.expiry
+        while heap and self._live(heap[0]) is None:
+            heapq.heappop(heap)
+        oldest = q.oldest()
+        return QueueInfo(
+            q.size,
+            q.bytes,
+            q.by_priority(),
+            None if oldest is None else self._age(oldest[SEQ], now),
+            max(0.0, heap[0][0] - now) if heap else None,
+        )
+
+    def note_time(self) -> None:
+        """Note which packets had been pushed by now; ``queue_info`` reads packets' ages from
+        these notes. The server calls it about once a second. O(1) amortised."""
+        notes = self._time_notes
+        if notes and notes[-1][0] == self._seq:
+            return  # nothing pushed since: the earlier note says more
+        notes.append((self._seq, self._clock()))
+        if len(notes) > _MAX_TIME_NOTES:
+            half = len(notes) // 2
+            notes[:half] = notes[:half:2]
+
+    def _age(self, seq: int, now: float) -> float | None:
+        """Seconds since packet ``seq`` was pushed, at most: since the last note before it."""
+        notes = self._time_notes
+        index = bisect_left(notes, (seq, -math.inf)) - 1  # the last note with a smaller seq
+        return now - notes[index][1] if index >= 0 else None
 
     def check_invariants(self) -> None:
         """Assert the internal structures agree with each other. For tests; O(n log n)."""
@@ -400,7 +618,19 @@ class QueueStore:
                 assert seqs == sorted(seqs), "level out of push order"
             assert q.mask == sum(1 << prio for prio in q.levels), "mask disagrees with levels"
             assert q.entries <= 2 * q.size + _STALE_SLACK + 1, "stale entries not compacted"
-        assert count == self._count, f"count {self._count} but {count} packets held"
+            assert q.bytes == _held(q.packets()), f"queue {name!r}: bytes is wrong"
+            for prio, level in q.levels.items():
+                live = sum(q.holds(p) for p in level)
+                assert len(level) - (q.stale or Counter())[prio] == live, "stale count is wrong"
+            first = min(q.packets(), key=lambda p: p[SEQ])
+            assert q.oldest() is first, f"queue {name!r}: oldest packet is wrong"
+            in_heap = {id(entry) for entry in q.expiry or ()}
+            for entry in self._expiry:
+                if entry[2] == name and self._live(entry) is not None:
+                    assert id(entry) in in_heap, "a live expiry entry missing from its queue"
+            heap = q.expiry or []
+            assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap))), "not a heap"
+        assert count == len(self), f"count {len(self)} but {count} packets held"
         assert _held(held) == self.bytes_held, f"bytes_held {self.bytes_held} but {_held(held)}"
         assert _unselectable(held) == self.unselectable_bytes, "unselectable_bytes is wrong"
         live_seqs = [entry[1] for entry in self._expiry if self._live(entry) is not None]

@@ -23,15 +23,29 @@ Both halves leave ``broker.py`` as it is; they are the Redis store's work, not t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, Protocol
 
 from pinpriq.wire import KeyedPayload
 
-__all__ = ["Rank", "Store"]
+__all__ = ["PeekedPacket", "QueueInfo", "Rank", "Store"]
 
 #: How good the packet a pop of a queue would select is: ``(prio, -seq)``, smaller is better.
 Rank = tuple[int, int]
+#: A packet ``peek`` shows: ``(key, payload, prio, ...)``; a store may add fields after these.
+PeekedPacket = tuple[bytes, bytes, int, *tuple[object, ...]]
+
+
+class QueueInfo(NamedTuple):
+    """What ``Store.queue_info`` tells about one queue: what an operator reads."""
+
+    packets: int  # live packets, prio 0 included
+    bytes: int  # its share of ``bytes_held``
+    by_priority: dict[int, int]  # live packets per priority (0..255), ascending, only those held
+    #: Seconds since its oldest packet was pushed, at most (``note_time`` sets the precision);
+    #: ``None`` when that is unknown (pushed before the first note) or the queue is empty.
+    oldest_age: float | None
+    next_expiry: float | None  # seconds until its next packet expires; ``None`` if none will
 
 
 class Store(Protocol):
@@ -57,6 +71,8 @@ class Store(Protocol):
     #: Packets removed at their TTL deadline since the store was made, by ``expire`` or by the
     #: store itself before a read.
     expired: int
+    #: Packets removed by ``purge`` since the store was made.
+    purged: int
 
     @property
     def pushed(self) -> int:
@@ -87,4 +103,35 @@ class Store(Protocol):
 
     def expire(self) -> int:
         """Remove every packet whose deadline has come; returns how many."""
+        ...
+
+    # What operators read and do (the admin listener). None of it is on the hot path, and none
+    # may cost O(packets) except ``purge``, which removes them.
+
+    @property
+    def queue_count(self) -> int:
+        """Queues holding at least one packet."""
+        ...
+
+    def sizes(self) -> Iterator[tuple[bytes, int, int]]:
+        """Every queue holding packets, with its packets and its bytes; O(1) per queue."""
+        ...
+
+    def queue_info(self, queue: bytes) -> QueueInfo:
+        """What one queue holds; all zero for one that holds nothing. O(priority levels)."""
+        ...
+
+    def peek(self, queue: bytes, count: int) -> Sequence[PeekedPacket]:
+        """The next ``count`` packets (at most) that pops of ``queue`` would return, in that
+        order, removing nothing. O(count), plus what the store must skip on the way."""
+        ...
+
+    def purge(self, queue: bytes) -> int:
+        """Remove every packet of ``queue``, prio 0 included; returns how many. The caller (the
+        broker) checks the memory cap afterwards, since ``bytes_held`` fell."""
+        ...
+
+    def note_time(self) -> None:
+        """Called about once a second: lets the store tell packets' ages (``queue_info``)
+        without reading the clock per push."""
         ...

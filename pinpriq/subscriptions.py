@@ -57,6 +57,10 @@ class Subscriptions:
         #: queue -> waiting subscribers of that queue, by stamp (longest waiting first). Read
         #: by the server's hot path to skip ``offer`` when nobody waits on a queue.
         self.waiting_queues: dict[bytes, SortedDict] = {}
+        #: queue -> how many subscribers it has, waiting or not (what an operator reads).
+        self.subscribers: dict[bytes, int] = {}
+        #: Subscribers with at least one subscription.
+        self.subscriber_count = 0
         self._stamp = 0
 
     def waiting(self, queue: bytes) -> list[Subscriber]:
@@ -68,7 +72,10 @@ class Subscriptions:
         """Add a queue to a subscriber's set; delivers at once if it holds something."""
         if queue in sub.queues:
             return
+        if not sub.queues:
+            self.subscriber_count += 1
         sub.queues.add(queue)
+        self.subscribers[queue] = self.subscribers.get(queue, 0) + 1
         if sub.stamp:
             self._waiters(queue)[sub.stamp] = sub
         self._settle(sub)
@@ -78,6 +85,9 @@ class Subscriptions:
         if queue not in sub.queues:
             return
         sub.queues.remove(queue)
+        self._count_leaving(queue)
+        if not sub.queues:
+            self.subscriber_count -= 1
         if sub.stamp:
             self._leave(queue, sub.stamp)
             if not sub.queues:
@@ -108,6 +118,10 @@ class Subscriptions:
         if sub.stamp:
             for queue in sub.queues:
                 self._leave(queue, sub.stamp)
+        for queue in sub.queues:
+            self._count_leaving(queue)
+        if sub.queues:
+            self.subscriber_count -= 1
         sub.queues.clear()
         sub.credits = 0
         sub.stamp = 0
@@ -167,6 +181,13 @@ class Subscriptions:
         if waiters is None:
             waiters = self.waiting_queues[queue] = SortedDict()
         return waiters
+
+    def _count_leaving(self, queue: bytes) -> None:
+        left = self.subscribers[queue] - 1
+        if left:
+            self.subscribers[queue] = left
+        else:
+            del self.subscribers[queue]
 
     def _leave(self, queue: bytes, stamp: int) -> None:
         waiters = self.waiting_queues[queue]

@@ -52,7 +52,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    started = Server(str(BIN / "pinpriq-server"), "--port", "0")
+    started = Server(str(BIN / "pinpriq-server"), "--port", "0", "--http-port", "off")
     yield started
     started.stop()
 
@@ -303,7 +303,7 @@ def test_tls_with_a_token(tmp_path: Path, scenario: str) -> None:
     tls = ["--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")]
     environ = {**os.environ, "PINPRIQ_AUTH_TOKEN": "bench token"}
     server = subprocess.Popen(
-        [str(BIN / "pinpriq-server"), "--port", "0", *tls],
+        [str(BIN / "pinpriq-server"), "--port", "0", "--http-port", "off", *tls],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,

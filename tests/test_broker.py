@@ -129,7 +129,23 @@ def test_totals_count_every_packet_once(clock: FakeClock) -> None:
     session.receive([Push(b"q", b"held", b"", 0, 0)])
     clock.now += 0.125
     assert broker.expire() == 1
-    assert broker.totals() == (5, 1, 2, 1)  # pushed, popped, delivered, expired; 1 held
+    assert broker.totals() == (5, 1, 2, 1, 0)  # pushed, popped, delivered, expired; 1 held
+    assert broker.purge(b"q") == 1
+    assert broker.totals() == (5, 1, 2, 1, 1)  # and purged; none held
+
+
+def test_subscribers_are_counted_per_queue_and_in_all(clock: FakeClock) -> None:
+    broker = broker_with(clock)
+    subs = broker.subscriptions
+    one, two = broker.open_session(), broker.open_session()
+    one.receive([Subscribe(b"a"), Subscribe(b"b"), Subscribe(b"a"), READY])
+    two.receive([Subscribe(b"a")])
+    assert (subs.subscribers, subs.subscriber_count) == ({b"a": 2, b"b": 1}, 2)
+    one.receive([Unsubscribe(b"b"), Unsubscribe(b"b")])
+    assert (subs.subscribers, subs.subscriber_count) == ({b"a": 2}, 2)
+    two.receive([Unsubscribe(b"a")])
+    one.close()
+    assert (subs.subscribers, subs.subscriber_count) == ({}, 0)
 
 
 def test_the_timer_is_the_earliest_deadline(clock: FakeClock) -> None:
@@ -194,6 +210,20 @@ def test_expiry_can_make_room(clock: FakeClock) -> None:
     clock.now += 0.125
     broker.expire()
     assert (broker.memory_full, rooms) == (False, [True])
+
+
+def test_a_purge_makes_room_and_wakes_waiting_pushers(clock: FakeClock) -> None:
+    # A cap full of prio-0 packets frees itself only by a purge (or expiry).
+    broker = broker_with(clock, max_memory=10 * PACKET)
+    rooms: list[int] = []
+    broker.on_room = lambda: rooms.append(len(broker.store))
+    producer = broker.open_session()
+    frames = pushes(12, prio=0)
+    done = producer.receive(frames)
+    assert (done, producer.blocked) == (10, Blocked.MEMORY)
+    assert broker.purge(b"q") == 10
+    assert (broker.memory_full, rooms, broker.store.bytes_held) == (False, [0], 0)
+    assert producer.receive(frames, done) == 12
 
 
 # -- the output bound -------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def read_line(stream: IO[bytes], deadline: float) -> bytes:
 def port() -> Iterator[int]:
     """A ``pinpriq-server --port 0`` subprocess; the port is parsed from its log line."""
     server = subprocess.Popen(
-        [str(BIN / "pinpriq-server"), "--host", "127.0.0.1", "--port", "0"],
+        [str(BIN / "pinpriq-server"), "--host", "127.0.0.1", "--port", "0", "--http-port", "off"],
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
     )
@@ -269,7 +269,14 @@ def test_push_to_something_that_is_not_pinpriq_fails_loudly() -> None:
 
 def test_push_to_a_server_at_its_connection_limit_says_so() -> None:
     server = subprocess.Popen(
-        [str(BIN / "pinpriq-server"), "--port", "0", "--max-connections", "1"],
+        [
+            str(BIN / "pinpriq-server"),
+            "--port",
+            "0",
+            "--http-port",
+            "off",
+            *["--max-connections", "1"],
+        ],
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
     )
@@ -317,7 +324,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Pat
     ca.cert_pem.write_to_path(files / "ca.pem")
     tls = ["--tls-cert", str(files / "cert.pem"), "--tls-key", str(files / "key.pem")]
     server = subprocess.Popen(
-        [str(BIN / "pinpriq-server"), "--port", "0", *tls],
+        [str(BIN / "pinpriq-server"), "--port", "0", "--http-port", "off", *tls],
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
         env=env(PINPRIQ_AUTH_TOKEN=SECRET),

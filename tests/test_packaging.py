@@ -17,11 +17,13 @@ import subprocess
 import sys
 import tomllib
 import zipfile
+from functools import partial
 from pathlib import Path
 
 import pytest
 import trio
 
+from pinpriq.admin import serve_admin
 from pinpriq.conformance import DEFAULT_FIXTURES
 from tests.conftest import LiveServer
 
@@ -99,6 +101,13 @@ def test_the_wheel_ships_every_module(wheel: Path) -> None:
         assert modules <= set(archive.namelist())
 
 
+def test_the_wheel_ships_the_dashboard(wheel: Path) -> None:
+    # Package data, not a module: the admin listener serves it, and cannot start without it.
+    page = REPO / "pinpriq" / "admin" / "dashboard.html"
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.read("pinpriq/admin/dashboard.html") == page.read_bytes()
+
+
 async def run_installed(installed: Path, cwd: Path, *argv: str | Path) -> tuple[int, str, str]:
     env = {**os.environ, "PYTHONPATH": str(installed)}
     with trio.fail_after(60):
@@ -168,20 +177,23 @@ def test_options_given_to_docker_run_keep_the_host() -> None:
     assert "--host" not in dockerfile_instruction("CMD")
 
 
-async def test_the_health_check_is_a_ping_that_fails_without_a_server(live: LiveServer) -> None:
+async def test_the_health_check_asks_the_admin_listener_and_fails_without_one(
+    live: LiveServer, nursery: trio.Nursery
+) -> None:
     text = (REPO / "Dockerfile").read_text()
     start = text.index("HEALTHCHECK")
     command = json.loads(text[text.index("CMD", start) + 3 : text.index("]", start) + 1])
-    assert (command[0], command[-1]) == ("pinpriq", "ping")
+    assert (command[0], command[-1]) == ("pinpriq", "health")
     argv = [str(Path(sys.executable).parent / command[0]), *command[1:]]
-    url = {"PINPRIQ_URL": f"pinpriq://127.0.0.1:{live.port}"}
-    answered = await trio.run_process(argv, env=os.environ | url, capture_stdout=True)
-    assert answered.stdout.startswith(b"pong from 127.0.0.1:")
+    (listener,) = await nursery.start(partial(serve_admin, live.server, 0))
+    admin = {"PINPRIQ_ADMIN_URL": f"http://127.0.0.1:{listener.socket.getsockname()[1]}"}
+    answered = await trio.run_process(argv, env=os.environ | admin, capture_stdout=True)
+    assert answered.stdout.startswith(b"ok: http://127.0.0.1:")
     with trio.socket.socket() as placeholder:  # bound, never listening
         await placeholder.bind(("127.0.0.1", 0))
-        url = {"PINPRIQ_URL": f"pinpriq://127.0.0.1:{placeholder.getsockname()[1]}"}
+        admin = {"PINPRIQ_ADMIN_URL": f"http://127.0.0.1:{placeholder.getsockname()[1]}"}
         refused = await trio.run_process(
-            argv, env=os.environ | url, check=False, capture_stderr=True
+            argv, env=os.environ | admin, check=False, capture_stderr=True
         )
     assert refused.returncode == 1
 

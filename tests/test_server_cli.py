@@ -29,9 +29,9 @@ class ServerProcess:
             [*SERVER, *args], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         assert self.process.stderr is not None
-        line = self.process.stderr.readline()  # blocks until the server says it listens
-        match = LISTENING.search(line)
-        assert match, f"expected the listening line, got {line!r}"
+        # Blocks until the server says it listens; the admin listener's line may come first.
+        while not (match := LISTENING.search(line := self.process.stderr.readline())):
+            assert line, "the server exited without saying it listens"
         self.listening_line = line
         self.port = int(match.group(2))
 
@@ -45,7 +45,7 @@ class ServerProcess:
 
 @pytest.fixture
 def server() -> Iterator[ServerProcess]:
-    process = ServerProcess("--port", "0")
+    process = ServerProcess("--port", "0", "--http-port", "0")
     yield process
     if process.process.poll() is None:
         process.process.kill()
@@ -78,11 +78,24 @@ def test_signal_stops_cleanly_within_a_second(server: ServerProcess, signum: int
 
 
 def test_port_in_use_is_one_line_and_non_zero(server: ServerProcess) -> None:
-    result = run("--port", str(server.port))
+    result = run("--port", str(server.port), "--http-port", "off")
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert f"port {server.port}" in lines[0]
+    assert "in use" in lines[0].lower()
+
+
+def test_admin_port_in_use_is_one_line_and_non_zero() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run("--port", "0", "--http-port", str(port))
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"port {port} (--http-port)" in lines[0]
     assert "in use" in lines[0].lower()
 
 
@@ -93,7 +106,13 @@ def test_port_in_use_is_one_line_and_non_zero(server: ServerProcess) -> None:
         (["--port", "70000"], "--port"),
         (["--log-level", "loud"], "--log-level"),
         (["--no-such-option"], "--no-such-option"),
-        (["--host", "no.such.host.invalid", "--port", "0"], "no.such.host.invalid"),
+        (["--host", "no.such.host.invalid", "--port", "0", "--http-port", "off"], "no.such"),
+        (["--http-port", "seven"], "--http-port"),
+        (["--http-port", "0", "--http-host", "no.such.host.invalid"], "no.such.host.invalid"),
+        (["--log-format", "xml"], "--log-format"),
+        (["--metrics-max-queues", "-1"], "--metrics-max-queues"),
+        # No token: the admin listener stays on loopback (the server exits before listening).
+        (["--port", "0", "--http-host", "0.0.0.0"], "refusing an admin listener on 0.0.0.0"),
     ],
 )
 def test_bad_arguments_are_one_line_and_non_zero(args: list[str], fragment: str) -> None:
@@ -181,7 +200,10 @@ def test_running_out_of_file_descriptors_does_not_stop_the_listener() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
 
     process = subprocess.Popen(
-        [*SERVER, "--port", "0"], stderr=subprocess.PIPE, text=True, preexec_fn=low_fd_limit
+        [*SERVER, "--port", "0", "--http-port", "off"],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=low_fd_limit,
     )
     try:
         assert process.stderr is not None

@@ -439,6 +439,136 @@ def test_popped_ttl_packets_do_not_grow_expiry_heap(store: QueueStore) -> None:
 # --- a stateful comparison against a naive model -------------------------------------------------
 
 
+def test_peek_shows_what_pops_would_return_and_removes_nothing(store: QueueStore) -> None:
+    store.push(b"q", b"a", b"a1", 0, 2)
+    store.push(b"q", b"b", b"b1", 0, 1)
+    store.push(b"q", b"a", b"a0", 0, 0)  # prio 0 rides along with a's group
+    store.push(b"q", b"c", b"c1", 0, 2)
+    assert payloads(store.peek(b"q", 10)) == [b"b1", b"c1", b"a1", b"a0"]
+    assert payloads(store.peek(b"q", 2)) == [b"b1", b"c1"]
+    assert store.depth(b"q") == 4
+    popped = [p for _ in range(3) for p in store.pop(b"q")]
+    assert payloads(popped) == [b"b1", b"c1", b"a1", b"a0"]
+    store.check_invariants()
+
+
+def test_peek_skips_expired_packets_and_unselectable_queues(
+    store: QueueStore, clock: FakeClock
+) -> None:
+    store.push(b"q", b"a", b"gone", 125, 1)
+    store.push(b"q", b"b", b"stays", 0, 2)
+    store.push(b"z", b"a", b"prio-0 only", 0, 0)
+    clock.advance(0.125)
+    assert payloads(store.peek(b"q", 10)) == [b"stays"]
+    assert store.peek(b"z", 10) == []
+    assert store.peek(b"missing", 10) == []
+
+
+def test_purge_removes_every_packet_prio_zero_included(store: QueueStore, clock: FakeClock) -> None:
+    store.push(b"q", b"a", b"x", 0, 0)
+    store.push(b"q", b"b", b"y", 250, 3)
+    store.push(b"q", b"b", b"z", 0, 0)
+    store.push(b"other", b"a", b"w", 0, 1)
+    assert store.purge(b"q") == 3
+    assert store.purge(b"q") == 0
+    assert (store.depth(b"q"), len(store), store.purged) == (0, 1, 3)
+    assert store.bytes_held == 1 + 1 + PACKET_OVERHEAD
+    assert store.unselectable_bytes == 0
+    store.check_invariants()
+    # Its expiry entries went stale: a reused name and key are not expired with them.
+    store.push(b"q", b"b", b"new", 0, 1)
+    clock.advance(0.25)
+    assert store.expire() == 0
+    assert payloads(store.pop(b"q")) == [b"new"]
+    store.check_invariants()
+
+
+def test_queue_info_counts_bytes_and_packets_per_priority(store: QueueStore) -> None:
+    store.push(b"q", b"k1", b"abc", 0, 7)
+    store.push(b"q", b"k2", b"de", 0, 0)
+    store.push(b"q", b"k3", b"f", 0, 7)
+    store.push(b"q", b"k4", b"", 0, 255)
+    info = store.queue_info(b"q")
+    assert info.packets == 4
+    assert info.bytes == 2 * 4 + 6 + 4 * PACKET_OVERHEAD
+    assert info.by_priority == {0: 1, 7: 2, 255: 1}
+    assert info.next_expiry is None
+    assert store.queue_info(b"none") == (0, 0, {}, None, None)
+
+
+def test_queue_info_by_priority_after_grouped_pops_and_expiry(
+    store: QueueStore, clock: FakeClock
+) -> None:
+    # Siblings and expired packets leave stale level entries: they must not be counted.
+    for i in range(6):
+        store.push(b"q", b"k%d" % (i % 2), b"p", 125 if i >= 4 else 0, 3)
+    store.push(b"q", b"solo", b"p", 125, 5)
+    assert store.pop(b"q")  # k1: i = 1, 3, 5
+    clock.advance(0.125)
+    store.expire()  # i = 4 (k0) and solo
+    assert store.queue_info(b"q").by_priority == {3: 2}
+    store.check_invariants()
+
+
+def test_queue_info_next_expiry_is_the_queues_own(store: QueueStore, clock: FakeClock) -> None:
+    store.push(b"a", b"k", b"p", 500, 1)
+    store.push(b"b", b"k", b"p", 250, 1)
+    store.push(b"b", b"j", b"p", 1000, 1)
+    assert store.queue_info(b"a").next_expiry == 0.5
+    assert store.queue_info(b"b").next_expiry == 0.25
+    assert store.pop(b"b")  # j, the newest, goes; k's 0.25 stays the next
+    clock.advance(0.125)
+    assert store.queue_info(b"b").next_expiry == 0.125
+    assert store.pop(b"b")
+    assert store.queue_info(b"b").next_expiry is None
+    store.check_invariants()
+
+
+def test_oldest_age_reads_the_time_notes(store: QueueStore, clock: FakeClock) -> None:
+    store.push(b"q", b"early", b"p", 0, 1)
+    assert store.queue_info(b"q").oldest_age is None  # pushed before any note
+    store.note_time()
+    clock.advance(1.0)
+    store.push(b"q", b"a", b"p", 0, 2)
+    store.note_time()
+    clock.advance(1.0)
+    store.push(b"q", b"b", b"p", 0, 3)
+    clock.advance(0.5)
+    store.pop(b"q")  # early (prio 1) goes: "a" is the oldest, pushed after the first note
+    assert store.queue_info(b"q").oldest_age == 2.5
+    store.pop(b"q")  # "b": pushed after the second note, 1.5 s ago at most
+    assert store.queue_info(b"q").oldest_age == 1.5
+
+
+def test_time_notes_stay_bounded(store: QueueStore, clock: FakeClock) -> None:
+    store.note_time()
+    for i in range(10_000):
+        store.push(b"q", b"k%d" % i, b"p", 0, 1)
+        clock.advance(1.0)
+        store.note_time()
+    assert len(store._time_notes) <= 4096
+    age = store.queue_info(b"q").oldest_age
+    assert age is not None
+    assert 10_000 <= age <= 10_001
+
+
+def test_oldest_packet_of_a_group_that_lost_its_first(store: QueueStore, clock: FakeClock) -> None:
+    # A group whose oldest packet expired keeps its place among the keys; the queue's oldest
+    # packet is then in another group.
+    store.note_time()
+    store.push(b"q", b"k", b"first", 125, 0)
+    clock.advance(1.0)
+    store.note_time()
+    store.push(b"q", b"j", b"second", 0, 0)
+    clock.advance(1.0)
+    store.note_time()
+    store.push(b"q", b"k", b"third", 0, 0)
+    clock.advance(1.0)
+    store.expire()
+    store.check_invariants()  # asserts oldest() is the packet with the smallest seq
+    assert store.queue_info(b"q").oldest_age == 2.0  # "second", pushed at the second note
+
+
 @dataclass
 class ModelPacket:
     queue: bytes
@@ -490,6 +620,31 @@ class Model:
 
     def depth(self, queue: bytes) -> int:
         return sum(p.queue == queue for p in self.packets)
+
+    def peek(self, queue: bytes, count: int) -> list[ModelPacket]:
+        self.expire()
+        kept = list(self.packets)
+        found: list[ModelPacket] = []
+        while len(found) < count and (reply := self.pop(queue)):
+            found += reply
+        self.packets = kept
+        return found[:count]
+
+    def purge(self, queue: bytes) -> int:
+        self.expire()
+        gone = self.depth(queue)
+        self.packets = [p for p in self.packets if p.queue != queue]
+        return gone
+
+    def info(self, queue: bytes) -> tuple[int, int, dict[int, int], float | None]:
+        mine = [p for p in self.packets if p.queue == queue]
+        by_priority: dict[int, int] = {}
+        for p in sorted(mine, key=lambda p: p.prio):
+            by_priority[p.prio] = by_priority.get(p.prio, 0) + 1
+        deadlines = [p.deadline for p in mine if p.deadline != float("inf")]
+        next_expiry = max(0.0, min(deadlines) - self.now) if deadlines else None
+        size = sum(len(p.key) + len(p.payload) + PACKET_OVERHEAD for p in mine)
+        return len(mine), size, by_priority, next_expiry
 
     def next_deadline(self) -> float | None:
         return min((p.deadline for p in self.packets if p.deadline != float("inf")), default=None)
@@ -561,6 +716,16 @@ class StoreVersusModel(RuleBasedStateMachine):
     def next_deadline(self) -> None:
         assert self.store.next_deadline() == self.model.next_deadline()
 
+    @rule(queue=st.sampled_from(QUEUES), count=st.sampled_from([1, 2, 5, 100]))
+    def peek(self, queue: bytes, count: int) -> None:
+        peeked = described(self.store.peek(queue, count))
+        assert peeked == described_model(self.model.peek(queue, count))
+
+    @rule(queue=st.sampled_from(QUEUES))
+    def purge(self, queue: bytes) -> None:
+        self.store.expire()  # the model sweeps first; the store's purge counts due packets too
+        assert self.store.purge(queue) == self.model.purge(queue)
+
     @invariant()
     def same_counts(self) -> None:
         self.store.check_invariants()
@@ -568,6 +733,13 @@ class StoreVersusModel(RuleBasedStateMachine):
         assert self.store.queue_count == len({p.queue for p in self.model.packets})
         for q in QUEUES:
             assert self.store.depth(q) == self.model.depth(q)
+            info = self.store.queue_info(q)
+            assert (
+                info.packets,
+                info.bytes,
+                info.by_priority,
+                info.next_expiry,
+            ) == self.model.info(q)
 
 
 StoreVersusModel.TestCase.settings = settings(
@@ -593,3 +765,25 @@ def test_stale_level_entries_stay_bounded() -> None:
     q = store._queues[b"q"]
     assert q.entries <= 2 * q.size + 65
     assert store.depth(b"q") == len(store)
+
+
+def test_displaced_keys_stay_bounded(store: QueueStore, clock: FakeClock) -> None:
+    # Groups that lose their oldest packet are remembered (for the queue's oldest packet); the
+    # memory must not grow with keys that have since left. White-box: reads the queue's set.
+    for round_number in range(20):
+        for i in range(100):
+            key = b"k%d-%d" % (round_number, i)
+            store.push(b"q", key, b"first", 125, 0)
+            store.push(b"q", key, b"second", 0, 1)
+        clock.advance(0.125)
+        store.expire()  # every group loses its first packet: displaced
+        for _ in range(100):
+            assert store.pop(b"q")  # and then leaves
+    store.push(b"q", b"last", b"p", 125, 0)
+    store.push(b"q", b"last", b"p", 0, 0)
+    clock.advance(0.125)
+    store.expire()
+    displaced = store._queues[b"q"].displaced
+    assert displaced is not None
+    assert len(displaced) <= 100 + 64 + 1
+    store.check_invariants()

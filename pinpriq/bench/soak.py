@@ -326,6 +326,7 @@ class ServerProcess:
     @classmethod
     async def start(cls, nursery: trio.Nursery) -> ServerProcess:
         command = [sys.executable, "-m", "pinpriq.cli.server", "--host", HOST, "--port", "0"]
+        command += ["--http-port", "0"]  # never the default 7001: servers run side by side
         log_end, server_end = os.pipe()
         try:
             process = start_child(command, stderr=server_end)

@@ -15,6 +15,7 @@ __all__ = [
     "OneLineParser",
     "byte_size",
     "client_port",
+    "http_port",
     "int_in",
     "port_number",
     "positive",
@@ -118,3 +119,8 @@ def positive(unit: str) -> Callable[[str], float]:
 
 #: An argparse type: a positive number of seconds.
 seconds = positive("seconds")
+
+
+def http_port(text: str) -> int | None:
+    """An argparse type: a port to listen on, or ``off`` (``None``) for no listener."""
+    return None if text.strip().lower() == "off" else _port(text, 0)

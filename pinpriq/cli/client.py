@@ -8,7 +8,6 @@ traceback reaches the user.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import ssl
@@ -22,7 +21,9 @@ from pinpriq import __version__
 from pinpriq._client_core import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TIMEOUT, MAX_PREFETCH
 from pinpriq.auth import TOKEN_VARIABLE
 from pinpriq.blocking import BlockingPinpriqClient
+from pinpriq.cli.admin import ADMIN_COMMANDS, AdminError, add_admin_commands, run_admin
 from pinpriq.cli.args import OneLineParser, client_port, int_in, seconds
+from pinpriq.display import escape, json_value
 from pinpriq.errors import ArgumentError, ArgumentTypeError, PinpriqError
 from pinpriq.wire import MAX_PRIO, MAX_TTL_MS, Packet
 
@@ -44,7 +45,14 @@ escapes for bytes that are not printable text. With --json, each line is a JSON 
 {{"key": ..., "payload": ...}} whose values are strings when the bytes are UTF-8, else
 {{"base64": "..."}}. Popping an empty queue prints nothing and exits 0. Exit status: 0 done,
 1 server unreachable, connection lost, or no answer within --timeout, 2 bad arguments,
-{INTERRUPTED} interrupted (Ctrl-C)."""
+{INTERRUPTED} interrupted (Ctrl-C).
+
+`stats`, `queues`, `peek`, `purge` and `health` ask the server's admin listener over HTTP
+instead: --admin URL, else the PINPRIQ_ADMIN_URL environment variable, else
+http://127.0.0.1:7001 (https:// for a server with TLS, trusting --tls-ca), with the token in
+PINPRIQ_AUTH_TOKEN if the server has one. Queue names are shown as keys and payloads are;
+--json prints the admin listener's JSON. `health` exits 0 when the server is serving (with
+--ready: ready for clients) and 1 otherwise, for container health checks."""
 
 
 class ServerUrl(NamedTuple):
@@ -178,6 +186,7 @@ def client_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="check that the server answers (a sync): prints the round trip, exits 0 if it does",
     )
+    add_admin_commands(parser, commands, common)
     return parser
 
 
@@ -208,29 +217,6 @@ def tls_context(args: argparse.Namespace) -> ssl.SSLContext:
     except (OSError, ssl.SSLError) as error:
         raise ValueError(f"cannot use the TLS files: {error.strerror or error}") from None
     return context
-
-
-def escape(data: bytes) -> str:
-    """``data`` as one line of text: UTF-8 shown as text, anything else as backslash escapes."""
-    out = []
-    for char in data.decode("utf-8", "surrogateescape"):
-        code = ord(char)
-        if char == "\\":
-            out.append("\\\\")
-        elif 0xDC80 <= code <= 0xDCFF:  # a byte that is not UTF-8, smuggled by surrogateescape
-            out.append(f"\\x{code - 0xDC00:02x}")
-        elif char.isprintable():
-            out.append(char)
-        else:
-            out.append(char.encode("unicode_escape").decode("ascii"))
-    return "".join(out)
-
-
-def json_value(data: bytes) -> str | dict[str, str]:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return {"base64": base64.b64encode(data).decode("ascii")}
 
 
 def print_packets(packets: Iterable[Packet], as_json: bool, out: TextIO) -> None:
@@ -282,10 +268,15 @@ def main(argv: list[str] | None = None) -> None:
             tls = tls_context(args) if url.tls else None
         except ValueError as error:
             parser.error(str(error))
-        run_client(args, url, tls, sys.stdout)
+        if args.command in ADMIN_COMMANDS:  # HTTP to the admin listener, not the data port
+            run_admin(args, sys.stdout, tls)
+        else:
+            run_client(args, url, tls, sys.stdout)
     except (ArgumentError, ArgumentTypeError) as error:  # a field longer than the protocol allows
         parser.exit(2, f"pinpriq: error: {error}\n")
     except PinpriqError as error:  # unreachable, lost, timed out, not a pinpriq 1.1 server
+        sys.exit(f"pinpriq: {error}")
+    except AdminError as error:  # the admin listener unreachable, or it said no
         sys.exit(f"pinpriq: {error}")
     except KeyboardInterrupt:
         sys.exit(INTERRUPTED)

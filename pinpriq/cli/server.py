@@ -12,13 +12,26 @@ import gc
 import logging
 import resource
 import signal
+import socket
 import sys
+from functools import partial
+from typing import NamedTuple
 
 import trio
 
 from pinpriq import __version__
-from pinpriq.auth import TOKEN_VARIABLE, TokenError, load_token
-from pinpriq.cli.args import OneLineParser, byte_size, int_in, port_number, seconds
+from pinpriq.admin import serve_admin
+from pinpriq.admin.stats import DEFAULT_MAX_QUEUES
+from pinpriq.auth import TOKEN_VARIABLE, TokenError, is_loopback, load_token
+from pinpriq.cli.args import (
+    OneLineParser,
+    byte_size,
+    http_port,
+    int_in,
+    port_number,
+    seconds,
+)
+from pinpriq.cli.logs import LOG_FORMATS, configure_logging
 from pinpriq.client_memory import MIN_DEFAULT_BUDGET
 from pinpriq.server import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_CONNECTIONS, PinpriqServer
 from pinpriq.store import PACKET_OVERHEAD
@@ -28,6 +41,8 @@ from pinpriq.wire import DEFAULT_PORT
 __all__ = ["main", "server_parser"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: The admin listener's default port: the data port's neighbour.
+DEFAULT_HTTP_PORT = 7001
 
 
 def server_parser() -> argparse.ArgumentParser:
@@ -90,6 +105,28 @@ def server_parser() -> argparse.ArgumentParser:
         f"{TOKEN_VARIABLE}. Never a command-line value: ps would show it",
     )
     parser.add_argument(
+        "--http-port",
+        type=http_port,
+        default=DEFAULT_HTTP_PORT,
+        metavar="PORT",
+        help="port of the admin listener (dashboard, /metrics, /stats, peek, purge, health "
+        "checks); 0 for any free port, off for none (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--http-host",
+        default="127.0.0.1",
+        help="address of the admin listener, whatever --host is (default: %(default)s). "
+        "Anything but loopback needs a token (--auth-token-file)",
+    )
+    parser.add_argument(
+        "--metrics-max-queues",
+        type=int_in(0),
+        default=DEFAULT_MAX_QUEUES,
+        metavar="N",
+        help="most queues given their own series in /metrics and listed by /stats, the deepest "
+        "first (default: %(default)s)",
+    )
+    parser.add_argument(
         "--no-protected-mode",
         dest="protected_mode",
         action="store_false",
@@ -110,7 +147,14 @@ def server_parser() -> argparse.ArgumentParser:
         "--log-level",
         choices=LOG_LEVELS,
         default="info",
-        help="least severe messages to log (default: %(default)s)",
+        help="least severe messages to log; debug adds each connection's end, its reason and "
+        "the frames it sent (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text lines, or one JSON object per line (default: %(default)s)",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser
@@ -120,11 +164,36 @@ def server_parser() -> argparse.ArgumentParser:
 FORCED_EXIT = 1
 
 
-async def run_server(server: PinpriqServer, host: str, port: int) -> int | str:
+class AdminOptions(NamedTuple):
+    port: int
+    host: str
+    max_queues: int
+
+
+async def run_server(
+    server: PinpriqServer, host: str, port: int, admin: AdminOptions | None = None
+) -> int | str:
     """Serve until a signal. Returns the exit status, or why the server could not start."""
     log = logging.getLogger("pinpriq.server")
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
+            if admin is not None:  # first, so that /readyz answers 503 while starting
+                try:
+                    await nursery.start(
+                        partial(
+                            serve_admin,
+                            server,
+                            admin.port,
+                            host=admin.host,
+                            max_queues=admin.max_queues,
+                            tls=server.tls,
+                        )
+                    )
+                except OSError as error:
+                    return (
+                        f"cannot listen on {admin.host} port {admin.port} (--http-port): "
+                        f"{error.strerror or error}"
+                    )
 
             async def serve_then_stop(task_status: trio.TaskStatus[object]) -> None:
                 await server.serve(port, host=host, task_status=task_status)
@@ -133,6 +202,7 @@ async def run_server(server: PinpriqServer, host: str, port: int) -> int | str:
             try:
                 await nursery.start(serve_then_stop)
             except OSError as error:
+                nursery.cancel_scope.cancel()  # the admin listener, if it started
                 return f"cannot listen on {host} port {port}: {error.strerror or error}"
             async for signum in signals:
                 name = signal.Signals(signum).name
@@ -168,6 +238,15 @@ def tune_garbage_collector() -> None:
     gc.set_threshold(100_000, 10, 10)
 
 
+def _only_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one (127.0.0.0/8, ::1)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False  # the listener will fail to start and say why
+    return bool(infos) and all(is_loopback(str(info[4][0])) for info in infos)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``pinpriq-server``."""
     parser = server_parser()
@@ -176,11 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_ca is not None and args.tls_cert is None:
         parser.error("--tls-ca needs --tls-cert and --tls-key")
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level, args.log_format)
     try:
         token = load_token(args.auth_token_file)
     except TokenError as error:
@@ -191,6 +266,15 @@ def main(argv: list[str] | None = None) -> None:
             tls = server_context(args.tls_cert, args.tls_key, args.tls_ca)
         except TlsError as error:
             sys.exit(f"pinpriq-server: {error}")
+    admin = None
+    if args.http_port is not None:
+        if token is None and not _only_loopback(args.http_host):
+            sys.exit(
+                f"pinpriq-server: refusing an admin listener on {args.http_host} without a "
+                "token: give one (--auth-token-file), use a loopback --http-host, or "
+                "--http-port off"
+            )
+        admin = AdminOptions(args.http_port, args.http_host, args.metrics_max_queues)
     raise_open_file_limit(args.max_connections + 64)
     tune_garbage_collector()
     server = PinpriqServer(
@@ -203,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
         max_client_memory=args.max_client_memory,
     )
     try:
-        outcome = trio.run(run_server, server, args.host, args.port)
+        outcome = trio.run(run_server, server, args.host, args.port, admin)
     except KeyboardInterrupt:
         outcome = 0  # Ctrl-C before the signal handler was installed
     if isinstance(outcome, str):

@@ -70,7 +70,9 @@ if (!canRun(COMMAND)) {
  */
 export async function startServer({ args = [], env = {} } = {}) {
   const command = COMMAND;
-  const child = spawn(command, ['--host', '127.0.0.1', '--port', '0', ...args], {
+  // --http-port 0: an admin listener on a free port, never the default 7001, so servers
+  // started side by side do not collide.
+  const child = spawn(command, ['--host', '127.0.0.1', '--port', '0', '--http-port', '0', ...args], {
     stdio: ['ignore', 'ignore', 'pipe'],
     env: { ...process.env, ...env },
   });

@@ -1,0 +1,184 @@
+"""The admin API: which request gets which answer. No sockets: ``AdminApp.handle`` takes a
+``Request`` and returns a ``Response``, so tests can call it without a listener.
+
+    GET  /                      the live dashboard (a page with no data of its own)
+    GET  /healthz               200 while the process serves
+    GET  /readyz                200 when ready; 503 while starting or shutting down
+    GET  /metrics               Prometheus text exposition
+    GET  /stats[?limit=N]       the server's figures and its N deepest queues' (JSON)
+    GET  /queues/NAME           one queue's figures (JSON)
+    GET  /queues/NAME/peek?n=N  the next N packets pops would return, none removed (JSON)
+    POST /queues/NAME/purge     remove every packet of the queue; DELETE is the same (JSON)
+
+NAME is the queue's bytes, percent-encoded. When the server has a token, every path but
+``/healthz``, ``/readyz`` and the dashboard page needs ``Authorization: Bearer TOKEN``; the
+page holds no data and asks for the token itself, so a browser can open it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from importlib.resources import files
+from typing import Any, Protocol
+from urllib.parse import parse_qs, unquote_to_bytes
+
+from pinpriq.admin.http import Request, Response
+from pinpriq.admin.metrics import CONTENT_TYPE_LATEST, BrokerCollector, exposition, registry_for
+from pinpriq.admin.stats import DEFAULT_MAX_QUEUES, Sampler, queue_stats, server_stats
+from pinpriq.auth import tokens_match
+from pinpriq.broker import Broker
+from pinpriq.display import escape, json_value
+from pinpriq.wire import MAX_FIELD
+
+__all__ = ["DEFAULT_PEEK", "MAX_PEEK", "AdminApp", "Observed"]
+
+#: Packets ``peek`` shows unless told otherwise, and at most.
+DEFAULT_PEEK = 10
+MAX_PEEK = 1000
+#: Paths anyone may read: probes carry no secrets, and the page fetches its data with the token.
+PUBLIC = frozenset({"/", "/healthz", "/readyz"})
+HTML = "text/html; charset=utf-8"
+
+
+class Observed(Protocol):
+    """What the admin API reads from the server (``PinpriqServer`` is one)."""
+
+    broker: Broker
+    token: bytes | None
+
+    @property
+    def connections(self) -> int: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+
+class HTTPError(Exception):
+    """An answer other than success: its status and a message for the client."""
+
+    def __init__(self, status: int, message: str, headers: tuple[tuple[str, str], ...] = ()):
+        super().__init__(message)
+        self.status = status
+        self.headers = headers
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(status, json.dumps(body, ensure_ascii=False).encode() + b"\n")
+
+
+class AdminApp:
+    """Answers the admin API's requests for one server."""
+
+    def __init__(
+        self, server: Observed, sampler: Sampler, *, max_queues: int = DEFAULT_MAX_QUEUES
+    ) -> None:
+        self.server = server
+        self.broker = server.broker
+        self.sampler = sampler
+        self.max_queues = max_queues
+        self.registry = registry_for(
+            BrokerCollector(server.broker, lambda: server.connections, max_queues)
+        )
+        self.dashboard = files("pinpriq.admin").joinpath("dashboard.html").read_bytes()
+
+    def handle(self, request: Request) -> Response:
+        path, _, query = request.target.partition(b"?")
+        try:
+            segments = [unquote_to_bytes(part) for part in path.split(b"/")[1:]]
+            route = self._route(request.method, path, segments)
+            if path.decode("latin-1") not in PUBLIC:
+                self._authorize(request)
+            return route(parse_qs(query.decode("latin-1"), keep_blank_values=True))
+        except HTTPError as error:
+            response = _json({"error": str(error)}, error.status)
+            return Response(response.status, response.body, headers=error.headers)
+
+    def _route(
+        self, method: str, path: bytes, segments: list[bytes]
+    ) -> Callable[[dict[str, list[str]]], Response]:
+        """The handler of a path and method; raises 404 or 405."""
+        routes: dict[bytes, Callable[[dict[str, list[str]]], Response]] = {
+            b"/": lambda _: Response(200, self.dashboard, HTML),
+            b"/healthz": lambda _: _json({"status": "serving"}),
+            b"/readyz": self._readyz,
+            b"/metrics": lambda _: Response(200, exposition(self.registry), CONTENT_TYPE_LATEST),
+            b"/stats": self._stats,
+        }
+        allowed = ("GET", "HEAD")
+        if path in routes:
+            handler = routes[path]
+        elif len(segments) == 2 and segments[0] == b"queues":
+            handler = self._queue(segments[1])
+        elif len(segments) == 3 and segments[0] == b"queues" and segments[2] == b"peek":
+            handler = self._peek(segments[1])
+        elif len(segments) == 3 and segments[0] == b"queues" and segments[2] == b"purge":
+            handler, allowed = self._purge(segments[1]), ("POST", "DELETE")
+        else:
+            raise HTTPError(404, f"no such path: {path.decode('latin-1')} (see GET /)")
+        if method not in allowed:
+            raise HTTPError(405, f"use {' or '.join(allowed)}", (("allow", ", ".join(allowed)),))
+        return handler
+
+    def _authorize(self, request: Request) -> None:
+        token = self.server.token
+        if token is None:
+            return
+        presented = request.headers.get(b"authorization", b"")
+        scheme, _, credentials = presented.partition(b" ")
+        if scheme.lower() != b"bearer" or not tokens_match(credentials.strip(), token):
+            challenge = (("www-authenticate", 'Bearer realm="pinpriq"'),)
+            raise HTTPError(401, "this server needs Authorization: Bearer TOKEN", challenge)
+
+    def _readyz(self, _: dict[str, list[str]]) -> Response:
+        ready = self.server.ready
+        return _json({"ready": ready}, 200 if ready else 503)
+
+    def _stats(self, query: dict[str, list[str]]) -> Response:
+        limit = _number(query, "limit", self.max_queues, 0, 1_000_000)
+        history = query.get("history", ["0"])[-1] not in ("", "0", "false")
+        stats = server_stats(
+            self.broker,
+            self.sampler,
+            connections=self.server.connections,
+            ready=self.server.ready,
+            limit=limit,
+            history=history,
+        )
+        return _json(stats)
+
+    def _queue(self, queue: bytes) -> Callable[[dict[str, list[str]]], Response]:
+        _check_name(queue)
+        return lambda _: _json(queue_stats(self.broker, queue))
+
+    def _peek(self, queue: bytes) -> Callable[[dict[str, list[str]]], Response]:
+        _check_name(queue)
+
+        def peek(query: dict[str, list[str]]) -> Response:
+            count = _number(query, "n", DEFAULT_PEEK, 1, MAX_PEEK)
+            packets = [
+                {"key": json_value(key), "payload": json_value(payload), "prio": prio}
+                for key, payload, prio, *_ in self.broker.store.peek(queue, count)
+            ]
+            return _json({"queue": escape(queue), "packets": packets})
+
+        return peek
+
+    def _purge(self, queue: bytes) -> Callable[[dict[str, list[str]]], Response]:
+        _check_name(queue)
+        return lambda _: _json({"queue": escape(queue), "purged": self.broker.purge(queue)})
+
+
+def _check_name(queue: bytes) -> None:
+    if len(queue) > MAX_FIELD:
+        raise HTTPError(400, f"a queue name is at most {MAX_FIELD} bytes, not {len(queue)}")
+
+
+def _number(query: dict[str, list[str]], name: str, default: int, low: int, high: int) -> int:
+    """A whole-number query parameter in ``low..high``; 400 with the reason otherwise."""
+    if name not in query:
+        return default
+    text = query[name][-1]
+    if not text.isdigit() or not low <= int(text) <= high:
+        raise HTTPError(400, f"{name} must be a whole number in {low}..{high}, not {text!r}")
+    return int(text)

@@ -1,0 +1,299 @@
+"""``pinpriq stats``, ``queues``, ``peek``, ``purge`` and ``health``: the admin listener from
+the shell.
+
+They speak HTTP to the server's admin listener (``--admin URL``, else ``PINPRIQ_ADMIN_URL``,
+else http://127.0.0.1:7001; https:// for a server with TLS, trusting ``--tls-ca``), with the
+standard library's ``urllib``: a handful of small JSON
+requests needs no other client. The token, if the server has one, comes from
+``PINPRIQ_AUTH_TOKEN`` (never from the command line, which ``ps`` shows) and goes as
+``Authorization: Bearer``. Output is aligned tables for people, JSON with ``--json``; errors
+are one line and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import ssl
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any, TextIO
+from urllib.parse import quote_from_bytes, urlsplit
+
+from pinpriq._client_core import DEFAULT_TIMEOUT
+from pinpriq.admin.app import DEFAULT_PEEK, MAX_PEEK
+from pinpriq.auth import TOKEN_VARIABLE
+from pinpriq.cli.args import int_in
+from pinpriq.display import escape
+
+__all__ = ["ADMIN_COMMANDS", "ADMIN_URL_VARIABLE", "AdminError", "add_admin_commands", "run_admin"]
+
+ADMIN_URL_VARIABLE = "PINPRIQ_ADMIN_URL"
+DEFAULT_ADMIN_URL = "http://127.0.0.1:7001"
+ADMIN_COMMANDS = frozenset({"stats", "queues", "peek", "purge", "health"})
+
+
+class AdminError(Exception):
+    """The admin listener could not be asked, or said no: the message says which, in a line."""
+
+
+def admin_url(text: str) -> str:
+    """An argparse type: the admin listener's base URL, http(s)://HOST[:PORT][/PREFIX]."""
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
+        raise argparse.ArgumentTypeError(f"must look like http://HOST:PORT, not {text!r}")
+    return text.rstrip("/")
+
+
+def add_admin_commands(
+    parser: argparse.ArgumentParser, commands: Any, common: argparse.ArgumentParser
+) -> None:
+    """Add the admin commands to the ``pinpriq`` parser: its subcommands (``commands``, what
+    ``add_subparsers`` returned) and ``--admin``, accepted before the command and after it as
+    the ``common`` options are."""
+    options = argparse.ArgumentParser(add_help=False)
+    for holder in (parser, options):
+        holder.add_argument_group("admin listener (stats, queues, peek, purge)").add_argument(
+            "--admin",
+            type=admin_url,
+            default=argparse.SUPPRESS,
+            metavar="URL",
+            help=f"the server's admin listener (default: {ADMIN_URL_VARIABLE}, else "
+            f"{DEFAULT_ADMIN_URL}); a token is read from {TOKEN_VARIABLE}",
+        )
+    parents = [common, options]
+    stats = commands.add_parser(
+        "stats", parents=parents, help="the server's figures and its queues', or one queue's"
+    )
+    stats.add_argument("queue", nargs="?", metavar="QUEUE")
+    commands.add_parser("queues", parents=parents, help="the queues, deepest first")
+    peek = commands.add_parser(
+        "peek", parents=parents, help="show the next packets pops would return; removes nothing"
+    )
+    peek.add_argument("queue", metavar="QUEUE")
+    peek.add_argument(
+        "-n",
+        type=int_in(1, MAX_PEEK),
+        default=DEFAULT_PEEK,
+        metavar="N",
+        help="how many packets (default: %(default)s)",
+    )
+    purge = commands.add_parser(
+        "purge", parents=parents, help="remove every packet of a queue, prio 0 included"
+    )
+    purge.add_argument("queue", metavar="QUEUE")
+    health = commands.add_parser(
+        "health",
+        parents=parents,
+        help="exit 0 if the server is serving (/healthz), 1 otherwise: for health checks",
+    )
+    health.add_argument(
+        "--ready",
+        action="store_true",
+        help="ask whether it is ready for clients instead (/readyz: not while starting or "
+        "shutting down)",
+    )
+
+
+def run_admin(args: argparse.Namespace, out: TextIO, tls: ssl.SSLContext | None = None) -> None:
+    """Carry out an admin command; raises ``AdminError`` if it cannot. ``tls`` is the context
+    for an https:// admin listener (default: the system's CAs)."""
+    base = getattr(args, "admin", None) or os.environ.get(ADMIN_URL_VARIABLE) or DEFAULT_ADMIN_URL
+    if "admin" not in args:
+        try:
+            base = admin_url(base)
+        except argparse.ArgumentTypeError as error:
+            raise AdminError(f"{ADMIN_URL_VARIABLE}: {error}") from None
+    client = _Client(base, getattr(args, "timeout", DEFAULT_TIMEOUT), tls)
+    as_json = getattr(args, "json", False)
+    queue = (
+        None
+        if getattr(args, "queue", None) is None
+        else quote_from_bytes(os.fsencode(args.queue), safe="")
+    )
+    if args.command == "stats" and queue is not None:
+        _print_queue(client.get(f"/queues/{queue}"), as_json, out)
+    elif args.command == "stats":
+        _print_server(client.get("/stats"), as_json, out)
+    elif args.command == "queues":
+        _print_queues(client.get("/stats")["queues"], as_json, out)
+    elif args.command == "peek":
+        _print_peek(client.get(f"/queues/{queue}/peek?n={args.n}"), as_json, out)
+    elif args.command == "health":
+        path = "/readyz" if args.ready else "/healthz"
+        answer = client.get(path)  # anything but 200 raises: the exit status says it
+        out.write(json.dumps(answer) + "\n" if as_json else f"ok: {base}{path}\n")
+    else:
+        purged = client.request("POST", f"/queues/{queue}/purge")
+        if as_json:
+            out.write(json.dumps(purged, ensure_ascii=False) + "\n")
+        else:
+            out.write(f"purged {purged['purged']:,} packets from {purged['queue']}\n")
+
+
+class _Client:
+    def __init__(self, base: str, timeout: float, tls: ssl.SSLContext | None) -> None:
+        self.base = base
+        self.timeout = timeout
+        self.tls = tls
+        token = os.environ.get(TOKEN_VARIABLE)
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def get(self, path: str) -> Any:
+        return self.request("GET", path)
+
+    def request(self, method: str, path: str) -> Any:
+        request = urllib.request.Request(self.base + path, method=method, headers=self.headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout, context=self.tls) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as error:
+            message = f"the admin listener at {self.base} said {error.code}: {_reason(error)}"
+            raise AdminError(message) from None
+        except (urllib.error.URLError, OSError) as error:
+            reason = getattr(error, "reason", error)
+            raise AdminError(
+                f"cannot reach the admin listener at {self.base} ({reason}); is the server "
+                f"running with its admin listener on (--http-port)? Set --admin or "
+                f"{ADMIN_URL_VARIABLE} to its URL"
+            ) from None
+        except ValueError:
+            raise AdminError(f"{self.base} answered something that is not JSON") from None
+
+
+def _reason(error: urllib.error.HTTPError) -> str:
+    try:
+        reason = str(json.loads(error.read())["error"])
+    except (ValueError, KeyError, TypeError, OSError):
+        reason = error.reason or "no reason given"
+    if error.code == 401:
+        reason += f" (set {TOKEN_VARIABLE} to the server's token)"
+    return reason
+
+
+def _table(rows: Sequence[Sequence[str]], numbers: Sequence[int] = ()) -> str:
+    """Columns padded to their widest cell: numbers (those columns) right-aligned, the rest
+    left-aligned. The first row is usually a header."""
+    widths = [max(len(cell) for cell in column) for column in zip(*rows, strict=True)]
+    lines = []
+    for row in rows:
+        cells = [
+            cell.rjust(width) if index in numbers else cell.ljust(width)
+            for index, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def _duration(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    seconds = ms / 1000
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.1f} s"
+
+
+def _size(count: int | None) -> str:
+    if count is None:
+        return "no cap"
+    if count < 1024:
+        return f"{count} B"
+    value = count / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def _priorities(by_priority: dict[str, int]) -> str:
+    return ", ".join(f"{prio}: {count:,}" for prio, count in by_priority.items()) or "-"
+
+
+def _print_queues(queues: list[dict[str, Any]], as_json: bool, out: TextIO) -> None:
+    if as_json:
+        out.writelines(json.dumps(queue, ensure_ascii=False) + "\n" for queue in queues)
+        return
+    header = ("QUEUE", "PACKETS", "BYTES", "SUBSCRIBERS", "OLDEST", "NEXT EXPIRY", "BY PRIORITY")
+    rows = [
+        (
+            q["name"],
+            f"{q['packets']:,}",
+            f"{q['bytes']:,}",
+            f"{q['subscribers']:,}",
+            _duration(q["oldest_age_ms"]),
+            _duration(q["next_expiry_ms"]),
+            _priorities(q["by_priority"]),
+        )
+        for q in queues
+    ]
+    if rows:
+        out.write(_table([header, *rows], numbers=(1, 2, 3, 4, 5)))
+    else:
+        out.write("no queue holds packets or has subscribers\n")
+
+
+def _print_queue(queue: dict[str, Any], as_json: bool, out: TextIO) -> None:
+    if as_json:
+        out.write(json.dumps(queue, ensure_ascii=False) + "\n")
+        return
+    rows = [
+        ("queue", queue["name"]),
+        ("packets", f"{queue['packets']:,}"),
+        ("bytes", f"{queue['bytes']:,}"),
+        ("by priority", _priorities(queue["by_priority"])),
+        ("subscribers", f"{queue['subscribers']:,}"),
+        ("oldest packet", _duration(queue["oldest_age_ms"])),
+        ("next expiry", _duration(queue["next_expiry_ms"])),
+    ]
+    out.write(_table(rows))
+
+
+def _print_server(stats: dict[str, Any], as_json: bool, out: TextIO) -> None:
+    if as_json:
+        out.write(json.dumps(stats, ensure_ascii=False) + "\n")
+        return
+    memory, rates, totals = stats["memory"], stats["rates_per_s"], stats["totals"]
+    held = f"{_size(memory['held_bytes'])} of {_size(memory['cap_bytes'])}"
+    if memory["full"]:
+        held += ": FULL, pushes wait"
+    rows = [
+        (
+            "server",
+            f"pinpriq {stats['version']}, up {_duration(round(stats['uptime_s'] * 1000))}"
+            + ("" if stats["ready"] else ", NOT READY"),
+        ),
+        ("connections", f"{stats['connections']:,}"),
+        ("subscribers", f"{stats['subscribers']:,}"),
+        ("packets", f"{stats['packets']:,} in {stats['queues_total']:,} queues"),
+        ("memory", held),
+        (
+            "per second",
+            "  ".join(f"{name} {rate:,.1f}" for name, rate in rates.items()) + " (last 10 s)",
+        ),
+        ("in all", "  ".join(f"{name} {count:,}" for name, count in totals.items())),
+    ]
+    out.write(_table(rows) + "\n")
+    _print_queues(stats["queues"], False, out)
+
+
+def _print_peek(peeked: dict[str, Any], as_json: bool, out: TextIO) -> None:
+    packets = peeked["packets"]
+    if as_json:
+        out.writelines(json.dumps(packet, ensure_ascii=False) + "\n" for packet in packets)
+        return
+    rows = [(str(p["prio"]), _text(p["key"]), _text(p["payload"])) for p in packets]
+    if rows:
+        out.write(_table([("PRIO", "KEY", "PAYLOAD"), *rows], numbers=(0,)))
+
+
+def _text(value: str | dict[str, str]) -> str:
+    """A key or payload from the JSON (text, or base64 when not UTF-8) shown as ``escape`` does."""
+    if isinstance(value, dict):
+        return escape(base64.b64decode(value["base64"]))
+    return escape(value.encode())

@@ -1,0 +1,390 @@
+"""The admin listener over real HTTP: a server and its admin listener in the test's Trio run, on
+ephemeral loopback ports, driven by raw pinpriq frames (``tests.rawpeer``) and read through
+``http.client`` (in a worker thread, as any outside client would)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+from functools import partial
+from typing import Any
+
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from pinpriq.admin import serve_admin
+from pinpriq.display import escape
+from pinpriq.server import PinpriqServer
+from pinpriq.store import PACKET_OVERHEAD
+from tests.conftest import LiveServer, StartServer
+from tests.rawpeer import READY, Peer, pop, push, subscribe
+from tests.test_load_shapes import wait_until
+
+SYNC = b"\x21"
+TOKEN = b"s3cret-token"
+
+
+class Admin:
+    """A live server, its admin listener's port, and an HTTP client for it."""
+
+    def __init__(self, live: LiveServer, port: int) -> None:
+        self.live = live
+        self.port = port
+
+    async def request(
+        self, method: str, path: str, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        def call() -> tuple[int, dict[str, str], bytes]:
+            connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+            try:
+                connection.request(method, path, headers=headers or {})
+                response = connection.getresponse()
+                return response.status, dict(response.getheaders()), response.read()
+            finally:
+                connection.close()
+
+        return await trio.to_thread.run_sync(call)
+
+    async def json(self, path: str, method: str = "GET", **headers: str) -> Any:
+        status, _, body = await self.request(method, path, headers)
+        assert status == 200, body
+        return json.loads(body)
+
+    async def metrics(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+        """``/metrics`` parsed by prometheus_client: sample name -> labels -> value."""
+        status, headers, body = await self.request("GET", "/metrics")
+        assert status == 200
+        assert headers["content-type"].startswith("text/plain")
+        samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+        for family in text_string_to_metric_families(body.decode()):
+            for sample in family.samples:
+                labels = tuple(sorted(sample.labels.items()))
+                samples.setdefault(sample.name, {})[labels] = sample.value
+        return samples
+
+
+async def start_admin(
+    start_server: StartServer, nursery: trio.Nursery, server: PinpriqServer, **options: Any
+) -> Admin:
+    live = await start_server(server)
+    listeners = await nursery.start(partial(serve_admin, server, 0, **options))
+    return Admin(live, listeners[0].socket.getsockname()[1])
+
+
+@pytest.fixture
+async def admin(start_server: StartServer, nursery: trio.Nursery) -> Admin:
+    return await start_admin(start_server, nursery, PinpriqServer())
+
+
+async def applied(peer: Peer, frames: bytes) -> None:
+    """Send frames and wait until the server has applied them (a sync's reply)."""
+    await peer.send(frames + SYNC)
+    assert await peer.receive_exactly(2) == b"\x00\x00"
+
+
+def value(samples: dict[str, dict[Any, float]], name: str, **labels: str) -> float:
+    return samples[name][tuple(sorted(labels.items()))]
+
+
+async def test_metrics_count_what_was_pushed_popped_delivered_expired_and_purged(
+    admin: Admin,
+) -> None:
+    producer, subscriber = await admin.live.connect(), await admin.live.connect()
+    await applied(producer, b"".join(push(b"jobs", b"k%d" % i, b"p") for i in range(6)))
+    await applied(producer, push(b"jobs", b"g", b"a") + push(b"jobs", b"g", b"b", 0, 0))
+    await applied(
+        producer, push(b"soon", b"t", b"x", ttl_ms=20) + push(b"purge-me", b"k", b"", 0, 0)
+    )
+    assert await producer.request(pop(b"jobs")) == [(b"g", b"a"), (b"g", b"b")]  # 2 popped
+    assert await producer.request(pop(b"jobs")) == [(b"k5", b"p")]
+    await subscriber.send(subscribe(b"jobs") + READY)
+    assert await subscriber.reply() == [(b"k4", b"p")]  # 1 delivered
+    await wait_until(lambda: admin.live.store.expired == 1, "the TTL packet expired")
+    assert await admin.json("/queues/purge-me/purge", "POST") == {"queue": "purge-me", "purged": 1}
+
+    samples = await admin.metrics()
+    counted = {
+        name: value(samples, f"pinpriq_packets_{name}_total")
+        for name in ("pushed", "popped", "delivered", "expired", "purged")
+    }
+    assert counted == {"pushed": 10, "popped": 3, "delivered": 1, "expired": 1, "purged": 1}
+    assert value(samples, "pinpriq_queue_packets", queue="jobs") == 4
+    assert value(samples, "pinpriq_queue_bytes", queue="jobs") == 4 * (2 + 1 + PACKET_OVERHEAD)
+    assert value(samples, "pinpriq_queue_subscribers", queue="jobs") == 1
+    assert value(samples, "pinpriq_connections") == 2
+    assert value(samples, "pinpriq_subscribers") == 1
+    assert value(samples, "pinpriq_memory_held_bytes") == admin.live.store.bytes_held
+    assert value(samples, "pinpriq_memory_cap_bytes") == 1024**3
+    assert value(samples, "pinpriq_info", version=__import__("pinpriq").__version__) == 1
+    assert "process_resident_memory_bytes" in samples  # prometheus_client's own, beside ours
+
+
+async def test_metrics_give_series_to_the_deepest_queues_only(
+    start_server: StartServer, nursery: trio.Nursery
+) -> None:
+    admin = await start_admin(start_server, nursery, PinpriqServer(max_memory=0), max_queues=2)
+    peer = await admin.live.connect()
+    frames = [push(b"q%d" % depth, b"k%d" % i, b"") for depth in range(1, 5) for i in range(depth)]
+    await applied(peer, b"".join(frames))
+    samples = await admin.metrics()
+    assert samples["pinpriq_queue_packets"] == {(("queue", "q4"),): 4, (("queue", "q3"),): 3}
+    assert value(samples, "pinpriq_queues") == 4
+    assert value(samples, "pinpriq_packets") == 10
+    assert value(samples, "pinpriq_memory_cap_bytes") == math.inf  # no cap
+    stats = await admin.json("/stats")
+    assert [q["name"] for q in stats["queues"]] == ["q4", "q3"]
+    assert stats["queues_total"] == 4
+    stats = await admin.json("/stats?limit=3")
+    assert [q["name"] for q in stats["queues"]] == ["q4", "q3", "q2"]
+
+
+async def test_queue_names_are_shown_one_way_and_addressed_as_percent_encoded_bytes(
+    admin: Admin,
+) -> None:
+    peer = await admin.live.connect()
+    name = b'caf\xc3\xa9 a/b\\c"\xff\n'
+    await applied(peer, push(name, b"k", b"v", prio=7))
+    samples = await admin.metrics()
+    assert value(samples, "pinpriq_queue_packets", queue=escape(name)) == 1
+    assert escape(name) == 'café a/b\\\\c"\\xff\\n'
+    encoded = "".join(f"%{byte:02X}" for byte in name)
+    queue = await admin.json(f"/queues/{encoded}")
+    assert (queue["name"], queue["packets"], queue["by_priority"]) == (escape(name), 1, {"7": 1})
+    peeked = await admin.json(f"/queues/{encoded}/peek")
+    assert peeked == {"queue": escape(name), "packets": [{"key": "k", "payload": "v", "prio": 7}]}
+    assert (await admin.json("/stats"))["queues"][0]["name"] == escape(name)
+
+
+async def test_stats_tell_each_queues_packets_bytes_priorities_and_times(admin: Admin) -> None:
+    peer, subscriber = await admin.live.connect(), await admin.live.connect()
+    await subscriber.send(subscribe(b"idle") + subscribe(b"work"))
+    frames = push(b"work", b"a", b"abcd", prio=3) + push(b"work", b"b", b"", 60_000, 0)
+    await applied(peer, frames + push(b"work", b"c", b"xy", 30_000, 3))
+    await wait_until(lambda: admin.live.broker.subscriptions.subscriber_count == 1, "subscribed")
+    stats = await admin.json("/stats")
+    work, idle = stats["queues"]
+    assert work["name"] == "work"
+    assert work["packets"] == 3
+    assert work["bytes"] == 1 + 4 + 1 + 0 + 1 + 2 + 3 * PACKET_OVERHEAD
+    assert work["by_priority"] == {"0": 1, "3": 2}
+    assert work["subscribers"] == 1
+    # At most the age: the server notes the time once a second, and packets carry none.
+    assert 0 <= work["oldest_age_ms"] <= stats["uptime_s"] * 1000
+    assert 28_000 <= work["next_expiry_ms"] <= 30_000
+    assert idle == {
+        "name": "idle",
+        "packets": 0,
+        "bytes": 0,
+        "by_priority": {},
+        "subscribers": 1,
+        "oldest_age_ms": None,
+        "next_expiry_ms": None,
+    }
+    assert stats["connections"] == 2
+    assert stats["subscribers"] == 1
+    assert stats["packets"] == 3
+    assert stats["ready"] is True
+    assert stats["memory"]["held_bytes"] == admin.live.store.bytes_held
+    assert stats["memory"]["cap_bytes"] == 1024**3
+    assert stats["memory"]["full"] is False
+    assert stats["memory"]["prio_0_bytes"] == 1 + PACKET_OVERHEAD
+    assert stats["totals"] == {"pushed": 3, "popped": 0, "delivered": 0, "expired": 0, "purged": 0}
+    assert set(stats["rates_per_s"]) == set(stats["totals"])
+    assert "history" not in stats
+    history = (await admin.json("/stats?history=1"))["history"]
+    assert history["interval_s"] == 1
+    assert len(history["packets"]) == len(history["pushed_per_s"])
+
+
+async def test_peek_shows_pop_order_and_removes_nothing(admin: Admin) -> None:
+    peer = await admin.live.connect()
+    frames = [push(b"q", b"k%d" % i, b"p%d" % i, prio=1 + i % 3) for i in range(6)]
+    await applied(peer, b"".join(frames))
+    peeked = await admin.json("/queues/q/peek?n=4")
+    assert [p["payload"] for p in peeked["packets"]] == ["p3", "p0", "p4", "p1"]
+    assert len((await admin.json("/queues/q/peek"))["packets"]) == 6
+    assert admin.live.store.depth(b"q") == 6
+    assert [await peer.request(pop(b"q")) for _ in range(2)] == [[(b"k3", b"p3")], [(b"k0", b"p0")]]
+    assert (await admin.json("/queues/nothing/peek"))["packets"] == []
+
+
+@pytest.mark.parametrize("query", ["n=0", "n=1001", "n=ten", "n=-1", "n="])
+async def test_peek_refuses_a_bad_count_and_says_why(admin: Admin, query: str) -> None:
+    status, _, body = await admin.request("GET", f"/queues/q/peek?{query}")
+    assert status == 400
+    assert "n must be a whole number in 1..1000" in json.loads(body)["error"]
+
+
+async def test_purge_removes_prio_zero_packets_and_wakes_pushers_waiting_for_room(
+    start_server: StartServer, nursery: trio.Nursery
+) -> None:
+    packet = 3 + 1 + PACKET_OVERHEAD
+    admin = await start_admin(start_server, nursery, PinpriqServer(max_memory=4 * packet))
+    producer = await admin.live.connect()
+    # Four prio-0 packets fill the cap: nothing can pop them, so pushes wait for good.
+    await producer.send(b"".join(push(b"stuck", b"k%02d" % i, b"p", 0, 0) for i in range(6)) + SYNC)
+    await wait_until(lambda: admin.live.broker.memory_full, "the cap is reached")
+    await producer.expect_silence()
+    stats = await admin.json("/stats")
+    assert stats["memory"]["full"] is True
+    assert stats["ready"] is True
+    status, _, _ = await admin.request("GET", "/readyz")
+    assert status == 200
+    for method in ("POST", "DELETE"):
+        purged = await admin.json("/queues/stuck/purge", method)
+        assert purged["purged"] == (4 if method == "POST" else 2)
+        if method == "POST":
+            assert await producer.receive_exactly(2) == b"\x00\x00"  # the waiting pushes went on
+    assert (len(admin.live.store), admin.live.store.bytes_held) == (0, 0)
+    assert value(await admin.metrics(), "pinpriq_packets_purged_total") == 6
+
+
+async def test_purge_of_a_queue_that_holds_nothing_purges_nothing(admin: Admin) -> None:
+    assert await admin.json("/queues/none/purge", "POST") == {"queue": "none", "purged": 0}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "error"),
+    [
+        ("GET", "/nowhere", 404, "no such path"),
+        ("GET", "/queues/a/b/c", 404, "no such path"),
+        ("GET", "/queues/q/purge", 405, "use POST or DELETE"),
+        ("POST", "/stats", 405, "use GET or HEAD"),
+        ("DELETE", "/queues/q", 405, "use GET or HEAD"),
+        ("GET", "/stats?limit=many", 400, "limit must be a whole number"),
+    ],
+)
+async def test_wrong_requests_get_a_status_and_a_reason(
+    admin: Admin, method: str, path: str, status: int, error: str
+) -> None:
+    got, headers, body = await admin.request(method, path)
+    assert got == status
+    assert error in json.loads(body)["error"]
+    if status == 405:
+        assert headers["allow"] in ("GET, HEAD", "POST, DELETE")
+
+
+async def test_a_queue_name_longer_than_the_protocol_allows_is_refused(admin: Admin) -> None:
+    status, _, body = await admin.request("GET", "/queues/" + "x" * 65536)
+    assert status == 400
+    assert "at most 65535 bytes" in json.loads(body)["error"]
+
+
+async def test_what_is_not_http_gets_400_and_the_listener_goes_on(admin: Admin) -> None:
+    stream = await trio.open_tcp_stream("127.0.0.1", admin.port)
+    await stream.send_all(b"\x70\x00\x01garbage that is no request line\r\n\r\n")
+    answer = await stream.receive_some(4096)
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    await stream.aclose()
+    assert (await admin.json("/healthz")) == {"status": "serving"}
+
+
+async def test_a_body_too_large_is_refused(admin: Admin) -> None:
+    def post() -> int:
+        connection = http.client.HTTPConnection("127.0.0.1", admin.port, timeout=10)
+        try:
+            connection.request("POST", "/queues/q/purge", body=b"x" * (65 * 1024))
+            return connection.getresponse().status
+        finally:
+            connection.close()
+
+    assert await trio.to_thread.run_sync(post) == 413
+    assert (await admin.request("GET", "/healthz"))[0] == 200
+
+
+async def test_admin_connections_beyond_the_limit_are_closed(
+    admin: Admin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("pinpriq.admin.http.MAX_CONNECTIONS", 2)
+    held = [await trio.open_tcp_stream("127.0.0.1", admin.port) for _ in range(2)]
+    await trio.sleep(0.1)  # both accepted and counted
+    extra = await trio.open_tcp_stream("127.0.0.1", admin.port)
+    with trio.fail_after(5):
+        assert await extra.receive_some(100) == b""  # closed at once
+    await extra.aclose()
+    for stream in held:
+        await stream.aclose()
+    await trio.sleep(0.1)
+    assert (await admin.request("GET", "/healthz"))[0] == 200
+
+
+async def test_one_connection_serves_several_requests(admin: Admin) -> None:
+    def two_requests() -> list[int]:
+        connection = http.client.HTTPConnection("127.0.0.1", admin.port, timeout=10)
+        statuses = []
+        for path in ("/healthz", "/stats", "/metrics"):
+            connection.request("GET", path)
+            response = connection.getresponse()
+            response.read()
+            statuses.append(response.status)
+        connection.close()
+        return statuses
+
+    assert await trio.to_thread.run_sync(two_requests) == [200, 200, 200]
+
+
+async def test_head_is_answered_without_a_body(admin: Admin) -> None:
+    status, headers, body = await admin.request("HEAD", "/stats")
+    assert (status, body) == (200, b"")
+    assert int(headers["content-length"]) > 0
+
+
+async def test_ready_only_while_serving(start_server: StartServer, nursery: trio.Nursery) -> None:
+    server = PinpriqServer()
+    listeners = await nursery.start(partial(serve_admin, server, 0))
+    admin = Admin(None, listeners[0].socket.getsockname()[1])  # type: ignore[arg-type]
+    assert (await admin.request("GET", "/readyz"))[0] == 503  # starting: not listening yet
+    assert (await admin.request("GET", "/healthz"))[0] == 200
+    await start_server(server)
+    assert await admin.json("/readyz") == {"ready": True}
+    server.shutdown()
+    status, _, body = await admin.request("GET", "/readyz")
+    assert (status, json.loads(body)) == (503, {"ready": False})
+
+
+async def test_with_a_token_everything_but_the_probes_and_the_page_needs_it(
+    start_server: StartServer, nursery: trio.Nursery
+) -> None:
+    admin = await start_admin(start_server, nursery, PinpriqServer(token=TOKEN))
+    for path in ("/healthz", "/readyz", "/"):
+        assert (await admin.request("GET", path))[0] == 200
+    for method, path in [
+        ("GET", "/metrics"),
+        ("GET", "/stats"),
+        ("GET", "/queues/q"),
+        ("GET", "/queues/q/peek"),
+        ("POST", "/queues/q/purge"),
+    ]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-token"}):
+            status, response_headers, body = await admin.request(method, path, headers)
+            assert status == 401, (method, path, headers)
+            assert response_headers["www-authenticate"] == 'Bearer realm="pinpriq"'
+            assert "Bearer" in json.loads(body)["error"]
+        authorized = {"Authorization": "Bearer " + TOKEN.decode()}
+        assert (await admin.request(method, path, authorized))[0] == 200
+
+
+async def test_the_dashboard_page_is_served_whole(admin: Admin) -> None:
+    status, headers, body = await admin.request("GET", "/")
+    assert status == 200
+    assert headers["content-type"] == "text/html; charset=utf-8"
+    assert b'<svg id="chart"' in body
+    assert b"stats?history=1" in body
+    assert b"http://" not in body
+    assert b"https://" not in body
+
+
+async def test_a_handler_error_is_a_500_and_the_listener_goes_on(
+    admin: Admin, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(queue: bytes, count: int) -> list[object]:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(admin.live.store, "peek", broken)
+    status, _, body = await admin.request("GET", "/queues/q/peek")
+    assert status == 500
+    assert "internal error" in json.loads(body)["error"]
+    assert "a bug" in caplog.text
+    assert (await admin.request("GET", "/healthz"))[0] == 200
