@@ -29,12 +29,23 @@ Theory of operation, as the driver sees it:
   to the kernel. Past ``OUTPUT_HIGH_WATER`` in all, a session applies no more frames and receives
   no more deliveries (its subscriber is paused, credits kept) until the driver calls
   ``output_drained``.
-* **Time.** The store keeps its own clock. ``Broker.timer`` is the earliest TTL deadline the
-  broker knows of; pushes only ever move it earlier. The driver sleeps until then and calls
-  ``expire()``, which sweeps and sets the next one: one timer, whatever the number of packets.
+* **Time.** The store keeps its own clock. ``Broker.timer`` is the earliest time the broker
+  knows something is due: a TTL deadline, a lease's deadline or the end of a release delay;
+  pushes and lease frames only ever move it earlier. The driver sleeps until then and calls
+  ``expire()``, which sweeps, ends what is due and sets the next one: one timer, whatever the
+  number of packets and leases.
+* **Leases** (decisions 13-18) are ``leases.Leases``; a session holds its connection's lease
+  ids (a ``Holder``). Packets that come back from a lease (released, past their deadline, their
+  connection closed) are offered to waiting subscribers as a push's are, by ``settle()``, which
+  every lease frame, a close and ``expire()`` end with. A connection that makes a leased
+  subscribe is *leased* for the rest of its life: everything it is sent has the 11-byte header,
+  and a pop, a plain subscribe or a reserve on it breaks decision 18, as does a leased subscribe
+  on a connection with a plain subscription. Such a frame is not applied: ``receive`` stops
+  before it and sets ``error``, and the driver closes the connection (decision 9's way).
 * **Counting.** ``totals()`` reads what the store already counts (pushes, expiries, packets
   held) and the deliveries, and derives the rest: an addition per packet on the hot path costs
-  more than a push's whole bookkeeping in the store, so there is none.
+  more than a push's whole bookkeeping in the store, so there is none. The lease table counts
+  per lease (``lease_totals()``, ``leases.leased(queue)``).
 """
 
 from __future__ import annotations
@@ -43,20 +54,35 @@ import enum
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from pinpriq.leases import (
+    DEFAULT_LEASE_MS,
+    DEFAULT_MAX_DELIVERIES,
+    Holder,
+    Lease,
+    Leases,
+    LeaseTotals,
+)
 from pinpriq.store_contract import Store
 from pinpriq.subscriptions import Subscriber, Subscriptions
 from pinpriq.wire import (
     FRAMES,
+    LEASED_EMPTY,
+    Ack,
     ClientFrame,
-    KeyedPayload,
+    LeasedSubscribe,
     Pop,
     Push,
     Ready,
+    Release,
+    Reserve,
     Subscribe,
     Sync,
+    Touch,
     Unsubscribe,
+    encode_lease_reply,
+    encode_lease_status,
     encode_reply,
 )
 
@@ -109,10 +135,20 @@ def _nothing() -> None:
 class Broker:
     """The state every connection shares: store, subscriptions, memory cap and counters."""
 
-    def __init__(self, store: Store, *, max_memory: int = DEFAULT_MAX_MEMORY) -> None:
-        """``max_memory`` caps ``store.bytes_held``; 0 for no cap."""
+    def __init__(
+        self,
+        store: Store,
+        *,
+        max_memory: int = DEFAULT_MAX_MEMORY,
+        lease_default_ms: int = DEFAULT_LEASE_MS,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+    ) -> None:
+        """``max_memory`` caps ``store.bytes_held``; 0 for no cap. ``lease_default_ms`` is the
+        lease time of lease frames that say 0; a group goes to its dead-letter queue after
+        ``max_deliveries`` attempts (0: never)."""
         self.store = store
         self.subscriptions = Subscriptions(store)
+        self.leases = Leases(store, default_ms=lease_default_ms, max_deliveries=max_deliveries)
         self.max_memory: float = max_memory or math.inf
         self.low_water = self.max_memory * LOW_WATER_FRACTION
         #: Whether pushes wait: set at the cap, cleared below the low-water mark.
@@ -121,7 +157,8 @@ class Broker:
         self.on_room: Callable[[], None] = _nothing
         #: Packets sent to subscribers so far.
         self.delivered = 0
-        #: The earliest TTL deadline known, on the store's clock: when to call ``expire``.
+        #: The earliest TTL deadline, lease deadline or end of a release delay known, on the
+        #: store's clock: when to call ``expire``.
         self.timer = math.inf
         #: Sessions given deliveries since the driver last took them (see ``take_dirty``).
         self.dirty: list[Session] = []
@@ -134,11 +171,18 @@ class Broker:
         return Session(self)
 
     def totals(self) -> Totals:
-        """The totals so far. O(1): every packet pushed is held, popped, delivered or expired."""
+        """The totals so far. O(1): every packet pushed is held, popped, delivered, expired or
+        on the lease side (leased now, acked, or dropped on its way to a dead-letter queue)."""
         store = self.store
         pushed, expired = store.pushed, store.expired
-        popped = pushed - len(store) - expired - self.delivered
+        leased = self.leases.totals()
+        taken = leased.leased + leased.acked + leased.dropped
+        popped = pushed - len(store) - expired - self.delivered - taken
         return Totals(pushed, popped, self.delivered, expired)
+
+    def lease_totals(self) -> LeaseTotals:
+        """What the leases count, for metrics (leased packets per queue: ``leases.leased``)."""
+        return self.leases.totals()
 
     def take_dirty(self) -> list[Session]:
         """The sessions given deliveries since the last call, whose output is to be written."""
@@ -148,14 +192,38 @@ class Broker:
         return dirty
 
     def expire(self) -> int:
-        """Sweep the packets whose TTL deadline has come (decision 1); sets the next ``timer``.
-        Returns how many packets went."""
+        """Sweep the packets whose TTL deadline has come (decision 1), end the leases whose
+        deadline has come and send back the groups whose release delay ran out (decisions 14,
+        15); sets the next ``timer``. Returns how many packets expired."""
         expired = self.store.expire()
+        self.leases.expire()
+        self.settle()  # may deliver, and so lease, again: the timer comes after
         deadline = self.store.next_deadline()
-        self.timer = math.inf if deadline is None else deadline
+        leases_due = self.leases.next_deadline()
+        self.timer = min(
+            math.inf if deadline is None else deadline,
+            math.inf if leases_due is None else leases_due,
+        )
         if self.memory_full:
             self.check_memory()
         return expired
+
+    def settle(self) -> None:
+        """After lease operations: offer the queues that got packets back to their waiting
+        subscribers, as a push does (decision 15), and bring ``timer`` forward if a lease, a
+        release delay or a returning packet's TTL needs it."""
+        leases = self.leases
+        if leases.returned:
+            waiting = self.subscriptions.waiting_queues
+            for queue in leases.take_returned():
+                if queue in waiting:
+                    self.subscriptions.offer(queue)
+            deadline = self.store.next_deadline()
+            if deadline is not None and deadline < self.timer:
+                self.timer = deadline
+        soonest = leases.soonest()
+        if soonest < self.timer:
+            self.timer = soonest
 
     def check_memory(self) -> None:
         """Enter or leave the full state after usage changed; logs each change once."""
@@ -177,14 +245,38 @@ class Broker:
             self.on_room()
 
 
+class _Refused(Exception):
+    """A frame that breaks decision 18: the connection is to be closed, the frame unapplied."""
+
+
 class Session(Subscriber):
     """One connection's protocol state. Made by ``Broker.open_session``."""
 
-    __slots__ = ("blocked", "broker", "closed", "dirty", "output", "unsent")
+    __slots__ = (
+        "blocked",
+        "broker",
+        "closed",
+        "dirty",
+        "error",
+        "holder",
+        "lease_ms",
+        "leased",
+        "output",
+        "unsent",
+    )
 
     def __init__(self, broker: Broker) -> None:
         super().__init__()
         self.broker = broker
+        #: This connection's lease ids and live leases.
+        self.holder = Holder()
+        #: Whether it made a leased subscribe, for the rest of its life (decision 18).
+        self.leased = False
+        #: The lease time of its deliveries: that of its latest leased subscribe (decision 17).
+        self.lease_ms = 0
+        #: Why the connection must be closed, once a frame broke a rule; ``receive`` stopped
+        #: before that frame.
+        self.error: str | None = None
         #: Bytes owed to the client, in order: replies and deliveries. The driver writes them
         #: and removes what it wrote.
         self.output = bytearray()
@@ -199,14 +291,18 @@ class Session(Subscriber):
         """Apply ``frames[start:]`` in order, appending what the client is owed to ``output``.
 
         Returns how many of ``frames`` are done: all of them, or fewer if the next must wait
-        (``blocked`` says why). Call it again with the same list and the returned index once the
-        wait is over.
+        (``blocked`` says why) or breaks a rule (``error`` says which; close the connection).
+        Call it again with the same list and the returned index once the wait is over.
         """
         broker = self.broker
         store, subscriptions, output = broker.store, broker.subscriptions, self.output
         waiting_queues = subscriptions.waiting_queues
         max_memory = broker.max_memory
         room = OUTPUT_HIGH_WATER - self.unsent
+        # A pop is applied inline, unless the connection is leased: then it goes to _HANDLERS,
+        # which refuses it (decision 18). Only a handled frame can make the connection leased,
+        # so ``pop`` is looked at again after each one, and the pop path pays nothing for it.
+        pop = None if self.leased else Pop
         try:
             for index in range(start, len(frames)):
                 frame = frames[index]
@@ -224,24 +320,31 @@ class Session(Subscriber):
                     if store.bytes_held >= max_memory:
                         broker.check_memory()
                     continue
-                if kind is Pop:
-                    output += encode_reply(store.pop(frame[0]))  # type: ignore[misc]
+                if kind is pop:
+                    output += encode_reply(store.pop(frame[0]))  # type: ignore[misc,arg-type]
                 else:
                     try:
                         handle = _HANDLERS[kind]
                     except KeyError:
                         raise TypeError(f"no handler for {kind.__name__} frames") from None
                     handle(self, frame)
+                    pop = None if self.leased else Pop
                 if len(output) > room:
                     self.blocked = Blocked.OUTPUT
                     return index + 1
             self.blocked = None
             return len(frames)
+        except _Refused as refused:
+            self.error = str(refused)
+            self.blocked = None
+            return index
         finally:
             if broker.memory_full:
                 broker.check_memory()  # pops and deliveries may have made room
 
     def _subscribe(self, frame: Subscribe) -> None:
+        if self.leased:
+            raise _Refused("a plain subscribe on a leased connection (decision 18)")
         self.broker.subscriptions.subscribe(self, frame.queue)
 
     def _unsubscribe(self, frame: Unsubscribe) -> None:
@@ -252,13 +355,64 @@ class Session(Subscriber):
 
     def _sync(self, frame: Sync) -> None:
         # Every earlier frame is applied by now: frames are applied in order (decision 11).
-        self.output += _SYNC_REPLY
+        self.output += LEASED_EMPTY if self.leased else _SYNC_REPLY
 
-    def deliver(self, packets: Sequence[KeyedPayload]) -> None:
-        """Take a delivery the subscriptions made (``Subscriber``): queue its bytes."""
-        self.output += encode_reply(packets)
+    def _refuse_pop(self, frame: Pop) -> None:
+        raise _Refused("a pop on a leased connection (decision 18)")
+
+    def _reserve(self, frame: Reserve) -> None:
+        if self.leased:
+            raise _Refused("a reserve on a leased connection (decision 18)")
         broker = self.broker
-        broker.delivered += len(packets)
+        lease = broker.leases.reserve(self.holder, frame.queue, frame.lease_ms)
+        if lease is None:
+            self.output += LEASED_EMPTY
+            return
+        self.output += encode_lease_reply(lease.lease_id, lease.attempt, lease.packets)
+        if lease.due < broker.timer:
+            broker.timer = lease.due
+
+    def _ack(self, frame: Ack) -> None:
+        live = self.broker.leases.ack(self.holder, frame.lease_id)
+        self.output += encode_lease_status(frame.lease_id, live)
+        self.broker.settle()  # an ack racing the deadline ends the lease the other way
+
+    def _release(self, frame: Release) -> None:
+        live = self.broker.leases.release(self.holder, frame.lease_id, frame.delay_ms)
+        self.output += encode_lease_status(frame.lease_id, live)
+        self.broker.settle()
+
+    def _touch(self, frame: Touch) -> None:
+        live = self.broker.leases.touch(self.holder, frame.lease_id, frame.lease_ms)
+        self.output += encode_lease_status(frame.lease_id, live)
+        self.broker.settle()
+
+    def _leased_subscribe(self, frame: LeasedSubscribe) -> None:
+        if self.queues and not self.leased:
+            raise _Refused(
+                "a leased subscribe on a connection with a plain subscription (decision 18)"
+            )
+        self.leased = True
+        self.lease_ms = frame.lease_ms
+        self.take_from = self._take_lease
+        self.broker.subscriptions.subscribe(self, frame.queue)
+
+    def _take_lease(self, queue: bytes) -> Lease | None:
+        """How a leased subscriber takes from a queue (decision 17)."""
+        return self.broker.leases.reserve(self.holder, queue, self.lease_ms)
+
+    def deliver(self, packets: Any) -> None:
+        """Take a delivery the subscriptions made (``Subscriber``): queue its bytes. It is a
+        pop's packets, or on a leased connection the ``Lease`` that ``_take_lease`` made."""
+        broker = self.broker
+        if self.leased:
+            lease: Lease = packets
+            self.output += encode_lease_reply(lease.lease_id, lease.attempt, lease.packets)
+            if lease.due < broker.timer:
+                broker.timer = lease.due
+        else:
+            self.output += encode_reply(packets)
+            broker.delivered += len(packets)
         if not self.dirty:
             self.dirty = True
             broker.dirty.append(self)
@@ -273,19 +427,29 @@ class Session(Subscriber):
             self.broker.subscriptions.resume(self)
 
     def close(self) -> None:
-        """The connection is gone: its subscriptions and credits go (decision 7). Idempotent."""
+        """The connection is gone: its subscriptions and credits go (decision 7), and its
+        leases end, their packets going back (decision 15). Idempotent."""
         if not self.closed:
             self.closed = True
-            self.broker.subscriptions.remove(self)
+            self.broker.subscriptions.remove(self)  # first: none of it comes back to itself
+            self.broker.leases.close(self.holder)
+            self.broker.settle()
             self.broker.sessions -= 1
 
 
-# Dispatch for every frame but the two that ``receive`` handles inline. An unknown frame class
-# is an error in ``receive``, never a fall-through to some other frame's handler.
+# Dispatch for every frame but those ``receive`` handles inline: the push, and the pop except
+# on a leased connection. An unknown frame class is an error in ``receive``, never a
+# fall-through to some other frame's handler.
 _HANDLERS: dict[type[ClientFrame], Callable[[Session, ClientFrame], None]] = {
     Subscribe: Session._subscribe,  # type: ignore[dict-item]
     Unsubscribe: Session._unsubscribe,  # type: ignore[dict-item]
     Ready: Session._ready,  # type: ignore[dict-item]
     Sync: Session._sync,  # type: ignore[dict-item]
+    Pop: Session._refuse_pop,  # type: ignore[dict-item]
+    Reserve: Session._reserve,  # type: ignore[dict-item]
+    Ack: Session._ack,  # type: ignore[dict-item]
+    Release: Session._release,  # type: ignore[dict-item]
+    Touch: Session._touch,  # type: ignore[dict-item]
+    LeasedSubscribe: Session._leased_subscribe,  # type: ignore[dict-item]
 }
-assert set(_HANDLERS) | {Push, Pop} == set(FRAMES.values()), "a frame the broker cannot handle"
+assert set(_HANDLERS) | {Push} == set(FRAMES.values()), "a frame the broker cannot handle"

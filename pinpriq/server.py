@@ -11,8 +11,9 @@ object. It owns only what needs an event loop or a limit:
   pusher's next frame is read. Whatever the kernel does not take at once is left to the
   connection's writer task, so a subscriber that stops reading blocks only its own writer, never
   the pusher or the server.
-* one expiry task that sleeps until ``Broker.timer``, the earliest TTL deadline; a push with an
-  earlier deadline moves the sleep's deadline forward instead of starting a timer of its own.
+* one expiry task that sleeps until ``Broker.timer``, the earliest TTL deadline, lease deadline
+  or end of a release delay; a push or a lease with an earlier one moves the sleep's deadline
+  forward instead of starting a timer of its own.
 * waits the session asks for (a push while the memory cap is reached; output past its bound),
   during which that connection is not read: one connection waits, nothing is dropped.
 * a frame timeout: a connection that has held an incomplete frame for ``frame_timeout`` seconds
@@ -32,6 +33,7 @@ import os
 import trio
 
 from pinpriq.broker import DEFAULT_MAX_MEMORY, Blocked, Broker, Session
+from pinpriq.leases import DEFAULT_LEASE_MS, DEFAULT_MAX_DELIVERIES
 from pinpriq.store import QueueStore
 from pinpriq.store_contract import Store
 from pinpriq.wire import FrameDecoder
@@ -98,8 +100,10 @@ class _Connection:
                 with self.reading:
                     await self._read_loop()
             finally:
-                # No deliveries to a connection that is going away (decision 7).
+                # No deliveries to a connection that is going away (decision 7); its leases go
+                # back, and may be delivered to other connections at once (decision 15).
                 self.session.close()
+                self.server.after_batch()
             with trio.move_on_after(CLOSE_FLUSH_SECONDS):
                 await self._drain()
             nursery.cancel_scope.cancel()
@@ -124,14 +128,15 @@ class _Connection:
                 self.frame_budget = server.frame_timeout  # any incomplete frame is a new one
             done = session.receive(frames)
             server.after_batch()  # before any await: no socket can close in between
-            while done < len(frames):
+            while done < len(frames) and session.error is None:
                 await self._wait(session.blocked)
                 done = session.receive(frames, done)
                 server.after_batch()
             if session.output and not self.sending:
                 await self._send_output()
-            if decoder.error is not None:
-                log.warning("closing %s: %s", self.peer, decoder.error)
+            error = session.error or decoder.error
+            if error is not None:
+                log.warning("closing %s: %s", self.peer, error)
                 return
 
     async def _receive(self) -> bytes | None:
@@ -249,14 +254,21 @@ class PinpriqServer:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
         token: bytes | None = None,
+        lease_default_ms: int = DEFAULT_LEASE_MS,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
     ) -> None:
         """``store`` defaults to an in-memory ``QueueStore`` on trio's clock. ``max_memory``
         caps ``store.bytes_held`` (0 for no cap); ``max_connections`` caps concurrent
         connections (further ones are accepted and closed at once); ``frame_timeout`` is how
         many seconds of reading a connection may hold an incomplete frame; ``token`` is the one
-        token clients must present (``auth.load_token``), ``None`` for none."""
+        token clients must present (``auth.load_token``), ``None`` for none;
+        ``lease_default_ms`` is the lease time of lease frames that say 0, and a group goes to
+        its dead-letter queue after ``max_deliveries`` attempts (0: never)."""
         self.broker = Broker(
-            store if store is not None else QueueStore(trio.current_time), max_memory=max_memory
+            store if store is not None else QueueStore(trio.current_time),
+            max_memory=max_memory,
+            lease_default_ms=lease_default_ms,
+            max_deliveries=max_deliveries,
         )
         self.broker.on_room = self._room_freed
         self.max_connections = max_connections
@@ -367,11 +379,13 @@ class PinpriqServer:
                 self._all_closed.set()
 
     async def _expire_loop(self) -> None:
-        """Sweep expired packets at the earliest deadline, and only then (decision 1)."""
+        """Sweep expired packets and end leases at the earliest deadline, and only then
+        (decisions 1 and 15); write the deliveries of packets that came back."""
         while True:
             with trio.CancelScope(deadline=self.broker.timer) as self._expiry_scope:
                 await trio.sleep_forever()
             self.broker.expire()
+            self.after_batch()
 
 
 async def serve(

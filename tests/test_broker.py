@@ -11,7 +11,21 @@ import pytest
 
 from pinpriq.broker import OUTPUT_HIGH_WATER, Blocked, Broker, Session
 from pinpriq.store import PACKET_OVERHEAD, QueueStore
-from pinpriq.wire import FRAMES, READY, SYNC, ClientFrame, Pop, Push, Subscribe, Unsubscribe
+from pinpriq.wire import (
+    FRAMES,
+    READY,
+    SYNC,
+    Ack,
+    ClientFrame,
+    LeasedSubscribe,
+    Pop,
+    Push,
+    Release,
+    Reserve,
+    Subscribe,
+    Touch,
+    Unsubscribe,
+)
 from tests.rawpeer import reply
 
 
@@ -59,8 +73,11 @@ def test_every_frame_of_the_protocol_is_handled(clock: FakeClock) -> None:
     session = broker_with(clock).open_session()
     examples = {Push: Push(b"q", b"k", b"v"), Pop: Pop(b"q"), Subscribe: Subscribe(b"q")}
     examples |= {Unsubscribe: Unsubscribe(b"q"), type(READY): READY, type(SYNC): SYNC}
+    examples |= {Reserve: Reserve(b"q"), Ack: Ack(1), Release: Release(2), Touch: Touch(3)}
+    examples |= {LeasedSubscribe: LeasedSubscribe(b"r")}  # last: then the connection is leased
     assert set(examples) == set(FRAMES.values())
     assert session.receive(list(examples.values())) == len(examples)
+    assert session.error is None
 
 
 def test_a_frame_the_broker_does_not_know_is_an_error_not_a_fall_through(
