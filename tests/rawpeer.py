@@ -78,6 +78,12 @@ class Peer:
             )
         return packets
 
+    async def lease(self) -> tuple[int, int, Reply]:
+        """Read one message with the 11-byte lease header: (lease id, attempt or status,
+        packets)."""
+        lease_id, attempt = struct.unpack(">QB", await self.receive_exactly(9))
+        return lease_id, attempt, await self.reply()
+
     async def request(self, data: bytes) -> Reply:
         await self.send(data)
         return await self.reply()
