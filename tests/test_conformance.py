@@ -4,9 +4,9 @@ Our server must pass every fixture. Each wrong variant below is our server with 
 misreading of the protocol someone could plausibly make) and must fail the fixtures named for
 it: the suite can fail, and each of those fixtures checks what it says it checks. Variants are
 built by subclassing the store, the subscriptions or the leases and handing them to
-``PinpriqServer``
-(some subclasses reach into private attributes, said where they do); faults in framing are
-faked by a proxy in front of our server that rewrites the bytes, so nothing is monkeypatched.
+``PinpriqServer`` (some subclasses reach into private attributes, said where they do); faults
+in framing are faked by a proxy in front of our server that rewrites the bytes, so nothing is
+monkeypatched.
 
 The fixtures run on the wall clock (TTLs, "nothing within 100 ms"), but no test here asserts
 how long anything took.
