@@ -18,6 +18,7 @@ __all__ = [
     "int_in",
     "port_number",
     "seconds",
+    "seconds_at_most",
 ]
 
 
@@ -109,3 +110,15 @@ def seconds(text: str) -> float:
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
     return value
+
+
+def seconds_at_most(most: float) -> Callable[[str], float]:
+    """An argparse type: a positive number of seconds, at most ``most``."""
+
+    def parse(text: str) -> float:
+        value = seconds(text)
+        if value > most:
+            raise argparse.ArgumentTypeError(f"{text} is more than {most:g} seconds")
+        return value
+
+    return parse

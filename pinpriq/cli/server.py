@@ -18,10 +18,18 @@ import trio
 
 from pinpriq import __version__
 from pinpriq.auth import TOKEN_VARIABLE, TokenError, load_token
-from pinpriq.cli.args import OneLineParser, byte_size, int_in, port_number, seconds
+from pinpriq.cli.args import (
+    OneLineParser,
+    byte_size,
+    int_in,
+    port_number,
+    seconds,
+    seconds_at_most,
+)
+from pinpriq.leases import DEAD_SUFFIX, DEFAULT_LEASE_MS, DEFAULT_MAX_DELIVERIES
 from pinpriq.server import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_CONNECTIONS, PinpriqServer
 from pinpriq.store import PACKET_OVERHEAD
-from pinpriq.wire import DEFAULT_PORT
+from pinpriq.wire import DEFAULT_PORT, MAX_LEASE_MS
 
 __all__ = ["main", "server_parser"]
 
@@ -71,6 +79,23 @@ def server_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="close a connection that has held an incomplete frame for this many seconds of "
         "reading (time the server itself makes it wait does not count; default: %(default)g)",
+    )
+    parser.add_argument(
+        "--lease-default",
+        type=seconds_at_most(MAX_LEASE_MS / 1000),
+        default=DEFAULT_LEASE_MS / 1000,
+        metavar="SECONDS",
+        help="lease time of a reserve or leased subscribe that asks for 0, at most 86400 "
+        "(default: %(default)g)",
+    )
+    parser.add_argument(
+        "--max-deliveries",
+        type=int_in(0),
+        default=DEFAULT_MAX_DELIVERIES,
+        metavar="N",
+        help=f"attempts after which a leased group that comes back goes to its queue's "
+        f"dead-letter queue, the name plus {DEAD_SUFFIX.decode()}; 0 for no limit "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--auth-token-file",
@@ -159,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         max_connections=args.max_connections,
         frame_timeout=args.frame_timeout,
         token=token,
+        lease_default_ms=max(1, round(args.lease_default * 1000)),
+        max_deliveries=args.max_deliveries,
     )
     try:
         outcome = trio.run(run_server, server, args.host, args.port)
