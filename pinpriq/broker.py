@@ -373,9 +373,11 @@ class Session(Subscriber):
             broker.timer = lease.due
 
     def _ack(self, frame: Ack) -> None:
-        live = self.broker.leases.ack(self.holder, frame.lease_id)
+        leases = self.broker.leases
+        live = leases.ack(self.holder, frame.lease_id)
         self.output += encode_lease_status(frame.lease_id, live)
-        self.broker.settle()  # an ack racing the deadline ends the lease the other way
+        if leases.returned:  # an ack racing the deadline ended the lease the other way
+            self.broker.settle()
 
     def _release(self, frame: Release) -> None:
         live = self.broker.leases.release(self.holder, frame.lease_id, frame.delay_ms)

@@ -102,6 +102,14 @@ def _held(packets: Iterable[QueuedPacket]) -> int:
     return sum(len(p[KEY]) + len(p[PAYLOAD]) + PACKET_OVERHEAD for p in packets)
 
 
+def _group_held(packets: Sequence[QueuedPacket]) -> int:
+    """``_held`` of a key group, without a generator for the common group of one."""
+    if len(packets) == 1:
+        packet = packets[0]
+        return len(packet[KEY]) + len(packet[PAYLOAD]) + PACKET_OVERHEAD
+    return _held(packets)
+
+
 def _unselectable(packets: Iterable[QueuedPacket]) -> int:
     """The bytes ``unselectable_bytes`` counts for these packets: those of prio 0."""
     return _held(p for p in packets if not p[PRIO])
@@ -337,14 +345,14 @@ class QueueStore:
         ``bytes_held`` (and ``taken_bytes``) until ``restore`` or ``discard``. O(pop + g)."""
         packets = self.pop(queue)
         if packets:
-            held = _held(packets)
+            held = _group_held(packets)
             self.bytes_held += held
             self.taken_bytes += held
         return packets
 
     def discard(self, packets: Sequence[QueuedPacket]) -> None:
         """Forget packets ``take`` returned, for good (an ack). O(g)."""
-        held = _held(packets)
+        held = _group_held(packets)
         self.bytes_held -= held
         self.taken_bytes -= held
 

@@ -104,6 +104,7 @@ _EMPTY_REPLY = b"\x00\x00"
 _TIMED_NAME_HEADER = struct.Struct(">IH")  # lease_ms, queue_len of reserve, leased subscribe
 #: What the server sends on a lease: lease id, attempt (or status), count; then the packets.
 _LEASE_HEADER = struct.Struct(">QBH")
+_ONE_LEASE_HEADER = struct.Struct(">QBHHH")  # the lease header of one packet, and its lengths
 #: A reserve that found nothing, or a sync answered on a leased connection: eleven zero bytes.
 LEASED_EMPTY = bytes(_LEASE_HEADER.size)
 
@@ -417,8 +418,16 @@ def encode_lease_reply(lease_id: int, attempt: int, packets: Sequence[KeyedPaylo
     """The bytes of a reserve reply or a leased delivery (decisions 13, 17): ``u64 lease id``,
     ``u8 attempt`` (saturating at 255), ``u16 count``, then each packet. A reserve that found
     nothing is ``LEASED_EMPTY``."""
-    _check_count(len(packets))
-    header = _LEASE_HEADER.pack(lease_id, min(attempt, MAX_ATTEMPT), len(packets))
+    count = len(packets)
+    if count == 1:  # the common one: a packet of a unique key
+        key: bytes = packets[0][0]
+        payload: bytes = packets[0][1]
+        header = _ONE_LEASE_HEADER.pack(
+            lease_id, min(attempt, MAX_ATTEMPT), 1, len(key), len(payload)
+        )
+        return header + key + payload
+    _check_count(count)
+    header = _LEASE_HEADER.pack(lease_id, min(attempt, MAX_ATTEMPT), count)
     return _join_packets(header, packets)
 
 
@@ -579,7 +588,12 @@ class FrameDecoder:
                 if stop > end:
                     need = stop - pos
                     break
-                append(new(classes[opcode], (data[pos + _TIMED_NAME_HEAD : stop], lease_ms)))
+                raw = data[pos:stop]  # a worker pipelining reserves: one frame serves them all
+                frame = seen.get(raw)
+                if frame is None:
+                    frame = new(classes[opcode], (raw[_TIMED_NAME_HEAD:], lease_ms))
+                    seen[raw] = frame
+                append(frame)
                 pos = stop
             else:
                 self.error = ProtocolError(self._offset + pos, opcode)
