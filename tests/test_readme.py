@@ -1,8 +1,8 @@
 """The README's examples, run as written against a live server, so they can never rot.
 
 * Each ``python`` block of "Using pinpriq from Python" and "Jobs that must not be lost" runs in
-  a fresh interpreter against a fresh server, with the README's port 7000 replaced by the test server's; when a ``text``
-  block follows it, that is exactly what it must print.
+  a fresh interpreter against a fresh server, with the README's port 7000 replaced by the test
+  server's; when a ``text`` block follows it, that is exactly what it must print.
 * Each ``console`` block of "From the shell" is a transcript: ``$ `` lines are commands, the
   lines after each are its stdout. The commands run with ``PINPRIQ_URL`` naming the test server.
 """
