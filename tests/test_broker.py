@@ -523,3 +523,14 @@ def test_dead_letters_after_max_deliveries(clock: FakeClock) -> None:
     session.receive([Reserve(b"q"), Release(1), Reserve(b"q"), Release(2)])
     assert take(watcher) == reply((b"k", b"v"))
     assert broker.lease_totals().dead_lettered == 1
+
+
+def test_auth_on_a_leased_connection_is_answered_with_eleven_zero_bytes(clock: FakeClock) -> None:
+    # Decision 18: everything a leased connection receives has the 11-byte header.
+    session = broker_with(clock, token=TOKEN).open_session()
+    frames: list[ClientFrame] = [Auth(TOKEN), LeasedSubscribe(b"q"), Auth(TOKEN)]
+    assert session.receive(frames) == 3
+    assert take(session) == reply() + LEASED_NOTHING
+    assert session.receive([Auth(b"wrong")]) == 0  # a wrong one still closes, unanswered
+    assert session.blocked is Blocked.REJECTED
+    assert take(session) == b""
