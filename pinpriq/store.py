@@ -335,7 +335,31 @@ class QueueStore:
         self.bytes_held -= _held(removed)
         self.unselectable_bytes -= _unselectable(removed)
         self.expired += len(removed)
+        if removed:
+            self._removed_by_expiry(removed)
         return len(removed)
+
+    def _removed_by_expiry(self, packets: list[QueuedPacket]) -> None:
+        """Called by ``expire`` with the packets it removed. A store that records removals
+        (the log-backed store) overrides it; here there is nothing to do."""
+
+    def restore(
+        self, queue: bytes, key: bytes, payload: bytes, prio: int, seq: int, deadline: float
+    ) -> None:
+        """Put back a packet queued before a restart, with its own ``seq`` and its ``deadline``
+        on this store's clock (``inf``: none). Packets are restored in increasing ``seq`` into
+        a store no push has touched, and pushes then go on after the last: since levels and
+        key groups are in push order, that rebuilds exactly the order pops had. O(log t)."""
+        if seq <= self._seq:
+            raise ValueError(f"restoring seq {seq} after seq {self._seq}: not in push order")
+        self._seq = seq - 1
+        QueueStore.push(self, queue, key, payload, 0, prio)
+        if deadline != _NEVER:
+            heapq.heappush(self._expiry, (deadline, seq, self._queues[queue].name, key))
+
+    def holds(self, queue: bytes, key: bytes, seq: int) -> bool:
+        """Whether packet ``seq``, pushed to ``queue`` with ``key``, is still queued. O(1)."""
+        return self._live((0.0, seq, queue, key)) is not None
 
     @staticmethod
     def _ungroup(q: _Queue, packet: QueuedPacket) -> None:

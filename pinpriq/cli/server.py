@@ -13,12 +13,24 @@ import logging
 import resource
 import signal
 import sys
+import time
+from pathlib import Path
 
 import trio
 
 from pinpriq import __version__
 from pinpriq.auth import TOKEN_VARIABLE, TokenError, load_token
 from pinpriq.cli.args import OneLineParser, byte_size, int_in, port_number, seconds
+from pinpriq.persistence.journal import (
+    DEFAULT_SEGMENT_SIZE,
+    MIN_SEGMENT_SIZE,
+    FsyncPolicy,
+    Journal,
+)
+from pinpriq.persistence.keeper import LogFailure
+from pinpriq.persistence.recovery import report, scan
+from pinpriq.persistence.segments import DataDir, DataDirError
+from pinpriq.persistence.store import LoggedStore
 from pinpriq.server import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_CONNECTIONS, PinpriqServer
 from pinpriq.store import PACKET_OVERHEAD
 from pinpriq.wire import DEFAULT_PORT
@@ -78,6 +90,44 @@ def server_parser() -> argparse.ArgumentParser:
         help=f"the token clients must present (one trailing newline stripped); or set "
         f"{TOKEN_VARIABLE}. Never a command-line value: ps would show it",
     )
+    durability = parser.add_argument_group(
+        "durability", "Without --data-dir the server keeps packets in memory only."
+    )
+    durability.add_argument(
+        "--data-dir",
+        type=Path,
+        metavar="DIR",
+        help="keep packets in a log in DIR (created if missing) and recover them at start",
+    )
+    durability.add_argument(
+        "--fsync",
+        choices=[policy.value for policy in FsyncPolicy],
+        help="when the log is fsynced: 'always' before any reply that follows the logged "
+        "frames (a sync's reply then means on disk); 'everysec' about once a second (a power "
+        "failure may lose about the last second); 'no' only when a segment is full. A crash "
+        "of the process loses nothing acknowledged under any of them (default: everysec)",
+    )
+    durability.add_argument(
+        "--log-segment-size",
+        type=byte_size,
+        metavar="SIZE",
+        help="size of each log segment file, its space reserved when it is created "
+        f"(default: {DEFAULT_SEGMENT_SIZE // 1024**2}MiB; at least "
+        f"{MIN_SEGMENT_SIZE // 1024}KiB)",
+    )
+    durability.add_argument(
+        "--check-log",
+        action="store_true",
+        help="check the log in --data-dir and report what a start would recover, then exit "
+        "(0: a start would succeed; 1: it would refuse); changes nothing",
+    )
+    durability.add_argument(
+        "--truncate-damaged-log",
+        action="store_true",
+        help="if the log is damaged before its end, cut it at the damage (dropping the rest "
+        "of that segment and every later one, as --check-log reports) and start, instead of "
+        "refusing to start",
+    )
     parser.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
@@ -93,7 +143,19 @@ FORCED_EXIT = 1
 
 
 async def run_server(server: PinpriqServer, host: str, port: int) -> int | str:
-    """Serve until a signal. Returns the exit status, or why the server could not start."""
+    """Serve until a signal. Returns the exit status, or why the server could not start or
+    had to stop (its log failed)."""
+    failure = ""
+    try:
+        return await _run_server(server, host, port)
+    except* LogFailure as failures:
+        failure = str(failures.exceptions[0])
+        while isinstance(failure, BaseExceptionGroup):  # pragma: no cover - nesting varies
+            failure = str(failure.exceptions[0])
+    return failure
+
+
+async def _run_server(server: PinpriqServer, host: str, port: int) -> int | str:
     log = logging.getLogger("pinpriq.server")
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
@@ -104,6 +166,8 @@ async def run_server(server: PinpriqServer, host: str, port: int) -> int | str:
 
             try:
                 await nursery.start(serve_then_stop)
+            except DataDirError as error:
+                return str(error)
             except OSError as error:
                 return f"cannot listen on {host} port {port}: {error.strerror or error}"
             async for signum in signals:
@@ -140,9 +204,57 @@ def tune_garbage_collector() -> None:
     gc.set_threshold(100_000, 10, 10)
 
 
+def check_log(path: Path) -> int:
+    """``--check-log``: print what a start would recover from ``path``; the exit status."""
+    try:
+        data_dir = DataDir.open(path, write=False)
+        lines, would_start = report(data_dir, scan(data_dir, now_ms=time.time_ns() // 10**6))
+    except (DataDirError, OSError) as error:
+        print(f"pinpriq-server: {error}", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0 if would_start else 1
+
+
+def open_store(args: argparse.Namespace) -> LoggedStore | None:
+    """The log-backed store ``--data-dir`` asks for, its directory checked and locked; exits
+    with one line if it cannot be used."""
+    if args.data_dir is None:
+        return None
+    try:
+        data_dir = DataDir.open(args.data_dir, write=True)
+    except DataDirError as error:
+        sys.exit(f"pinpriq-server: {error}")
+    journal = Journal(
+        data_dir,
+        policy=FsyncPolicy(args.fsync or FsyncPolicy.EVERYSEC.value),
+        segment_size=args.log_segment_size or DEFAULT_SEGMENT_SIZE,
+    )
+    return LoggedStore(trio.current_time, journal, truncate_damaged=args.truncate_damaged_log)
+
+
+def _check_durability_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.data_dir is None:
+        for option, value in (
+            ("--fsync", args.fsync),
+            ("--log-segment-size", args.log_segment_size),
+            ("--check-log", args.check_log),
+            ("--truncate-damaged-log", args.truncate_damaged_log),
+        ):
+            if value:
+                parser.error(f"{option} needs --data-dir")
+    size = args.log_segment_size
+    if size is not None and size < MIN_SEGMENT_SIZE:
+        parser.error(f"argument --log-segment-size: {size} bytes is below {MIN_SEGMENT_SIZE}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``pinpriq-server``."""
-    args = server_parser().parse_args(argv)
+    parser = server_parser()
+    args = parser.parse_args(argv)
+    _check_durability_args(parser, args)
+    if args.check_log:
+        sys.exit(check_log(args.data_dir))
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -155,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     raise_open_file_limit(args.max_connections + 64)
     tune_garbage_collector()
     server = PinpriqServer(
+        open_store(args),
         max_memory=args.max_memory,
         max_connections=args.max_connections,
         frame_timeout=args.frame_timeout,

@@ -1,0 +1,284 @@
+"""The log-backed store on real files: whatever happens, a store recovered from its directory
+pops exactly what a memory store that never stopped would (a hypothesis state machine against
+``QueueStore``), and the journal's segment counts stay right through rotation, compaction and
+deletion."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pinpriq.persistence.journal import MIN_SEGMENT_SIZE, FsyncPolicy
+from pinpriq.persistence.store import LoggedStore
+from pinpriq.store import QueueStore
+from tests.logtools import FakeClock, commit, open_store, settle
+
+QUEUES = [b"a", b"b", b""]
+KEYS = [b"k1", b"k2", b"k3", b"k4", b"k5", b"k6"]
+
+
+class LogMachine(RuleBasedStateMachine):
+    """Pushes, pops, time passing, batches and restarts, against a store that never stops.
+
+    Segments are as small as allowed and payloads large, so a run rotates through many
+    segments, deletes them and compacts. TTLs and clock steps keep deadlines away from the
+    instants the stores are compared at (a logged deadline may be up to a millisecond early).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="pinpriq-log-"))
+        self.clock = FakeClock()
+        self.model = QueueStore(self.clock)
+        self.store = open_store(self.dir, self.clock, segment_size=MIN_SEGMENT_SIZE)
+        self.batch = 0  # frames since the last commit
+
+    def teardown(self) -> None:
+        self.store.close()
+        shutil.rmtree(self.dir)
+
+    @rule(
+        queue=st.sampled_from(QUEUES),
+        key=st.sampled_from(KEYS),
+        size=st.sampled_from([0, 10, 1000, 6000]),
+        ttl_ms=st.sampled_from([0, 0, 500, 5500]),
+        prio=st.integers(0, 3),
+    )
+    def push(self, queue: bytes, key: bytes, size: int, ttl_ms: int, prio: int) -> None:
+        payload = bytes([self.model.pushed % 256]) * size
+        self.model.push(queue, key, payload, ttl_ms, prio)
+        self.store.push(queue, key, payload, ttl_ms, prio)
+        self.batch += 1
+
+    @rule(count=st.integers(1, 40))
+    def churn(self, count: int) -> None:
+        """Packets pushed and popped at once: dead bytes, which make compaction due."""
+        for i in range(count):
+            self.model.push(b"churn", b"%d" % i, bytes(2000), 0, 1)
+            self.store.push(b"churn", b"%d" % i, bytes(2000), 0, 1)
+        commit(self.store)
+        for _ in range(count):
+            assert self.store.pop(b"churn") == self.model.pop(b"churn")
+        commit(self.store)
+
+    @rule(queue=st.sampled_from(QUEUES))
+    def pop(self, queue: bytes) -> None:
+        expected = [(p[0], p[1]) for p in self.model.pop(queue)]
+        got = [(p[0], p[1]) for p in self.store.pop(queue)]
+        assert got == expected
+        self.batch += 1
+
+    @rule(seconds=st.sampled_from([1.0, 1.0, 7.0]))
+    def time_passes(self, seconds: float) -> None:
+        commit(self.store)
+        self.clock.now += seconds
+        assert self.store.expire() == self.model.expire()
+        commit(self.store)
+
+    @rule()
+    def end_batch(self) -> None:
+        commit(self.store)
+        self.batch = 0
+
+    @rule()
+    def restart(self) -> None:
+        commit(self.store)
+        self.store.close()
+        self.store = open_store(self.dir, self.clock, segment_size=MIN_SEGMENT_SIZE)
+
+    @rule()
+    def crash(self) -> None:
+        """A kill -9 after the batch's block was written: nothing closed, nothing synced."""
+        commit(self.store)
+        journal = self.store.journal
+        for segment in [*journal.segments, *([journal.spare] if journal.spare else [])]:
+            segment.close()
+        journal.data_dir.close()
+        self.store = open_store(self.dir, self.clock, segment_size=MIN_SEGMENT_SIZE)
+
+    @invariant()
+    def same_contents(self) -> None:
+        assert len(self.store) == len(self.model)
+        assert self.store.bytes_held == self.model.bytes_held
+
+    @precondition(lambda self: self.batch == 0)
+    @invariant()
+    def counts_are_right(self) -> None:
+        self.store.check_invariants()
+
+
+TestLogMachine = LogMachine.TestCase
+TestLogMachine.settings = settings(max_examples=30, stateful_step_count=50, deadline=None)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def drain(store: QueueStore, queue: bytes) -> list[list[tuple[bytes, bytes]]]:
+    replies = []
+    while reply := store.pop(queue):
+        replies.append([(p[0], p[1]) for p in reply])
+    return replies
+
+
+def test_a_restart_keeps_priorities_ties_groups_and_riders(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    store = open_store(tmp_path, clock)
+    model = QueueStore(clock)
+    pushes = [
+        (b"q", b"a", b"a1", 0, 3),
+        (b"q", b"b", b"b1", 0, 1),
+        (b"q", b"a", b"a-rider", 0, 0),
+        (b"q", b"c", b"c1", 0, 1),  # newer than b1 at prio 1: first out
+        (b"q", b"b", b"b-rider", 0, 0),
+        (b"q", b"a", b"a2", 0, 2),
+        (b"r", b"z", b"only-rider", 0, 0),
+    ]
+    for push in pushes:
+        store.push(*push)
+        model.push(*push)
+    commit(store)
+    store.close()
+    store = open_store(tmp_path, clock)
+    assert drain(store, b"q") == drain(model, b"q")
+    assert drain(store, b"r") == []
+    assert len(store) == 1
+    store.push(b"r", b"z", b"sweeper", 0, 9)
+    assert drain(store, b"r") == [[(b"z", b"sweeper"), (b"z", b"only-rider")]]
+    store.close()
+
+
+def test_ttl_deadlines_are_wall_clock_and_keep_their_remaining_time(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    store = open_store(tmp_path, clock)
+    store.push(b"q", b"short", b"", 2000, 1)
+    store.push(b"q", b"long", b"", 60000, 2)
+    commit(store)
+    store.close()
+    clock.now += 30.0  # the server was down for 30 s: "short" expired meanwhile
+    store = open_store(tmp_path, clock)
+    assert len(store) == 1
+    assert store.next_deadline() == pytest.approx(clock.now + 30.0, abs=0.002)
+    clock.now += 29.9
+    assert drain(store, b"q") == [[(b"long", b"")]]
+    store.close()
+
+
+def test_packets_expired_while_down_stay_gone_if_the_clock_goes_back(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    store = open_store(tmp_path, clock)
+    store.push(b"q", b"k", b"", 1000, 1)
+    commit(store)
+    store.close()
+    clock.now += 5.0
+    open_store(tmp_path, clock).close()  # drops it as expired, and logs its removal
+    clock.now -= 4.5  # the wall clock was set back: the deadline is in the future again
+    store = open_store(tmp_path, clock)
+    assert len(store) == 0
+    store.close()
+
+
+def test_segments_are_deleted_oldest_first_and_only_when_dead(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    journal = store.journal
+    store.push(b"keep", b"pinned", b"x" * 100, 0, 255)  # pins the first segment
+    commit(store)
+    most = 0
+    for _ in range(40):  # ~40 segments of pushes, each popped in the next batch
+        for i in range(30):
+            store.push(b"q", b"%d" % i, bytes(2000), 0, 1)
+        commit(store)
+        assert len(drain(store, b"q")) == 30
+        commit(store)
+        store.check_invariants()
+        numbers = [segment.number for segment in journal.segments]
+        assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), "a gap"
+        assert journal.where(1) is journal.segments[0], "the pinned packet's segment went"
+        most = max(most, len(numbers))
+    # Compaction copied the pinned packet forward, so the dead segments behind it went.
+    assert journal.stats().copied >= 1
+    assert journal.stats().segments_deleted > 30
+    assert most <= 5
+    store.close()
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    assert drain(store, b"keep") == [[(b"pinned", b"x" * 100)]]
+    store.close()
+
+
+@pytest.mark.parametrize("policy", list(FsyncPolicy))
+def test_released_means_written_and_under_always_synced(
+    tmp_path: Path, clock: FakeClock, policy: FsyncPolicy
+) -> None:
+    store = open_store(tmp_path, clock, policy=policy)
+    journal = store.journal
+    journal.last_sync = 100.0
+    store.push(b"q", b"k", b"v", 0, 1)
+    store.flush()
+    assert journal.written_pos == journal.sealed_pos > 0
+    assert journal.released is (policy is not FsyncPolicy.ALWAYS)
+    assert journal.sync_due(100.5) is (policy is FsyncPolicy.ALWAYS)
+    assert journal.sync_due(101.0) is (policy is not FsyncPolicy.NO)
+    settle(journal)
+    assert journal.released
+    store.close()
+
+
+def test_a_moved_packet_comes_back_in_its_new_queue_in_push_order(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    store = open_store(tmp_path, clock)
+    for key in (b"1", b"2", b"3"):
+        store.push(b"jobs", key, key, 0, 1)
+    commit(store)
+    store.journal.add_move(2, b"jobs.dead")  # what a dead-letter move will log (decision 19)
+    commit(store)
+    store.close()
+    store = open_store(tmp_path, clock)
+    assert drain(store, b"jobs.dead") == [[(b"2", b"2")]]
+    assert drain(store, b"jobs") == [[(b"3", b"3")], [(b"1", b"1")]]
+    store.close()
+
+
+def test_totals_add_up_after_a_restart(tmp_path: Path, clock: FakeClock) -> None:
+    store = open_store(tmp_path, clock)
+    for i in range(5):
+        store.push(b"q", b"%d" % i, b"", 0, 1)
+    store.pop(b"q")
+    commit(store)
+    store.close()
+    store = open_store(tmp_path, clock)
+    assert store.pushed == 4
+    assert len(store) == 4
+    store.push(b"q", b"new", b"", 0, 1)
+    assert store.pushed == 5
+    store.close()
+
+
+def test_removal_path_for_purge(tmp_path: Path, clock: FakeClock) -> None:
+    """``record_removed`` is how a removal other than pop or expiry (purge) is logged."""
+    store: LoggedStore = open_store(tmp_path, clock)
+    store.push(b"q", b"a", b"", 0, 1)
+    store.push(b"q", b"b", b"", 0, 1)
+    commit(store)
+    purged = store.pop(b"q")  # stands in for a purge taking packets out of the store...
+    store.journal.removals.clear()  # ...without pop's own logging,
+    store.journal.removed.clear()
+    store.record_removed(purged)  # and logging them through the removal path
+    commit(store)
+    store.close()
+    store = open_store(tmp_path, clock)
+    assert drain(store, b"q") == [[(b"a", b"")]]
+    store.close()
