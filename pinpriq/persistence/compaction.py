@@ -9,6 +9,9 @@ segment, the compactor reads the oldest segment and writes each of its live pack
 copy entry, into the block being sealed; when it has read the whole segment, nothing live is
 left in it and the journal deletes it (once the copies are on disk).
 
+While the disk is full, compaction waits: its copies would use up the reserved segment that
+pops' remove entries need, and those pops free whole segments as they empty them.
+
 No full rewrite and no fork: each seal reads a bounded slice of the oldest segment (a few times
 the bytes the seal itself adds, and at least ``MIN_STEP``), so compaction's cost is spread over
 the writes that make it necessary, and the log cannot outgrow it.
@@ -76,6 +79,8 @@ class Compactor:
         """Read the next slice of the oldest segment, copying its live packets into the block
         being sealed (``sealed`` bytes so far), if compaction is due or under way."""
         journal = self._journal
+        if journal.disk_full:
+            return  # copies would eat the reserve the pops' removals need; pops free space
         oldest = journal.segments[0]
         if self._segment is not oldest:
             self.close()

@@ -564,6 +564,18 @@ class Journal:
         if self.compactor is not None:
             self.compactor.close()
         self.data_dir.close()
+        stats = self.stats()
+        log.info(
+            "log closed: %d blocks (%d bytes) written, %d fsyncs taking %.3f s, %d packets "
+            "copied forward, %d segments deleted, %d segments left",
+            stats.blocks_written,
+            stats.bytes_written,
+            stats.fsyncs,
+            stats.fsync_seconds,
+            stats.copied,
+            stats.segments_deleted,
+            stats.segments,
+        )
 
     def _sync_now(self, segment: Segment | None) -> None:
         if segment is not None and segment.fd is not None:

@@ -166,6 +166,8 @@ class DataDir:
 
         Raises ``DataDirError`` with one line: not a directory, not writable, locked by another
         server, or written by a newer format version."""
+        if path.exists() and not path.is_dir():
+            raise DataDirError(f"data directory {path} is not a directory")
         if write:
             try:
                 path.mkdir(parents=True, exist_ok=True)
