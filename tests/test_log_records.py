@@ -14,12 +14,12 @@ from pinpriq.persistence.records import (
     Block,
     Kind,
     LogFormatError,
+    decode_entries,
     encode_block,
     encode_copy,
     encode_move,
     encode_push,
     encode_remove,
-    iter_entries,
     read_block,
 )
 
@@ -27,7 +27,7 @@ from pinpriq.persistence.records import (
 def entries(data: bytes, offset: int = 0) -> list[tuple[object, ...]]:
     block = read_block(data, offset)
     assert block is not None
-    return list(iter_entries(block))
+    return decode_entries(data, block)
 
 
 def test_a_block_byte_by_byte() -> None:
@@ -147,7 +147,7 @@ def _read_all(data: bytes) -> list[object]:
     offset = 0
     while (block := read_block(data, offset)) is not None:
         assert isinstance(block, Block)
-        found.extend(iter_entries(block))
+        found.extend(decode_entries(data, block))
         offset = block.end
     return found
 

@@ -15,7 +15,7 @@ import trio
 
 from pinpriq.persistence import keeper as keeper_module
 from pinpriq.persistence.journal import MIN_SEGMENT_SIZE, FsyncPolicy, Journal
-from pinpriq.persistence.records import Kind, iter_entries, read_block
+from pinpriq.persistence.records import Kind, decode_entries, read_block
 from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, DataDir
 from pinpriq.persistence.store import LoggedStore
 from pinpriq.server import PinpriqServer
@@ -118,7 +118,7 @@ def logged_removals(path: Path) -> list[int]:
         data = segment.read_bytes()
         offset = SEGMENT_HEADER_SIZE
         while (block := read_block(data, offset)) is not None:
-            seqs += [entry[1] for entry in iter_entries(block) if entry[0] == Kind.REMOVE]
+            seqs += [entry[1] for entry in decode_entries(data, block) if entry[0] == Kind.REMOVE]
             offset = block.end
     return seqs
 

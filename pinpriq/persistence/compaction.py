@@ -30,7 +30,7 @@ from pinpriq.persistence.records import (
     BLOCK_HEADER,
     Kind,
     LogFormatError,
-    iter_entries,
+    decode_entries,
     read_block,
 )
 from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, Segment
@@ -129,7 +129,7 @@ class Compactor:
         if block is None:
             raise LogFormatError(f"{segment.path}: no block where one was written")
         journal, locate = self._journal, self._locate
-        for entry in iter_entries(block):
+        for entry in decode_entries(data, block):
             kind = entry[0]
             if kind != _PUSH and kind != _COPY:
                 continue

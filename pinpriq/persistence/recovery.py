@@ -32,7 +32,7 @@ from pinpriq.persistence.records import (
     REMOVE,
     Kind,
     LogFormatError,
-    iter_entries,
+    decode_entries,
     read_block,
     zeros_from,
 )
@@ -156,23 +156,43 @@ class _Replay:
                     raise LogFormatError(
                         f"block seq {block.seq_base} does not follow {self.next_seq}"
                     )
-                entries = list(iter_entries(block))
+                entries = decode_entries(data, block)
             except LogFormatError as error:
                 segment.end = offset
                 self.failure = str(error)
                 return offset
-            self._apply(segment, block.seq_base, len(block.body), entries)
+            self._apply(segment, block.seq_base, block.end - block.start, entries)
             offset = block.end
 
     def _apply(
         self, segment: Segment, seq_base: int, body_bytes: int, entries: list[tuple[Any, ...]]
     ) -> None:
         result = self.result
-        packets, copied = result.packets, result.copied
         if segment.first_seq is None:
             segment.first_seq = seq_base + 1
-        seq = seq_base
-        removal_bytes = 0
+        count = len(entries)
+        last = entries[-1] if entries else None
+        if last is not None and last[0] == _PUSH and last[1] == seq_base + count:
+            # Pushes only (the common block): each push's seq is its place, so file them all
+            # in one C-level update.
+            seqs = range(seq_base + 1, seq_base + count + 1)
+            result.packets.update(zip(seqs, entries, strict=True))
+            seq, copies, removal_bytes = seq_base + count, 0, 0
+        else:
+            seq, copies, removal_bytes = self._apply_each(segment.number, seq_base, entries)
+        segment.entries += seq - seq_base + copies
+        segment.entry_bytes += body_bytes - removal_bytes
+        self.next_seq = seq
+        result.last_seq = max(result.last_seq, seq)
+        result.blocks += 1
+
+    def _apply_each(
+        self, number: int, seq_base: int, entries: list[tuple[Any, ...]]
+    ) -> tuple[int, int, int]:
+        """Replay entries one by one; returns the last push's seq, the copies, and the bytes
+        of remove and move entries."""
+        packets, copied = self.result.packets, self.result.copied
+        seq, copies, removal_bytes = seq_base, 0, 0
         for entry in entries:
             kind = entry[0]
             if kind == _PUSH:
@@ -183,7 +203,8 @@ class _Replay:
                 if copied_seq not in packets:
                     self.unsorted = True  # its first entry went with a deleted segment
                 packets[copied_seq] = entry
-                copied[copied_seq] = segment.number
+                copied[copied_seq] = number
+                copies += 1
             elif kind == _REMOVE:
                 packets.pop(entry[1], None)
                 copied.pop(entry[1], None)
@@ -193,31 +214,32 @@ class _Replay:
                 if moved is not None:
                     packets[entry[1]] = (*moved[:4], entry[2], *moved[5:])
                 removal_bytes += MOVE_HEADER.size + len(entry[2])
-        segment.entries += sum(1 for entry in entries if entry[0] in (_PUSH, _COPY))
-        segment.entry_bytes += body_bytes - removal_bytes
-        self.next_seq = seq
-        result.last_seq = max(result.last_seq, seq)
-        result.blocks += 1
+        return seq, copies, removal_bytes
 
     def finish(self, now_ms: int) -> None:
         """Count the live packets per segment, then drop the expired ones (still counted: the
         journal logs their removal, which uncounts them) and put the rest in seq order."""
         result = self.result
+        if self.unsorted:
+            result.packets = dict(sorted(result.packets.items()))
         packets = result.packets
         segments = result.segments
-        by_number = {segment.number: segment for segment in segments}
+        # Each segment holds the pushes of a range of seqs: count the live seqs per range by
+        # bisecting them (in order now), then move the copied packets to their copy's segment.
+        seqs = list(packets)
         first_seqs = [s.first_seq or 0 for s in segments]
-        for seq in packets:
-            number = result.copied.get(seq)
-            if number is None:
-                segments[bisect.bisect_right(first_seqs, seq) - 1].live += 1
-            else:
-                by_number[number].live += 1
+        bounds = [bisect.bisect_left(seqs, first) for first in first_seqs] + [len(seqs)]
+        for index, segment in enumerate(segments):
+            segment.live = bounds[index + 1] - bounds[index]
+        by_number = {segment.number: segment for segment in segments}
+        for seq, number in result.copied.items():
+            pushed_in = bisect.bisect_right(first_seqs, seq) - 1
+            if pushed_in >= 0:  # else its push went with a deleted segment: not counted
+                segments[pushed_in].live -= 1
+            by_number[number].live += 1
         result.expired = [s for s, e in packets.items() if e[2] and e[2] <= now_ms]
         for seq in result.expired:
             del packets[seq]
-        if self.unsorted:
-            result.packets = dict(sorted(packets.items()))
 
 
 def _file_spare(result: Scan, number: int, path: Path, data: bytes, *, last: bool) -> None:

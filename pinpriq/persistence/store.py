@@ -166,10 +166,12 @@ class LoggedStore(QueueStore):
                 raise DataDirError(
                     f"cannot read the log in {journal.data_dir.path}: {error}"
                 ) from None
-            restore = self.restore
-            for _, seq, deadline_ms, prio, queue, key, payload in result.packets.values():
-                deadline = now + (deadline_ms - now_ms) / 1000 if deadline_ms else math.inf
-                restore(queue, key, payload, prio, seq, deadline)
+            self.restore(
+                (queue, key, payload, prio, seq, now + (deadline_ms - now_ms) / 1000)
+                if deadline_ms
+                else (queue, key, payload, prio, seq, math.inf)
+                for _, seq, deadline_ms, prio, queue, key, payload in result.packets.values()
+            )
             self._seq = self._seq_at_start = result.last_seq
             self._recovered = len(result.packets)
             journal.open(result)
