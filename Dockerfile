@@ -1,11 +1,13 @@
 # pinpriq-server in a slim image, listening on every interface of the container, as an
-# unprivileged user. Options given to `docker run IMAGE ...` replace CMD and go to the server,
-# after the ENTRYPOINT's --host, so `docker run pinpriq --max-memory 2GiB` keeps listening on
-# every interface.
+# unprivileged user, keeping its packets in the volume /data. Options given to
+# `docker run IMAGE ...` replace CMD and go to the server, after the ENTRYPOINT's --host and
+# --data-dir, so `docker run pinpriq --max-memory 2GiB` keeps listening on every interface and
+# keeps its log.
 FROM python:3.11-slim
 
 # A numeric user (hadolint DL3066), so orchestrators can tell it is not root without a passwd.
-RUN useradd --create-home --uid 10001 pinpriq
+# /data belongs to that user: the server creates its log there.
+RUN useradd --create-home --uid 10001 pinpriq && mkdir /data && chown 10001 /data
 WORKDIR /opt/pinpriq
 COPY pyproject.toml README.md ./
 COPY pinpriq ./pinpriq
@@ -14,9 +16,13 @@ COPY wire-fixtures ./wire-fixtures
 RUN pip install --no-cache-dir . && rm -rf /opt/pinpriq/build
 
 USER 10001
+# The log: mount a named volume or a host directory here (docker run -v pinpriq-data:/data) so
+# packets outlive the container.
+VOLUME ["/data"]
 EXPOSE 7000
 # The server must answer a sync on its default port (loopback, so protected mode will allow it).
-HEALTHCHECK --interval=10s --timeout=5s --start-period=5s --retries=3 \
+# It listens once its log is read back: a minute's start period covers millions of packets.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
     CMD ["pinpriq", "--timeout", "3", "ping"]
-ENTRYPOINT ["pinpriq-server", "--host", "0.0.0.0"]
+ENTRYPOINT ["pinpriq-server", "--host", "0.0.0.0", "--data-dir", "/data"]
 CMD ["--port", "7000"]
