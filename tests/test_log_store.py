@@ -5,6 +5,7 @@ deletion."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -281,4 +282,43 @@ def test_removal_path_for_purge(tmp_path: Path, clock: FakeClock) -> None:
     store.close()
     store = open_store(tmp_path, clock)
     assert drain(store, b"q") == [[(b"a", b"")]]
+    store.close()
+
+
+def allocated(path: Path) -> int:
+    """Bytes the directory's files take on disk, as ``du`` counts them."""
+    return sum(entry.stat().st_blocks * 512 for entry in path.iterdir() if entry.is_file())
+
+
+def test_disk_use_stays_within_twice_the_live_data_plus_four_segments(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """``benchmarks/persistence.py disk`` scaled down: 20 MB of 1 KiB payloads through a queue
+    held at 1,000 packets, with priorities 1..255, so that some packets stay for long and pin
+    old segments: the log stays within the bound the design promises however long it runs
+    (twice the live data: compaction's trigger; a segment being compacted; the active segment
+    and the spare, reserved whole; a segment of slack)."""
+    segment, depth = 256 * 1024, 1000
+    store = open_store(tmp_path, clock, segment_size=segment)
+    rng = random.Random(7)
+    payload = bytes(1024)
+    for i in range(depth):
+        store.push(b"q", b"%08d" % i, payload, 0, rng.randint(1, 255))
+    commit(store)
+    entry = 10 + 1 + 8 + len(payload)  # a push entry of this queue, key and payload
+    bound = 2 * depth * entry + 4 * segment
+    most = 0
+    for round_ in range(300):  # 64 pushes and 64 pops a round: 19.7 MB of payloads
+        for i in range(64):
+            key = b"%08d" % (depth + round_ * 64 + i)
+            store.push(b"q", key, payload, 0, rng.randint(1, 255))
+        commit(store)
+        for _ in range(64):
+            assert len(store.pop(b"q")) == 1
+        commit(store)
+        most = max(most, allocated(tmp_path))
+    assert len(store) == depth
+    assert most <= bound, f"{most} bytes on disk for {depth * entry} of live data"
+    assert store.journal.stats().segments_deleted > 50
+    store.check_invariants()
     store.close()

@@ -4,8 +4,8 @@ Segments are deleted oldest first, once no live packet's entry is in them (``jou
 Most die on their own: TTLs are at most 65.5 s, and pops remove what was pushed. A segment
 that still holds a few live packets (a prio-255 packet nobody pops, a TTL-0 packet waiting for
 a worker) would pin itself and every later segment, as one unacked message pins a RabbitMQ
-quorum queue's segments. So once the log's dead bytes exceed its live bytes by more than a
-segment, the compactor reads the oldest segment and writes each of its live packets again, as a
+quorum queue's segments. So once the log's dead bytes exceed its live bytes, the compactor
+reads the oldest segment and writes each of its live packets again, as a
 copy entry, into the block being sealed; when it has read the whole segment, nothing live is
 left in it and the journal deletes it (once the copies are on disk).
 
@@ -67,13 +67,14 @@ class Compactor:
         self.copied = 0
 
     def due(self) -> bool:
-        """Whether the dead bytes of the log pass its live bytes by more than a segment."""
+        """Whether the dead bytes of the log pass its live bytes (in a log of more than a
+        couple of segments: a small log is not worth copying)."""
         journal = self._journal
         used = journal.used_bytes
         if used <= 2 * journal.segment_size or len(journal.segments) < 3:
             return False
         live = journal.live_bytes()
-        return used - live > live + journal.segment_size
+        return used - live > live
 
     def step(self, sealed: int) -> None:
         """Read the next slice of the oldest segment, copying its live packets into the block

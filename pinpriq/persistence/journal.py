@@ -450,9 +450,16 @@ class Journal:
 
     def rotated(self, seconds: float) -> None:
         """The full segment is on disk: close it and write into the new one."""
-        assert self.rotating is not None
+        full = self.rotating
+        assert full is not None
         assert self.hold is Hold.ROTATION
-        self.rotating.close()
+        assert full.fd is not None
+        try:  # give back the reserved space the last block did not fit in
+            os.ftruncate(full.fd, full.end)
+            full.size = full.end
+        except OSError as error:
+            log.warning("cannot trim %s to %d bytes: %s", full.path, full.end, error.strerror)
+        full.close()
         self.rotating = None
         self.synced(self.written_pos, seconds)  # nothing was written since the rotation
         self.hold = None
