@@ -15,6 +15,7 @@ import trio
 
 from pinpriq.persistence import keeper as keeper_module
 from pinpriq.persistence.journal import MIN_SEGMENT_SIZE, FsyncPolicy, Journal
+from pinpriq.persistence.keeper import LogFailure
 from pinpriq.persistence.records import Kind, decode_entries, read_block
 from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, DataDir
 from pinpriq.persistence.store import LoggedStore
@@ -292,3 +293,38 @@ async def test_recovering_is_visible_while_the_log_is_read(
         proceed.set()
     assert not running.server.recovering
     assert running.journal.stats().recovery_seconds > 0
+
+
+async def test_a_failed_write_stops_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EIO from a write: nothing more can be promised, so the server stops (LogFailure, which
+    pinpriq-server turns into one line and exit status 1), and no reply goes out first."""
+    failing = threading.Event()
+    real_pwrite = os.pwrite
+
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        if failing.is_set():
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    journal = Journal(DataDir.open(tmp_path, write=True))
+    server = PinpriqServer(LoggedStore(trio.current_time, journal))
+
+    async def serve_and_write() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(server.serve, 0)
+            port = listeners[0].socket.getsockname()[1]
+            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+                peer = Peer(stream)
+                failing.set()
+                await peer.send(push(b"q", b"k", b"v") + SYNC)
+                with pytest.raises(EOFError):  # the connection closes with no reply sent
+                    await peer.reply()
+
+    with trio.fail_after(10), pytest.raises(ExceptionGroup) as caught:
+        await serve_and_write()
+    assert caught.group_contains(LogFailure, depth=2)
+    assert "Input/output error" in str(journal.failure)
+    DataDir.open(tmp_path, write=True).close()  # the directory was released

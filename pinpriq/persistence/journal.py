@@ -546,17 +546,11 @@ class Journal:
         if not self.segments:
             self.data_dir.close()
             return
-        if self.hold is Hold.ROTATION:
-            self._sync_now(self.rotating)
-            self.rotated(0.0)
-        if self.hold is Hold.SPARE:
+        if self.hold is not Hold.FAILED:  # after a failure nothing more can be promised
             try:
-                number = self._next_number
-                path = self.data_dir.segment_path(number)
-                self.spare_ready(number, create_segment(path, self.segment_size))
+                self._finish()
             except OSError as error:
-                log.error("cannot make a new segment at shutdown: %s", error.strerror)
-        self.retry()
+                log.error("closing the log: %s", error)
         if self._pending:
             log.error(
                 "stopping with %d bytes of log records unwritten (%s): their pops' replies were "
@@ -564,8 +558,6 @@ class Journal:
                 self.sealed_pos - self.written_pos,
                 self.hold.value if self.hold else "unknown",
             )
-        if self.written_pos > self.synced_pos and self.segments[-1].fd is not None:
-            self._sync_now(self.segments[-1])
         for segment in [*self.segments, *([self.spare] if self.spare else [])]:
             segment.close()
         if self.compactor is not None:
@@ -583,6 +575,26 @@ class Journal:
             stats.segments_deleted,
             stats.segments,
         )
+
+    def _finish(self) -> None:
+        """Write and fsync everything sealed, doing the keeper's work here (blocks may span
+        several rotations); gives up on a full disk."""
+        for _ in range(2 * len(self._pending) + 2):  # a rotation and a spare per block
+            if self.hold is Hold.ROTATION:
+                self._sync_now(self.rotating)
+                self.rotated(0.0)
+            elif self.hold is Hold.SPARE:
+                number = self._next_number
+                path = self.data_dir.segment_path(number)
+                self.spare_ready(number, create_segment(path, self.segment_size))
+            elif self.hold is Hold.SPACE:
+                self.retry()
+                if self.hold is Hold.SPACE:
+                    break
+            else:
+                break
+        if self.written_pos > self.synced_pos:
+            self._sync_now(self.segments[-1])
 
     def _sync_now(self, segment: Segment | None) -> None:
         if segment is not None and segment.fd is not None:
