@@ -47,7 +47,6 @@ __all__ = [
     "BLOCK_MAGIC",
     "BODY_HEADER",
     "COPY_HEADER",
-    "MAX_BODY",
     "MOVE_HEADER",
     "PUSH_HEADER",
     "REMOVE",
@@ -83,9 +82,6 @@ COPY_HEADER = struct.Struct(">BQQBHHH")  # kind, seq, deadline_ms, prio, queue/k
 REMOVE = struct.Struct(">BQ")  # kind, seq
 MOVE_HEADER = struct.Struct(">BQH")  # kind, seq, queue_len
 _LENGTH = struct.Struct(">I")
-#: Largest body a reader accepts: far beyond any batch (a pop removing 65,535 packets writes
-#: 590 kB), and small enough that a damaged length cannot make a reader allocate gigabytes.
-MAX_BODY: Final = 1 << 28
 
 
 class LogFormatError(ValueError):
@@ -155,7 +151,7 @@ def read_block(data: bytes, offset: int) -> Block | None:
     if end - offset < BLOCK_HEADER.size:
         raise LogFormatError(f"{end - offset} bytes, too few for a block header")
     _, length, crc = BLOCK_HEADER.unpack_from(data, offset)
-    if not BODY_HEADER.size <= length <= MAX_BODY:
+    if length < BODY_HEADER.size:
         raise LogFormatError(f"a block body of {length} bytes is impossible")
     start = offset + BLOCK_HEADER.size
     stop = start + length
