@@ -17,7 +17,6 @@ from pinpriq.persistence.records import (
     decode_entries,
     encode_block,
     encode_copy,
-    encode_move,
     encode_push,
     encode_remove,
     read_block,
@@ -53,14 +52,12 @@ def test_push_seqs_follow_the_block_and_ttls_count_from_its_base() -> None:
         encode_push(b"q", b"b", b"x", 250, 0),
         encode_copy(3, 7_777, 2, b"r", b"c", b"y"),
         encode_remove(100),
-        encode_move(3, b"r.dead"),
     )
     assert entries(data) == [
         (Kind.PUSH, 100, 0, 1, b"q", b"a", b""),  # TTL 0: no deadline
         (Kind.PUSH, 101, 5_250, 0, b"q", b"b", b"x"),
         (Kind.COPY, 3, 7_777, 2, b"r", b"c", b"y"),  # a copy keeps its own seq and deadline
         (Kind.REMOVE, 100),
-        (Kind.MOVE, 3, b"r.dead"),
     ]
 
 
@@ -119,9 +116,8 @@ def test_an_entry_of_unknown_kind_in_a_sound_block_is_an_error() -> None:
         encode_push(b"q", b"k", b"v", 0, 1),
         encode_copy(1, 2, 3, b"q", b"k", b"v"),
         encode_remove(1),
-        encode_move(1, b"queue"),
     ],
-    ids=["push", "copy", "remove", "move"],
+    ids=["push", "copy", "remove"],
 )
 def test_an_entry_cut_short_in_a_sound_block_is_an_error(entry: bytes) -> None:
     for cut in range(1, len(entry)):

@@ -221,7 +221,8 @@ async def test_a_full_disk_stops_pushes_and_keeps_pops_going(
     monkeypatch.setattr(keeper_module, "create_segment", create)
     await running.start(segment_size=MIN_SEGMENT_SIZE)
     producer, consumer = await running.connect(), await running.connect()
-    full.set()
+    await eventually(lambda: running.journal.spare is not None)  # made at start, before...
+    full.set()  # ...the disk fills
     with trio.fail_after(5):
         while len(running.journal.segments) < 2:  # rotate into the spare...
             await producer.send(push(b"q", b"%d" % len(running.server.broker.store), bytes(4000)))

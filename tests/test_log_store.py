@@ -240,15 +240,21 @@ def test_released_means_written_and_under_always_synced(
 def test_a_moved_packet_comes_back_in_its_new_queue_in_push_order(
     tmp_path: Path, clock: FakeClock
 ) -> None:
+    """What a dead-letter move logs (decision 19): the log only, since this store has no move
+    of its own yet (the leases' store moves the packets in memory)."""
     store = open_store(tmp_path, clock)
-    for key in (b"1", b"2", b"3"):
-        store.push(b"jobs", key, key, 0, 1)
+    deadlines = {}
+    for key in (b"1", b"2", b"3", b"4"):
+        deadlines[key] = store.push(b"jobs", key, key, 60_000 if key == b"2" else 0, 1)
     commit(store)
-    store.journal.add_move(2, b"jobs.dead")  # what a dead-letter move will log (decision 19)
+    for seq, key in ((4, b"4"), (2, b"2")):  # moved in any order: push order is the seq's
+        store.record_moved((key, key, 1, seq), b"jobs.dead", deadlines[key])
     commit(store)
     store.close()
+    clock.now += 10
     store = open_store(tmp_path, clock)
-    assert drain(store, b"jobs.dead") == [[(b"2", b"2")]]
+    assert store.next_deadline() == pytest.approx(deadlines[b"2"], abs=0.002)
+    assert drain(store, b"jobs.dead") == [[(b"4", b"4")], [(b"2", b"2")]]
     assert drain(store, b"jobs") == [[(b"3", b"3")], [(b"1", b"1")]]
     store.close()
 

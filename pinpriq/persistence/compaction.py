@@ -40,9 +40,10 @@ if TYPE_CHECKING:
 
 __all__ = ["MIN_STEP", "STEP_FACTOR", "Compactor", "Locate"]
 
-#: ``locate(queue, key, seq)``: the queue a packet lives in now if it is live, else ``None``.
-#: The log-backed store answers from its queues; a store with leases must also answer for
-#: leased packets (they are live in the log) and follow dead-letter moves.
+#: ``locate(queue, key, seq)``: the queue a packet lives in now if it is live, else ``None``
+#: (``queue`` is the one its latest entry names: a moved packet's latest entry is the copy a
+#: move writes). The log-backed store answers from its queues; a store with leases must also
+#: answer for leased packets, which are live in the log.
 Locate = Callable[[bytes, bytes, int], bytes | None]
 
 #: Least bytes of the oldest segment one seal reads while compaction is due.

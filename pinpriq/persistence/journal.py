@@ -51,7 +51,6 @@ from pinpriq.persistence.records import (
     COPY_HEADER,
     Kind,
     encode_block,
-    encode_move,
 )
 from pinpriq.persistence.recovery import Scan
 from pinpriq.persistence.segments import (
@@ -277,7 +276,9 @@ class Journal:
     def add_copy(
         self, seq: int, deadline_ms: int, prio: int, queue: bytes, key: bytes, payload: bytes
     ) -> None:
-        """Copy a live packet into the open block (compaction)."""
+        """Write a live packet again into the open block, whole, with the queue it lives in
+        now: compaction's copies, and moves to another queue (its seq, so its place in push
+        order, kept). Its latest entry is then in the active segment."""
         copies = self._copies
         copies += COPY_HEADER.pack(
             _COPY, seq, deadline_ms, prio, len(queue), len(key), len(payload)
@@ -287,17 +288,12 @@ class Journal:
         copies += payload
         self._copied.append(seq)
 
-    def add_move(self, seq: int, queue: bytes) -> None:
-        """Log that a live packet now lives in ``queue``, its place in push order kept (a
-        dead-letter move)."""
-        self.removals += encode_move(seq, queue)
-
     def seal(self, seq: int, base_ms: int) -> None:
         """Close the open block (``seq``: the store's push counter now; ``base_ms``: the
         wall-clock time its first push's TTL counts from), queue it and write what can be
         written. Does nothing if the block is empty."""
         pushes, removals = self.pushes, self.removals
-        if not pushes and not removals:
+        if not pushes and not removals and not self._copies:
             return
         if self.compactor is not None:
             self.compactor.step(len(pushes) + len(removals))

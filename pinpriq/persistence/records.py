@@ -22,15 +22,14 @@ Entries, each starting with its kind byte:
   key · payload. TTL 0: never expires.
 * copy ``63`` · u64 seq · u64 deadline_ms (0: never) · u8 prio · u16 queue_len · u16 key_len ·
   u16 payload_len · queue · key · payload: a live packet written again, whole, by compaction
-  (its old segment can then go); also how a moved packet is copied, with its new queue.
+  (its old segment can then go), or by a move to another queue (a dead-letter move: seq, and
+  so its place in push order, prio and deadline kept), written with the queue it is in now.
 * remove ``72`` · u64 seq: the packet left for good (pop, delivery, expiry, purge, ack).
-* move ``6D`` · u64 seq · u16 queue_len · queue: the packet now lives in another queue, with its
-  key, payload, prio, deadline and place in push order unchanged (a dead-letter move).
 
 Replaying entries in log order rebuilds the live packets: a push or copy files the packet
-under its seq, a remove forgets it, a move changes its queue. Within a block the writer puts
-pushes and copies before removes and moves; that order gives the same result as the order of
-the frames, since an entry names its packet by seq alone.
+under its seq (the latest entry wins), a remove forgets it. Within a block the writer puts
+pushes and copies before removes; that order gives the same result as the order of the
+frames, since an entry names its packet by seq alone.
 
 What this module must not know: files, segments, the store.
 """
@@ -47,7 +46,6 @@ __all__ = [
     "BLOCK_MAGIC",
     "BODY_HEADER",
     "COPY_HEADER",
-    "MOVE_HEADER",
     "PUSH_HEADER",
     "REMOVE",
     "Block",
@@ -57,7 +55,6 @@ __all__ = [
     "decode_entries",
     "encode_block",
     "encode_copy",
-    "encode_move",
     "encode_push",
     "encode_remove",
     "read_block",
@@ -69,7 +66,6 @@ class Kind(enum.IntEnum):
     PUSH = 0x70  # "p"
     COPY = 0x63  # "c"
     REMOVE = 0x72  # "r"
-    MOVE = 0x6D  # "m"
 
 
 #: The first four bytes of every block: lets a reader tell a block from zeros or garbage, and
@@ -80,7 +76,6 @@ BODY_HEADER = struct.Struct(">QQ")  # seq_base, base_ms
 PUSH_HEADER = struct.Struct(">BHBHHH")  # kind, ttl_ms, prio, queue_len, key_len, payload_len
 COPY_HEADER = struct.Struct(">BQQBHHH")  # kind, seq, deadline_ms, prio, queue/key/payload lens
 REMOVE = struct.Struct(">BQ")  # kind, seq
-MOVE_HEADER = struct.Struct(">BQH")  # kind, seq, queue_len
 _LENGTH = struct.Struct(">I")
 
 
@@ -98,12 +93,12 @@ class Block(NamedTuple):
 
 
 #: A decoded entry, one plain tuple per kind (the replay loop reads millions of them):
-#: ``(PUSH or COPY, seq, deadline_ms, prio, queue, key, payload)``, ``(REMOVE, seq)``,
-#: ``(MOVE, seq, queue)``. A push's deadline is already made absolute; 0 means never.
+#: ``(PUSH or COPY, seq, deadline_ms, prio, queue, key, payload)`` or ``(REMOVE, seq)``. A
+#: push's deadline is already made absolute; 0 means never.
 Entry = tuple[Any, ...]
 
 # The kinds as plain ints, for the loops that compare every entry's first byte.
-_PUSH, _COPY, _REMOVE, _MOVE = int(Kind.PUSH), int(Kind.COPY), int(Kind.REMOVE), int(Kind.MOVE)
+_PUSH, _COPY, _REMOVE = int(Kind.PUSH), int(Kind.COPY), int(Kind.REMOVE)
 
 
 def encode_push(queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> bytes:
@@ -121,10 +116,6 @@ def encode_copy(
 
 def encode_remove(seq: int) -> bytes:
     return REMOVE.pack(Kind.REMOVE, seq)
-
-
-def encode_move(seq: int, queue: bytes) -> bytes:
-    return MOVE_HEADER.pack(Kind.MOVE, seq, len(queue)) + queue
 
 
 def encode_block(seq_base: int, base_ms: int, *sections: bytes | bytearray) -> bytes:
@@ -207,16 +198,6 @@ def decode_entries(data: bytes, block: Block) -> list[Entry]:
                 raise LogFormatError("a remove entry cut short")
             append(REMOVE.unpack_from(data, pos))
             pos += REMOVE.size
-            continue
-        elif kind == _MOVE:
-            if end - pos < MOVE_HEADER.size:
-                raise LogFormatError("a move entry cut short")
-            _, moved, queue_len = MOVE_HEADER.unpack_from(data, pos)
-            pos += MOVE_HEADER.size
-            if pos + queue_len > end:
-                raise LogFormatError("a move entry cut short")
-            append((_MOVE, moved, data[pos : pos + queue_len]))
-            pos += queue_len
             continue
         else:
             raise LogFormatError(f"unknown entry kind 0x{kind:02x}")

@@ -28,7 +28,6 @@ from typing import Any, NamedTuple
 from pinpriq.persistence.records import (
     BLOCK_HEADER,
     BLOCK_MAGIC,
-    MOVE_HEADER,
     REMOVE,
     Kind,
     LogFormatError,
@@ -49,7 +48,7 @@ __all__ = ["Cut", "Scan", "apply", "report", "scan"]
 
 log = logging.getLogger("pinpriq.persistence")
 
-_PUSH, _COPY, _REMOVE, _MOVE = int(Kind.PUSH), int(Kind.COPY), int(Kind.REMOVE), int(Kind.MOVE)
+_PUSH, _COPY = int(Kind.PUSH), int(Kind.COPY)
 BLOCK_HEADER_SIZE = BLOCK_HEADER.size
 
 
@@ -190,7 +189,7 @@ class _Replay:
         self, number: int, seq_base: int, entries: list[tuple[Any, ...]]
     ) -> tuple[int, int, int]:
         """Replay entries one by one; returns the last push's seq, the copies, and the bytes
-        of remove and move entries."""
+        of remove entries."""
         packets, copied = self.result.packets, self.result.copied
         seq, copies, removal_bytes = seq_base, 0, 0
         for entry in entries:
@@ -205,15 +204,10 @@ class _Replay:
                 packets[copied_seq] = entry
                 copied[copied_seq] = number
                 copies += 1
-            elif kind == _REMOVE:
+            else:
                 packets.pop(entry[1], None)
                 copied.pop(entry[1], None)
                 removal_bytes += REMOVE.size
-            else:
-                moved = packets.get(entry[1])
-                if moved is not None:
-                    packets[entry[1]] = (*moved[:4], entry[2], *moved[5:])
-                removal_bytes += MOVE_HEADER.size + len(entry[2])
         return seq, copies, removal_bytes
 
     def finish(self, now_ms: int) -> None:

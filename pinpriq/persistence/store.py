@@ -110,6 +110,17 @@ class LoggedStore(QueueStore):
             removals += _pack_remove(_REMOVE, seq)
             removed.append(seq)
 
+    def record_moved(self, packet: QueuedPacket, queue: bytes, deadline: float) -> None:
+        """Log that a live packet now lives in ``queue`` with its seq (its place in push
+        order), prio and ``deadline`` (on the store's clock; ``inf``: none) kept: a dead-letter
+        move (decision 19). It is written whole, as a copy entry naming its new queue. Call it
+        in the same batch as the move, before ``flush``."""
+        deadline_ms = 0
+        if deadline != math.inf:
+            deadline_ms = int((deadline + self._wall_clock() - self._clock()) * 1000)
+        key, payload, prio, seq = packet
+        self.journal.add_copy(seq, deadline_ms, prio, queue, key, payload)
+
     def locate(self, queue: bytes, key: bytes, seq: int) -> bytes | None:
         """The queue live packet ``seq`` is in now, ``None`` if it is gone (compaction asks
         before copying it forward). A store with leases must answer for leased packets too."""
