@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from itertools import islice
 from typing import Final
 
@@ -66,8 +66,8 @@ _STALE_SLACK = 64
 _ExpiryEntry = tuple[float, int, bytes, bytes]
 
 
-#: A packet to ``restore``: ``(queue, key, payload, prio, seq, deadline)``.
-RestoredPacket = tuple[bytes, bytes, bytes, int, int, float]
+#: A packet to ``restore``: ``(queue, key, payload, prio, seq)``.
+RestoredPacket = tuple[bytes, bytes, bytes, int, int]
 
 #: A packet held by the store: ``(key, payload, prio, seq)``, where ``seq`` is store-wide push
 #: order. A plain tuple, read through the indices below, because the store builds one per push
@@ -347,28 +347,31 @@ class QueueStore:
         """Called by ``expire`` with the packets it removed. A store that records removals
         (the log-backed store) overrides it; here there is nothing to do."""
 
-    def restore(self, packets: Iterable[RestoredPacket]) -> None:
-        """Put back packets queued before a restart: ``(queue, key, payload, prio, seq,
-        deadline)`` with each packet's own seq and its deadline on this store's clock (``inf``
-        for none), in increasing seq, into a store no push has touched; pushes then go on
-        after the last seq. Levels and key groups are in push order, so this rebuilds exactly
-        the order pops had.
+    def restore(self, packets: Iterable[RestoredPacket], deadlines: Mapping[int, float]) -> None:
+        """Put back packets queued before a restart, each ``(queue, key, payload, prio, seq)``
+        with its own seq, in increasing seq, into a store no push has touched; ``deadlines``
+        maps the seqs of those with a TTL to their deadline on this store's clock. Pushes then
+        go on after the last seq. Levels and key groups are in push order, so this rebuilds
+        exactly the order pops had.
 
-        It files each packet as ``push`` does (keep the two in step: the log's state machine
-        test compares a restored store with one that never stopped), in one loop with the
-        store's fields in locals and one heapify, since a recovery restores millions. O(n).
+        It files each packet as ``push`` does (keep the two in step: a test compares a
+        restored store with the one that pushed), in one loop that keeps the queue it is
+        filling in locals (packets of one queue tend to come in runs), and one heapify:
+        recovery restores millions. O(n).
         """
         queues, last = self._queues, self._seq
         expiry: list[_ExpiryEntry] = []
-        count = held = unselectable = 0
-        for queue, key, payload, prio, seq, deadline in packets:
+        count = held = unselectable = riders = 0
+        name: bytes | None = None
+        q = _Queue(b"")  # replaced by the first packet's queue
+        for queue, key, payload, prio, seq in packets:
             if seq <= last:
                 raise ValueError(f"restoring seq {seq} after seq {last}: not in push order")
             last = seq
+            if queue != name:
+                q = queues.get(queue) or queues.setdefault(queue, _Queue(queue))
+                name = queue
             packet = (key, payload, prio, seq)
-            q = queues.get(queue)
-            if q is None:
-                q = queues[queue] = _Queue(queue)
             groups = q.groups
             group = groups.get(key)
             if group is None:
@@ -377,7 +380,7 @@ class QueueStore:
                 group[seq] = packet
             else:
                 groups[key] = {group[SEQ]: group, seq: packet}
-            size = len(key) + len(payload) + PACKET_OVERHEAD
+            size = len(key) + len(payload)
             if prio:
                 level = q.levels.get(prio)
                 if level is None:
@@ -388,15 +391,16 @@ class QueueStore:
                 q.entries += 1
             else:
                 unselectable += size
-            if deadline != _NEVER:
-                expiry.append((deadline, seq, q.name, key))
+                riders += 1
+            if deadlines and seq in deadlines:
+                expiry.append((deadlines[seq], seq, q.name, key))
             q.size += 1
             count += 1
             held += size
         self._seq = last
         self._count += count
-        self.bytes_held += held
-        self.unselectable_bytes += unselectable
+        self.bytes_held += held + count * PACKET_OVERHEAD
+        self.unselectable_bytes += unselectable + riders * PACKET_OVERHEAD
         self._expiry += expiry
         heapq.heapify(self._expiry)
 

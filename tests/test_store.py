@@ -614,12 +614,14 @@ def test_restore_rebuilds_the_order_pushes_made(
     exactly as in the store that pushed them."""
     clock = FakeClock(1000.0)
     pushed, restored = QueueStore(clock), QueueStore(clock)
-    packets = []
+    packets, deadlines = [], {}
     for i, (queue, key, prio, ttl_ms) in enumerate(pushes):
         payload = b"%d" % i
         deadline = pushed.push(queue, key, payload, ttl_ms, prio)
-        packets.append((queue, key, payload, prio, pushed.pushed, deadline))
-    restored.restore(packets)
+        packets.append((queue, key, payload, prio, pushed.pushed))
+        if ttl_ms:
+            deadlines[pushed.pushed] = deadline
+    restored.restore(packets, deadlines)
     restored.check_invariants()
     assert (len(restored), restored.bytes_held) == (len(pushed), pushed.bytes_held)
     assert restored.unselectable_bytes == pushed.unselectable_bytes
@@ -635,7 +637,6 @@ def test_restore_rebuilds_the_order_pushes_made(
 
 
 def test_restore_refuses_packets_out_of_push_order(store: QueueStore) -> None:
-    never = float("inf")
-    store.restore([(b"q", b"k", b"", 1, 5, never)])
+    store.restore([(b"q", b"k", b"", 1, 5)], {})
     with pytest.raises(ValueError, match="restoring seq 5 after seq 5"):
-        store.restore([(b"q", b"k", b"", 1, 5, never)])
+        store.restore([(b"q", b"k", b"", 1, 5)], {})

@@ -90,6 +90,8 @@ class Scan:
         self.copied: dict[int, int] = {}
         #: Seqs of packets whose deadline had passed: dropped, to be logged as removed.
         self.expired: list[int] = []
+        #: The deadlines (wall-clock ms) of the live packets that have one, by seq.
+        self.deadlines: dict[int, int] = {}
         #: The last seq any block used: pushes go on from the next one.
         self.last_seq = 0
         self.blocks = 0
@@ -231,9 +233,12 @@ class _Replay:
             if pushed_in >= 0:  # else its push went with a deleted segment: not counted
                 segments[pushed_in].live -= 1
             by_number[number].live += 1
-        result.expired = [s for s, e in packets.items() if e[2] and e[2] <= now_ms]
+        deadlines = {seq: entry[2] for seq, entry in packets.items() if entry[2]}
+        result.expired = [seq for seq, deadline_ms in deadlines.items() if deadline_ms <= now_ms]
         for seq in result.expired:
             del packets[seq]
+            del deadlines[seq]
+        result.deadlines = deadlines
 
 
 def _file_spare(result: Scan, number: int, path: Path, data: bytes, *, last: bool) -> None:
