@@ -57,7 +57,7 @@ _LEASE_COUNTERS = {
         "Packets due for a dead-letter queue whose name would be too long, dropped",
     ),
     "unknown": (
-        "pinpriq_lease_frames_unknown_total",
+        "pinpriq_acks_unknown_total",
         "Ack, release and touch frames naming no live lease (answered status 0)",
     ),
 }
