@@ -164,8 +164,8 @@ class LoggedStore(QueueStore):
 
     def record_removed(self, packets: Sequence[QueuedPacket]) -> None:
         """Log that these packets left the store for good: the removal path of anything other
-        than pop and expiry (purge; an ack, once leases exist). Call it in the same batch as
-        the removal, before ``flush``."""
+        than pop and expiry (a purge, an ack, a TTL that ran out on a lease). Call it in the
+        same batch as the removal, before ``flush``."""
         removals, removed = self._removals, self._removed
         for packet in packets:
             seq = packet[SEQ]
