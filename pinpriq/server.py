@@ -41,6 +41,8 @@ import math
 import os
 import socket
 import ssl
+from collections.abc import Container
+from typing import cast
 
 import trio
 
@@ -48,9 +50,9 @@ from pinpriq.auth import TOKEN_VARIABLE, is_loopback
 from pinpriq.broker import DEFAULT_MAX_MEMORY, REJECT_DELAY, Blocked, Broker, Session
 from pinpriq.client_memory import ClientMemory, default_budget
 from pinpriq.store import QueueStore
-from pinpriq.store_contract import Store
+from pinpriq.store_contract import BatchedStore, Deliveries, Store
 from pinpriq.tls import describe_tls_error
-from pinpriq.wire import FrameDecoder
+from pinpriq.wire import ClientFrame, FrameDecoder, Pop, Push, Sync
 
 __all__ = [
     "DEFAULT_FRAME_TIMEOUT",
@@ -186,16 +188,12 @@ class _Connection:
                 self.frame_budget = server.frame_timeout  # any incomplete frame is a new one
             if decoder.pending != self.held_input:
                 server.hold_input(self, decoder.pending)
-            done = session.receive(frames)
-            server.after_batch()  # before any await: no socket can close in between
             self.frames += len(frames)
-            while done < len(frames):
-                if session.blocked is Blocked.REJECTED:
-                    await self._reject(session.rejected or "")
+            if server.batched is not None:  # a store in another process: see _apply_batched
+                if not await self._apply_batched(frames):
                     return
-                await self._wait(session.blocked)
-                done = session.receive(frames, done)
-                server.after_batch()
+            elif not await self._apply(frames, session.receive(frames)):
+                return
             if self.sending:
                 await self._backed_up()
             elif session.output:
@@ -207,6 +205,44 @@ class _Connection:
             if self.checkpoint_owed:
                 self.checkpoint_owed = False
                 await trio.lowlevel.checkpoint()
+
+    async def _apply(self, frames: list[ClientFrame], done: int) -> bool:
+        """Finish applying a batch ``receive`` stopped in after ``done`` frames: wait as the
+        session asks, then go on. Returns ``False`` if the connection was rejected."""
+        session, server = self.session, self.server
+        server.after_batch()  # before any await: no socket can close in between
+        while done < len(frames):
+            if session.blocked is Blocked.REJECTED:
+                await self._reject(session.rejected or "")
+                return False
+            await self._wait(session.blocked)
+            done = session.receive(frames, done)
+            server.after_batch()
+        return True
+
+    async def _apply_batched(self, frames: list[ClientFrame]) -> bool:
+        """Apply a batch on a store that runs operations elsewhere (``BatchedStore``): in
+        segments, each ending where a frame may cause a delivery here (a subscribe, a credit, a
+        push to a queue someone here waits on) or needs the frames before it judged first
+        (auth). Each segment's pushes and pops run in the store as one pipeline, then
+        ``receive`` applies the segment with their results, then this front end's deliveries
+        are made: so replies and deliveries keep the order the built-in store gives them."""
+        store = self.server.batched
+        assert store is not None
+        subscriptions = self.server.deliveries
+        session = self.session
+        start = 0
+        while start < len(frames):
+            end = _segment_end(frames, start, session, subscriptions.waiting_queues)
+            segment = frames[start:end]
+            results = await store.run(segment)
+            store.current = results
+            if not await self._apply(segment, session.receive(segment)):
+                return False
+            if subscriptions.due:
+                await subscriptions.serve()
+            start = end
+        return True
 
     def _not_tls_hint(self) -> str:
         error = self.decoder.error
@@ -357,6 +393,24 @@ class _Connection:
             await self._output_drained.wait()
 
 
+def _segment_end(
+    frames: list[ClientFrame], start: int, session: Session, waited: Container[bytes]
+) -> int:
+    """Where the segment of ``frames`` starting at ``start`` ends (see ``_apply_batched``)."""
+    if not session.authenticated:
+        return start + 1  # nothing runs before auth is judged
+    for index in range(start, len(frames)):
+        frame = frames[index]
+        kind = frame.__class__
+        if kind is Push:
+            push = cast(Push, frame)
+            if push.prio and push.queue in waited:
+                return index + 1
+        elif kind is not Pop and kind is not Sync:
+            return index + 1
+    return len(frames)
+
+
 class _TlsConnection(_Connection):
     """A connection over TLS: trio's ``SSLStream`` over the socket, read and written through
     the stream API only (the file descriptor carries ciphertext). Its replies and deliveries
@@ -440,6 +494,7 @@ class PinpriqServer:
         protected_mode: bool = True,
         tls: ssl.SSLContext | None = None,
         max_client_memory: int | None = None,
+        deliveries: Deliveries | None = None,
     ) -> None:
         """``store`` defaults to an in-memory ``QueueStore`` on trio's clock. ``max_memory``
         caps ``store.bytes_held`` (0 for no cap); ``max_connections`` caps concurrent
@@ -450,13 +505,24 @@ class PinpriqServer:
         token, ``protected_mode`` refuses connections from other hosts than this one; ``tls``
         (``tls.server_context``) makes every connection TLS; ``max_client_memory`` caps the
         bytes of incomplete frames and unsent output of all connections together (0 for no
-        cap; ``None`` for ``client_memory.default_budget(max_memory)``)."""
+        cap; ``None`` for ``client_memory.default_budget(max_memory)``). A ``BatchedStore``
+        (the Redis store) comes with its ``deliveries``, the subscriptions that deliver from
+        it."""
         self.broker = Broker(
             store if store is not None else QueueStore(trio.current_time),
             max_memory=max_memory,
             token=token,
         )
         self.broker.on_room = self._room_freed
+        #: A store that runs operations in another process (Redis), and the subscriptions that
+        #: deliver from it; ``None`` for the built-in store, whose path pays one test a batch.
+        self.batched = store if isinstance(store, BatchedStore) else None
+        if self.batched is not None:
+            if deliveries is None:
+                raise ValueError("a batched store needs its deliveries (subscriptions)")
+            self.deliveries = deliveries
+            self.broker.subscriptions = deliveries  # type: ignore[assignment]
+            deliveries.flush = self.after_batch
         self.max_connections = max_connections
         self.frame_timeout = frame_timeout
         self.token = token

@@ -23,12 +23,13 @@ Both halves leave ``broker.py`` as it is; they are the Redis store's work, not t
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import NamedTuple, Protocol
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
 
-from pinpriq.wire import KeyedPayload
+from pinpriq.wire import ClientFrame, KeyedPayload
 
-__all__ = ["PeekedPacket", "QueueInfo", "Rank", "Store"]
+__all__ = ["BatchedStore", "Deliveries", "PeekedPacket", "QueueInfo", "Rank", "Store"]
 
 #: How good the packet a pop of a queue would select is: ``(prio, -seq)``, smaller is better.
 Rank = tuple[int, int]
@@ -134,4 +135,35 @@ class Store(Protocol):
     def note_time(self) -> None:
         """Called about once a second: lets the store tell packets' ages (``queue_info``)
         without reading the clock per push."""
+        ...
+
+
+@runtime_checkable
+class BatchedStore(Store, Protocol):
+    """A store whose operations run elsewhere (the Redis store), in the two halves above."""
+
+    #: The results ``pop`` hands back, in order: the server sets it to what ``run`` returned
+    #: right before each ``Session.receive``.
+    current: deque[list[KeyedPayload]]
+
+    async def run(self, frames: Sequence[ClientFrame]) -> deque[list[KeyedPayload]]:
+        """Apply the pushes and pops of ``frames``, in order; returns the pops' results."""
+        ...
+
+
+class Deliveries(Protocol):
+    """The subscriptions of a ``BatchedStore``: ``subscriptions.Subscriptions``' methods, whose
+    deliveries ``serve`` makes asynchronously."""
+
+    #: Called after deliveries were made, to write them out; the server sets it.
+    flush: Callable[[], None]
+    waiting_queues: Mapping[bytes, object]
+
+    @property
+    def due(self) -> bool:
+        """Whether ``serve`` has deliveries to attempt."""
+        ...
+
+    async def serve(self) -> None:
+        """Make the deliveries noted since the last call."""
         ...

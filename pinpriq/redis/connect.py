@@ -1,0 +1,187 @@
+"""``--store``: which store a server uses, and opening a Redis one after checking it.
+
+``memory`` (the default) is the built-in store. ``redis://HOST:PORT/DB`` and ``rediss://``
+(TLS) name a standalone Redis; ``redis-cluster://HOST:PORT[,HOST:PORT...]`` a Redis Cluster
+(any of its nodes; the rest are discovered). A password goes in the URL's user part
+(``redis://:PASSWORD@HOST:PORT``), as redis-cli takes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, NamedTuple
+from urllib.parse import unquote, urlsplit
+
+import coredis
+import trio
+
+from pinpriq.redis.deliveries import RedisSubscriptions
+from pinpriq.redis.store import _TRANSIENT, RedisStore
+
+__all__ = ["StoreError", "StoreSpec", "open_store", "parse_store"]
+
+log = logging.getLogger("pinpriq.redis")
+
+#: Seconds to reach Redis at start before giving up with one line.
+CONNECT_TIMEOUT = 5.0
+_SCHEMES = ("redis", "rediss", "redis-cluster")
+
+
+class StoreError(Exception):
+    """A bad --store value, or a Redis the server cannot use; the message is one line."""
+
+
+class StoreSpec(NamedTuple):
+    """A parsed ``--store``."""
+
+    scheme: str  # memory, redis, rediss or redis-cluster
+    nodes: tuple[tuple[str, int], ...] = ()
+    db: int = 0
+    password: str | None = None
+    username: str | None = None
+    text: str = "memory"  # as given, less any password, for the log
+
+
+def parse_store(text: str) -> StoreSpec:
+    """``memory``, ``redis://HOST[:PORT][/DB]``, ``rediss://...`` or
+    ``redis-cluster://HOST:PORT[,HOST:PORT...]``; raises ``StoreError`` saying what is wrong."""
+    if text == "memory":
+        return StoreSpec("memory")
+    scheme, sep, _ = text.partition("://")
+    if not sep or scheme not in _SCHEMES:
+        raise StoreError(
+            f"--store {text!r}: expected memory, redis://HOST:PORT/DB, rediss://HOST:PORT/DB "
+            "or redis-cluster://HOST:PORT[,HOST:PORT...]"
+        )
+    parts = urlsplit(text)
+    if parts.query or parts.fragment:
+        raise StoreError(f"--store: no ?query or #fragment is understood in {scheme}:// URLs")
+    creds, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = creds.partition(":")
+    nodes = tuple(_node(item, text) for item in hosts.split(","))
+    if scheme != "redis-cluster" and len(nodes) != 1:
+        raise StoreError(f"--store {scheme}:// takes one HOST:PORT; a Cluster is redis-cluster://")
+    db = _db(parts.path, scheme)
+    shown = text.replace(f":{password}@", ":***@") if password else text
+    return StoreSpec(scheme, nodes, db, unquote(password) or None, unquote(user) or None, shown)
+
+
+def _node(item: str, text: str) -> tuple[str, int]:
+    host, sep, port = item.rpartition(":")
+    if not sep:
+        host, port = item, "6379"
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise StoreError(f"--store {text!r}: {item!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def _db(path: str, scheme: str) -> int:
+    number = path.strip("/")
+    if not number:
+        return 0
+    if scheme == "redis-cluster":
+        raise StoreError("--store redis-cluster:// takes no database number (a Cluster has one)")
+    if not number.isdigit():
+        raise StoreError(f"--store: the database must be a number, not {number!r}")
+    return int(number)
+
+
+def _client(spec: StoreSpec) -> Any:
+    common: dict[str, Any] = {
+        "username": spec.username,
+        "password": spec.password,
+        "connect_timeout": CONNECT_TIMEOUT,
+        "decode_responses": False,
+    }
+    if spec.scheme == "redis-cluster":
+        return coredis.RedisCluster(
+            startup_nodes=[coredis.connection.TCPLocation(h, p) for h, p in spec.nodes], **common
+        )
+    host, port = spec.nodes[0]
+    return coredis.Redis(host, port, spec.db, ssl=spec.scheme == "rediss", **common)
+
+
+@asynccontextmanager
+async def open_store(spec: StoreSpec) -> AsyncIterator[tuple[RedisStore, RedisSubscriptions]]:
+    """Connect, check the Redis (``check``), load the scripts; yields the store and its
+    subscriptions, their background tasks running; closes the client on the way out. Raises
+    ``StoreError`` (one line) if Redis cannot be reached or used."""
+    ready = False
+    try:
+        async with _client(spec) as client:
+            store = RedisStore(client, cluster=spec.scheme == "redis-cluster")
+            with trio.fail_after(CONNECT_TIMEOUT):
+                await check(client, spec)
+                await store.load_scripts()
+                await store.sync_clock()
+            subscriptions = RedisSubscriptions(store)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscriptions.run)
+                nursery.start_soon(store.sweep_loop)
+                nursery.start_soon(store.snapshot_loop)
+                ready = True
+                yield store, subscriptions
+                nursery.cancel_scope.cancel()
+    except BaseException as error:  # anyio's task group may wrap it in a group
+        cause = _startup_failure(error)
+        if ready or cause is None:
+            raise
+        raise StoreError(f"cannot use Redis at {spec.text}: {_why(cause)}") from None
+
+
+def _startup_failure(error: BaseException) -> BaseException | None:
+    """The error that kept Redis from being used at start, found in any exception groups."""
+    if isinstance(error, StoreError):
+        return error
+    if isinstance(error, (trio.TooSlowError, *_TRANSIENT, coredis.exceptions.RedisError)):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            found = _startup_failure(inner)
+            if found is not None:
+                return found
+    return None
+
+
+def _why(error: BaseException) -> str:
+    if isinstance(error, StoreError):
+        return str(error).partition(": ")[2] or str(error)
+    if isinstance(error, trio.TooSlowError):
+        return f"no answer within {CONNECT_TIMEOUT:g} s"
+    return str(error) or type(error).__name__
+
+
+async def check(client: Any, spec: StoreSpec) -> None:
+    """Refuse a Redis that may evict (it would drop packets silently) or is older than 7.0
+    (the scripts declare flags); warn about what a Redis crash or failover may lose."""
+    info = await client.info("server")
+    version = _text(info.get("redis_version", "0"))
+    if tuple(int(x) for x in version.split(".")[:2]) < (7, 0):
+        raise StoreError(f"Redis at {spec.text} is {version}; pinpriq needs Redis 7.0 or newer")
+    config = await client.config_get(["maxmemory-policy", "appendonly", "appendfsync"])
+    settings = {_text(k): _text(v) for k, v in config.items()}
+    policy = settings.get("maxmemory-policy", "")
+    if policy != "noeviction":
+        raise StoreError(
+            f"Redis at {spec.text} has maxmemory-policy {policy}: it may evict keys, which would "
+            "drop queued packets silently; set maxmemory-policy noeviction"
+        )
+    if settings.get("appendonly") != "yes":
+        log.warning(
+            "Redis at %s has appendonly no: queued packets do not survive a Redis restart "
+            "(beyond its last RDB snapshot), and a sync promises only that Redis applied them",
+            spec.text,
+        )
+    else:
+        log.info("Redis appendfsync is %s", settings.get("appendfsync"))
+    log.warning(
+        "Redis replicates asynchronously: a failover to a replica can lose the last writes a "
+        "sync acknowledged"
+    )
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
