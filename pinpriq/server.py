@@ -52,7 +52,7 @@ from pinpriq.client_memory import ClientMemory, default_budget
 from pinpriq.store import QueueStore
 from pinpriq.store_contract import BatchedStore, Deliveries, Store
 from pinpriq.tls import describe_tls_error
-from pinpriq.wire import ClientFrame, FrameDecoder, Pop, Push, Sync
+from pinpriq.wire import ClientFrame, FrameDecoder, Pop, Push, Ready, Sync
 
 __all__ = [
     "DEFAULT_FRAME_TIMEOUT",
@@ -188,12 +188,21 @@ class _Connection:
                 self.frame_budget = server.frame_timeout  # any incomplete frame is a new one
             if decoder.pending != self.held_input:
                 server.hold_input(self, decoder.pending)
-            self.frames += len(frames)
             if server.batched is not None:  # a store in another process: see _apply_batched
+                self.frames += len(frames)
                 if not await self._apply_batched(frames):
                     return
-            elif not await self._apply(frames, session.receive(frames)):
-                return
+            else:  # the built-in store, inline: this is the hot path
+                done = session.receive(frames)
+                server.after_batch()  # before any await: no socket can close in between
+                self.frames += len(frames)
+                while done < len(frames):
+                    if session.blocked is Blocked.REJECTED:
+                        await self._reject(session.rejected or "")
+                        return
+                    await self._wait(session.blocked)
+                    done = session.receive(frames, done)
+                    server.after_batch()
             if self.sending:
                 await self._backed_up()
             elif session.output:
@@ -405,6 +414,10 @@ def _segment_end(
         if kind is Push:
             push = cast(Push, frame)
             if push.prio and push.queue in waited:
+                return index + 1
+        elif kind is Ready:
+            # Credits in a row deliver what they would one by one: one segment, one serve.
+            if index + 1 == len(frames) or frames[index + 1].__class__ is not Ready:
                 return index + 1
         elif kind is not Pop and kind is not Sync:
             return index + 1

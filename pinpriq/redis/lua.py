@@ -87,7 +87,8 @@ for i = 2, #ARGV, 4 do
     redis.call('ZADD', KEYS[4], deadline, s)
   end
   local prefix = group_prefix(key)
-  redis.call('HSET', KEYS[1], s, string.char(prio) .. struct.pack('>d', deadline) .. prefix .. payload)
+  local record = string.char(prio) .. struct.pack('>d', deadline) .. prefix .. payload
+  redis.call('HSET', KEYS[1], s, record)
   redis.call('ZADD', KEYS[3], 0, prefix .. s)
   if prio > 0 then
     redis.call('ZADD', KEYS[2], prio, digits(MAXSEQ - seq))

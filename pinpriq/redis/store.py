@@ -382,8 +382,9 @@ class RedisStore:
 
     async def sync_clock(self) -> None:
         """Measure Redis's clock against trio's (for the sweep timers only)."""
-        now = await self.client.time()  # a datetime
-        self.clock_offset = now.timestamp() - trio.current_time()
+        # Through a script: coredis's ``time()`` gives a datetime without the microseconds.
+        seconds, micros = await self.client.eval("return redis.call('TIME')")
+        self.clock_offset = int(seconds) + int(micros) / 1e6 - trio.current_time()
 
     # -- the snapshot the admin listener reads -----------------------------------------------
 
