@@ -9,6 +9,8 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -109,17 +111,19 @@ async def test_subscribers_on_both_front_ends_get_each_packet_once(redis_url: st
         for n in range(200):
             await pushers[n % 2].send(push(b"work", b"%d" % n, b""))
         received: list[bytes] = []
+        all_in = trio.Event()
 
         async def collect(sub: Peer) -> None:
             while True:
                 received.extend(key for key, _ in await sub.reply())
+                if len(received) >= 200:
+                    all_in.set()
 
         with trio.move_on_after(3):
             async with trio.open_nursery() as nursery:
                 for sub in subs:
                     nursery.start_soon(collect, sub)
-                while len(received) < 200:
-                    await trio.sleep(0.01)
+                await all_in.wait()
                 nursery.cancel_scope.cancel()
         assert sorted(received) == sorted(b"%d" % n for n in range(200))
         for sub in subs:
@@ -160,7 +164,7 @@ async def test_a_sync_acknowledged_push_survives_a_front_end_killed(
     redis_url: str, tmp_path: Path
 ) -> None:
     port = free_port()
-    front = subprocess.Popen(
+    front = await trio.lowlevel.open_process(
         [sys.executable, "-m", "pinpriq.cli.server", "--store", redis_url, "--port", str(port),
          "--http-port", "off"],
         stderr=subprocess.DEVNULL,
@@ -177,7 +181,7 @@ async def test_a_sync_acknowledged_push_survives_a_front_end_killed(
         assert await pusher.request(SYNC) == []
     finally:
         front.send_signal(signal.SIGKILL)
-        front.wait(timeout=10)
+        await front.wait()
     async with front_end(redis_url) as (_, other):
         popper = await connect(other)
         got = [await popper.request(pop(b"keep")) for _ in range(101)]
