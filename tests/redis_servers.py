@@ -9,6 +9,7 @@ fail (CI installs Redis: ``.ci/run``).
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -35,6 +36,20 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
+        return port
+
+
+def free_cluster_port() -> int:
+    """A free port whose Cluster bus port (10000 above it) is free too."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 50000)
+        try:
+            for candidate in (port, port + 10000):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
         return port
 
 
@@ -78,6 +93,7 @@ class RedisServer:
             [REDIS_CLI, "-p", str(self.port), *command],
             capture_output=True,
             text=True,
+            errors="backslashreplace",  # keys are bytes
             check=False,
         )
         return done.stdout.strip()
@@ -98,6 +114,7 @@ def start_cluster(directory: Path, masters: int = 3) -> list[RedisServer]:
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", "nodes.conf",
                 "--appendonly", "no",
+                port=free_cluster_port(),
             )  # fmt: skip
             nodes.append(node.start())
         addresses = [f"127.0.0.1:{node.port}" for node in nodes]

@@ -18,6 +18,8 @@ from pinpriq.redis.store import _TRANSIENT, RedisStore
 __all__ = ["open_store"]
 
 log = logging.getLogger("pinpriq.redis")
+# coredis logs each retry of a connection at INFO; pinpriq says once what is wrong instead.
+logging.getLogger("coredis").setLevel(logging.WARNING)
 
 #: Seconds to reach Redis at start before giving up with one line.
 CONNECT_TIMEOUT = 5.0
@@ -48,7 +50,7 @@ async def open_store(spec: StoreSpec) -> AsyncIterator[tuple[RedisStore, RedisSu
         async with _client(spec) as client:
             store = RedisStore(client, cluster=spec.scheme == "redis-cluster")
             with trio.fail_after(CONNECT_TIMEOUT):
-                await check(client, spec)
+                await check_nodes(client, spec)
                 await store.load_scripts()
                 await store.sync_clock()
             subscriptions = RedisSubscriptions(store)
@@ -88,6 +90,20 @@ def _why(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
+async def check_nodes(client: Any, spec: StoreSpec) -> None:
+    """``check`` the Redis, or each primary of a Cluster."""
+    if spec.scheme != "redis-cluster":
+        await check(client, spec)
+    else:
+        for node in client.primaries:
+            async with node:
+                await check(node, spec)
+    log.warning(
+        "Redis replicates asynchronously: a failover to a replica can lose the last writes a "
+        "sync acknowledged"
+    )
+
+
 async def check(client: Any, spec: StoreSpec) -> None:
     """Refuse a Redis that may evict (it would drop packets silently) or is older than 7.0
     (the scripts declare flags); warn about what a Redis crash or failover may lose."""
@@ -111,10 +127,6 @@ async def check(client: Any, spec: StoreSpec) -> None:
         )
     else:
         log.info("Redis appendfsync is %s", settings.get("appendfsync"))
-    log.warning(
-        "Redis replicates asynchronously: a failover to a replica can lose the last writes a "
-        "sync acknowledged"
-    )
 
 
 def _text(value: Any) -> str:

@@ -6,9 +6,9 @@ dead-letter queues, live in one Cluster slot; ``keys.py`` builds the names):
 
 * ``:d`` hash, sequence number -> the packet: ``prio u8 | deadline (ms, double) | key length
   u16 | key | payload``. A packet is live exactly while this hash holds it.
-* ``:s`` sorted set of the selectable packets (prio 1..255): score the prio, member
-  ``9e15 - seq`` as 16 decimal digits, so the first member is the lowest prio and, among equal
-  prios, the newest (equal scores order by member).
+* ``:s`` sorted set of the selectable packets (prio 1..255): score ``-prio``, member the
+  sequence number, so the *last* member is the lowest prio and, among equal prios, the newest
+  (equal scores order by member, and sequence numbers are fixed-width digits).
 * ``:g`` sorted set of every packet by key group: member ``key length u16 | key | seq`` (16
   digits), score 0, so one lexicographic range is a key group in push order.
 * ``:x`` sorted set of the packets with a TTL: score the deadline in ms on Redis's clock.
@@ -26,9 +26,12 @@ from __future__ import annotations
 
 __all__ = ["PEEK", "POP", "PURGE", "PUSH", "RANK", "RESTORE", "SWEEP"]
 
-# Shared helpers, prepended to every script that needs them. KEYS: d, s, g, x, q.
+
+# Shared helpers, prepended to every script that needs them. KEYS: d, s, g, x, q. The hot loops
+# (a push batch, a large key group) avoid parsing what they already know: a call into Redis or
+# a struct call per packet is what a script's time goes to.
 _HELPERS = r"""
-local MAXSEQ = 9000000000000000
+local NEVER = struct.pack('>d', 0)
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), t
@@ -38,24 +41,57 @@ local function unpack_packet(rec)
   local prio = string.byte(rec, 1)
   local deadline = struct.unpack('>d', string.sub(rec, 2, 9))
   local klen = struct.unpack('>H', string.sub(rec, 10, 11))
-  local key = string.sub(rec, 12, 11 + klen)
-  return prio, deadline, key, string.sub(rec, 12 + klen)
+  return prio, deadline, string.sub(rec, 12, 11 + klen), string.sub(rec, 12 + klen)
+end
+local function record(prio, deadline, prefix, payload)
+  local packed = NEVER
+  if deadline > 0 then packed = struct.pack('>d', deadline) end
+  return string.char(prio) .. packed .. prefix .. payload
+end
+-- One command with many arguments, in slices that stay within Lua's stack.
+local function bulk(command, key, args)
+  for i = 1, #args, 1000 do
+    redis.call(command, key, unpack(args, i, math.min(i + 999, #args)))
+  end
 end
 local function group_prefix(key) return struct.pack('>H', #key) .. key end
--- Remove one live packet from every structure; returns prio, deadline, key, payload.
-local function remove(seq)
-  local rec = redis.call('HGET', KEYS[1], seq)
-  local prio, deadline, key, payload = unpack_packet(rec)
-  redis.call('HDEL', KEYS[1], seq)
-  if prio > 0 then redis.call('ZREM', KEYS[2], digits(MAXSEQ - tonumber(seq))) end
-  redis.call('ZREM', KEYS[3], group_prefix(key) .. seq)
-  if deadline > 0 then redis.call('ZREM', KEYS[4], seq) end
-  return prio, deadline, key, payload
+-- Remove live packets (by seq) from every structure. ``key``: their key, when they are one
+-- key group (else each record is parsed for it). ``full``: return five fields a packet (key,
+-- payload, prio, seq, deadline: enough to put it back), else two (key, payload).
+local function remove_all(seqs, key, full)
+  local out, groups, levels = {}, {}, {}
+  local prefix = key and group_prefix(key)
+  for i = 1, #seqs, 1000 do
+    local recs = redis.call('HMGET', KEYS[1], unpack(seqs, i, math.min(i + 999, #seqs)))
+    for j, rec in ipairs(recs) do
+      local seq = seqs[i + j - 1]
+      local prio, k, payload = string.byte(rec, 1), key, nil
+      if key then
+        payload = string.sub(rec, 12 + #key)
+      else
+        local _p, _d
+        _p, _d, k, payload = unpack_packet(rec)
+      end
+      local n = #out
+      out[n + 1], out[n + 2] = k, payload
+      if full then
+        local deadline = struct.unpack('>d', string.sub(rec, 2, 9))
+        out[n + 3], out[n + 4], out[n + 5] = prio, seq, tostring(deadline)
+      end
+      groups[#groups + 1] = (prefix or group_prefix(k)) .. seq
+      if prio > 0 then levels[#levels + 1] = seq end
+    end
+  end
+  bulk('HDEL', KEYS[1], seqs)
+  bulk('ZREM', KEYS[3], groups)
+  bulk('ZREM', KEYS[2], levels)
+  if redis.call('EXISTS', KEYS[4]) == 1 then bulk('ZREM', KEYS[4], seqs) end
+  return out
 end
 -- Remove the packets whose deadline has come; returns how many.
 local function sweep(now)
   local due = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
-  for _, seq in ipairs(due) do remove(seq) end
+  remove_all(due, nil, false)
   return #due
 end
 -- Once the queue holds nothing, forget it entirely (decision 5).
@@ -76,7 +112,9 @@ local now, t = now_ms()
 local seq = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local last = tonumber(redis.call('GET', KEYS[5]) or '0')
 if seq <= last then seq = last + 1 end
-local earliest, selectable = 0, false
+-- The arguments of one HSET and three ZADDs for the whole batch.
+local data, groups, levels, deadlines = {}, {}, {}, {}
+local earliest = 0
 for i = 2, #ARGV, 4 do
   local key, payload, ttl, prio = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
   local s = digits(seq)
@@ -84,59 +122,56 @@ for i = 2, #ARGV, 4 do
   if ttl > 0 then
     deadline = now + ttl
     if earliest == 0 or deadline < earliest then earliest = deadline end
-    redis.call('ZADD', KEYS[4], deadline, s)
+    deadlines[#deadlines + 1] = deadline
+    deadlines[#deadlines + 1] = s
   end
   local prefix = group_prefix(key)
-  local record = string.char(prio) .. struct.pack('>d', deadline) .. prefix .. payload
-  redis.call('HSET', KEYS[1], s, record)
-  redis.call('ZADD', KEYS[3], 0, prefix .. s)
+  data[#data + 1] = s
+  data[#data + 1] = record(prio, deadline, prefix, payload)
+  groups[#groups + 1] = 0
+  groups[#groups + 1] = prefix .. s
   if prio > 0 then
-    redis.call('ZADD', KEYS[2], prio, digits(MAXSEQ - seq))
-    selectable = true
+    levels[#levels + 1] = -prio
+    levels[#levels + 1] = s
   end
   seq = seq + 1
 end
+bulk('HSET', KEYS[1], data)
+bulk('ZADD', KEYS[3], groups)
+bulk('ZADD', KEYS[2], levels)
+bulk('ZADD', KEYS[4], deadlines)
 redis.call('SET', KEYS[5], digits(seq - 1))
-if selectable and redis.call('EXISTS', KEYS[6]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
+if #levels > 0 and redis.call('EXISTS', KEYS[6]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
 return earliest
 """
 )
 
-#: KEYS d s g x q; ARGV max_pop, pops. Sweeps what is due, then ``pops`` times removes the best
-#: packet and its key group (decisions 2-4). Returns one list a pop, each flat, five fields a
-#: packet: key, payload, prio, seq, deadline (the last three let a packet that could not be
-#: delivered go back unchanged).
-#: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
+#: KEYS d s g x q; ARGV max_pop, pops, full. Sweeps what is due, then ``pops`` times removes
+#: the best packet and its key group (decisions 2-4). Returns one flat list a pop: two fields a
+#: packet (key, payload), or with ``full`` = 1 five (key, payload, prio, seq, deadline: enough
+#: for a delivery nobody could take to go back unchanged). ``allow-oom``: a pop only frees
+#: memory, and a full Redis must still drain.
 POP = (
     "#!lua flags=allow-oom\n"
     + _HELPERS
     + r"""
-local max_pop, pops = tonumber(ARGV[1]), tonumber(ARGV[2])
-local function take(out, seq)
-  local prio, deadline, key, payload = remove(seq)
-  local n = #out
-  out[n + 1], out[n + 2], out[n + 3], out[n + 4] = key, payload, prio, seq
-  out[n + 5] = tostring(deadline)
-  return key
-end
+local max_pop, pops, full = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
 local function pop_one()
-  local out = {}
-  local top = redis.call('ZRANGE', KEYS[2], 0, 0)
-  if #top == 0 then return out end
-  local selected = digits(MAXSEQ - tonumber(top[1]))
-  local prefix = group_prefix(take(out, selected))
+  local top = redis.call('ZRANGE', KEYS[2], -1, -1)
+  if #top == 0 then return {} end
+  local selected = top[1]
+  local _, _, key = unpack_packet(redis.call('HGET', KEYS[1], selected))
+  local prefix = group_prefix(key)
+  local seqs = {selected}
   local members = redis.call('ZRANGEBYLEX', KEYS[3], '[' .. prefix, '[' .. prefix .. '\255',
     'LIMIT', 0, max_pop)
-  local taken = 1
+  local skip = #prefix + 1
   for _, member in ipairs(members) do
-    if taken >= max_pop then break end
-    local seq = string.sub(member, #prefix + 1)
-    if seq ~= selected then
-      take(out, seq)
-      taken = taken + 1
-    end
+    if #seqs >= max_pop then break end
+    local seq = string.sub(member, skip)
+    if seq ~= selected then seqs[#seqs + 1] = seq end
   end
-  return out
+  return remove_all(seqs, key, full)
 end
 sweep(now_ms())
 local replies = {}
@@ -154,9 +189,9 @@ RANK = (
     + r"""
 sweep(now_ms())
 forget_if_empty()
-local top = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+local top = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
 if #top == 0 then return {} end
-return {tonumber(top[2]), digits(MAXSEQ - tonumber(top[1]))}
+return {-tonumber(top[2]), top[1]}
 """
 )
 
@@ -181,9 +216,9 @@ return n
 """
 )
 
-#: KEYS d s g x q w; ARGV channel, then five fields a packet as POP returns them. Puts packets
-#: back as they were (prio, place in push order, deadline); drops those whose TTL has passed.
-#: Returns how many went back. ``allow-oom``: the memory was held a moment ago.
+#: KEYS d s g x q w; ARGV channel, then five fields a packet as POP returns them with ``full``.
+#: Puts packets back as they were (prio, place in push order, deadline); drops those whose TTL
+#: has passed. Returns how many went back. ``allow-oom``: the memory was held a moment ago.
 RESTORE = (
     "#!lua flags=allow-oom\n"
     + _HELPERS
@@ -194,12 +229,12 @@ for i = 2, #ARGV, 5 do
   local key, payload, prio = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
   local s, deadline = ARGV[i + 3], tonumber(ARGV[i + 4])
   if deadline == 0 or deadline > now then
-    redis.call('HSET', KEYS[1], s,
-      string.char(prio) .. struct.pack('>d', deadline) .. group_prefix(key) .. payload)
-    redis.call('ZADD', KEYS[3], 0, group_prefix(key) .. s)
+    local prefix = group_prefix(key)
+    redis.call('HSET', KEYS[1], s, record(prio, deadline, prefix, payload))
+    redis.call('ZADD', KEYS[3], 0, prefix .. s)
     if deadline > 0 then redis.call('ZADD', KEYS[4], deadline, s) end
     if prio > 0 then
-      redis.call('ZADD', KEYS[2], prio, digits(MAXSEQ - tonumber(s)))
+      redis.call('ZADD', KEYS[2], -prio, s)
       selectable = true
     end
     if tonumber(s) > last then last = tonumber(s) end
@@ -224,13 +259,11 @@ local taken, out, found = {}, {}, 0
 local function live(deadline) return deadline == 0 or deadline > now end
 local start = 0
 while found < count do
-  local page = redis.call('ZRANGE', KEYS[2], start, start + 99)
+  local page = redis.call('ZRANGE', KEYS[2], start, start + 99, 'REV')
   if #page == 0 then break end
   start = start + 100
-  for _, inv in ipairs(page) do
-    local seq = digits(MAXSEQ - tonumber(inv))
-    local rec = redis.call('HGET', KEYS[1], seq)
-    local prio, deadline, key, payload = unpack_packet(rec)
+  for _, seq in ipairs(page) do
+    local prio, deadline, key, payload = unpack_packet(redis.call('HGET', KEYS[1], seq))
     if not taken[seq] and live(deadline) then
       local in_reply = 1
       taken[seq] = true

@@ -226,7 +226,7 @@ class RedisStore:
                 if kind is last_kind and queue == last_queue:
                     calls[-1][2][1] += 1  # type: ignore[index, operator]
                     continue
-                calls.append(("pop", self.keys(queue)[:5], [self.max_pop, 1]))
+                calls.append(("pop", self.keys(queue)[:5], [self.max_pop, 1, 0]))
             else:
                 continue
             last_kind, last_queue = kind, queue
@@ -238,14 +238,14 @@ class RedisStore:
         for (name, _, _), reply, queue in zip(calls, replies, queues, strict=True):
             if name == "pop":
                 for one in reply:
-                    results.append([(one[i], one[i + 1]) for i in range(0, len(one), 5)])
+                    results.append(list(zip(one[::2], one[1::2], strict=True)))
             elif reply:  # the earliest deadline of its pushes: sweep the queue then
                 self.schedule_sweep(queue, float(reply))
         return results
 
     async def take(self, queue: bytes) -> list[Popped]:
         """Pop ``queue`` now, for a delivery."""
-        (reply,) = await self.call_all([("pop", self.keys(queue)[:5], (self.max_pop, 1))])
+        (reply,) = await self.call_all([("pop", self.keys(queue)[:5], (self.max_pop, 1, 1))])
         return _popped(reply[0])
 
     async def restore(self, queue: bytes, packets: Sequence[Popped]) -> int:
@@ -383,7 +383,8 @@ class RedisStore:
     async def sync_clock(self) -> None:
         """Measure Redis's clock against trio's (for the sweep timers only)."""
         # Through a script: coredis's ``time()`` gives a datetime without the microseconds.
-        seconds, micros = await self.client.eval("return redis.call('TIME')")
+        # The key only routes it on a Cluster; it is never touched.
+        seconds, micros = await self.client.eval("return redis.call('TIME')", keys=[PREFIX])
         self.clock_offset = int(seconds) + int(micros) / 1e6 - trio.current_time()
 
     # -- the snapshot the admin listener reads -----------------------------------------------
