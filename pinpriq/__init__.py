@@ -1,12 +1,17 @@
 """pinpriq: a networked priority queue speaking a small binary protocol.
 
-The Trio client (``PinpriqClient``, ``Subscription``) is imported on first use, so that
-``import pinpriq`` and the blocking client do not load trio.
+The Trio client (``PinpriqClient``, ``Subscription``, ``Lease``, ``LeasedSubscription``) is
+imported on first use, so that ``import pinpriq`` and the blocking client do not load trio.
 """
 
 from typing import TYPE_CHECKING, Any
 
-from pinpriq.blocking import BlockingPinpriqClient, BlockingSubscription
+from pinpriq.blocking import (
+    BlockingLease,
+    BlockingLeasedSubscription,
+    BlockingPinpriqClient,
+    BlockingSubscription,
+)
 from pinpriq.errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -17,13 +22,17 @@ from pinpriq.errors import (
 from pinpriq.wire import Packet, ProtocolError
 
 if TYPE_CHECKING:
-    from pinpriq.client import PinpriqClient, Subscription
+    from pinpriq.client import Lease, LeasedSubscription, PinpriqClient, Subscription
 
 __all__ = [
     "ArgumentError",
     "ArgumentTypeError",
+    "BlockingLease",
+    "BlockingLeasedSubscription",
     "BlockingPinpriqClient",
     "BlockingSubscription",
+    "Lease",
+    "LeasedSubscription",
     "Packet",
     "PinpriqClient",
     "PinpriqConnectionError",
@@ -34,7 +43,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_TRIO_CLIENT = {"PinpriqClient", "Subscription"}
+_TRIO_CLIENT = {"PinpriqClient", "Subscription", "Lease", "LeasedSubscription"}
 
 
 def __getattr__(name: str) -> Any:

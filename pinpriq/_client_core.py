@@ -21,6 +21,13 @@ Theory of operation.
 * **Credits**: a subscription grants ``prefetch`` credits up front and returns one each time the
   caller comes back for the next delivery (``Credits``), so at most ``prefetch`` deliveries are
   ever taken from the server and not yet finished, the one in hand included.
+* **Leases** (protocol 1.1, decisions 13-18). A reserve, ack, release or touch is answered with
+  the 11-byte lease header, which ``Exchange`` reads for those requests; the answer to an ack,
+  release or touch must name the lease asked about, or the connection is out of step. A leased
+  subscription's connection carries nothing but 11-byte messages (decision 18): ``LeasedStream``
+  sorts them into deliveries (count > 0) and answers (count 0), which fill its requests in
+  order. ``LeaseBase`` is what both clients' ``Lease`` share: the group, its attempt, and
+  whether it is settled.
 """
 
 from __future__ import annotations
@@ -34,18 +41,21 @@ from collections.abc import Mapping, Sequence
 from pinpriq import wire
 from pinpriq.auth import TOKEN_VARIABLE
 from pinpriq.errors import ArgumentError, ArgumentTypeError, PinpriqConnectionError
-from pinpriq.wire import DEFAULT_PORT, Packet
+from pinpriq.wire import DEFAULT_PORT, LeaseReply, Packet
 
 __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_PORT",
     "DEFAULT_TIMEOUT",
+    "DEFAULT_WORK_LEASE_MS",
     "MAX_PREFETCH",
     "RECEIVE_SIZE",
     "TLS_HANDSHAKE_FAILED",
     "Credits",
     "Data",
     "Exchange",
+    "LeaseBase",
+    "LeasedStream",
     "Queues",
     "Slot",
 ]
@@ -60,6 +70,9 @@ MAX_PREFETCH = 0xFFFF
 #: A server that closes a connection this soon after it opened, having sent nothing, most
 #: likely refused it (a server at its connection limit accepts and closes at once).
 AT_ONCE_SECONDS = 1.0
+#: The lease time a worker asks for: the server's own default, said explicitly, since a worker
+#: touches its lease at half of it and must know how long that is.
+DEFAULT_WORK_LEASE_MS = 30_000
 
 #: A queue name, key or payload: ``str`` is sent as UTF-8.
 Data = bytes | bytearray | memoryview | str
@@ -158,16 +171,44 @@ def sync_frame() -> bytes:
     return _SYNC
 
 
-def subscribe_frames(queues: Queues, prefetch: object, limit: object) -> tuple[bytes, Credits]:
-    """The bytes that open a subscription to one queue or a list of them, and its credits."""
+def subscribe_frames(
+    queues: Queues, prefetch: object, limit: object, lease_ms: object = None
+) -> tuple[bytes, Credits]:
+    """The bytes that open a subscription to one queue or a list of them, and its credits; a
+    leased subscription (decision 17) unless ``lease_ms`` is None."""
     names: list[Data] = [queues] if isinstance(queues, Data) else list(queues)
     if not names:
         raise ArgumentError("subscribe needs at least one queue")
     prefetch = check_int("prefetch", prefetch, 1, MAX_PREFETCH)
     limit = None if limit is None else check_int("limit", limit, 1)
-    frames = [wire.encode(wire.Subscribe(as_bytes("queue", name))) for name in names]
+    if lease_ms is None:
+        frames = [wire.encode(wire.Subscribe(as_bytes("queue", name))) for name in names]
+    else:
+        ms = check_int("lease_ms", lease_ms, 0, wire.MAX_LEASE_MS)
+        frames = [wire.encode(wire.LeasedSubscribe(as_bytes("queue", n), ms)) for n in names]
     credits = Credits(prefetch, limit)
     return b"".join(frames) + _READY * credits.granted, credits
+
+
+def reserve_frame(queue: Data, lease_ms: object) -> bytes:
+    return wire.encode(wire.Reserve(as_bytes("queue", queue), _lease_ms(lease_ms)))
+
+
+def ack_frame(lease_id: int) -> bytes:
+    return wire.encode(wire.Ack(lease_id))
+
+
+def release_frame(lease_id: int, delay_ms: object) -> bytes:
+    delay = check_int("delay_ms", delay_ms, 0, wire.MAX_LEASE_MS)
+    return wire.encode(wire.Release(lease_id, delay))
+
+
+def touch_frame(lease_id: int, lease_ms: object) -> bytes:
+    return wire.encode(wire.Touch(lease_id, _lease_ms(lease_ms)))
+
+
+def _lease_ms(lease_ms: object) -> int:
+    return check_int("lease_ms", lease_ms, 0, wire.MAX_LEASE_MS)
 
 
 # -- addresses and connection errors ----------------------------------------------------------
@@ -200,17 +241,23 @@ class Expect(enum.Enum):
     PACKETS = "a pop reply"
     NOTHING = "00 00, the answer to a sync"
     AUTH = "00 00, the answer to auth"
+    LEASE = "a reserve reply"  # the 11-byte header
+    STATUS = "the answer to an ack, release or touch"  # the 11-byte header, count 0
+
+
+_LEASED = (Expect.LEASE, Expect.STATUS)
 
 
 class Slot:
     """Where one request's reply lands. A caller that stops waiting just forgets its slot,
     which keeps its place in the FIFO until the reply fills it and nobody reads it."""
 
-    __slots__ = ("expect", "reply")
+    __slots__ = ("expect", "lease_id", "reply")
 
-    def __init__(self, expect: Expect) -> None:
+    def __init__(self, expect: Expect, lease_id: int = 0) -> None:
         self.expect = expect
-        self.reply: list[Packet] | None = None
+        self.lease_id = lease_id  # for STATUS: the lease the answer must name
+        self.reply: list[Packet] | LeaseReply | None = None
 
 
 class Exchange:
@@ -227,24 +274,32 @@ class Exchange:
         #: Whether any byte has come from the server; the client's I/O layer sets it.
         self.received_any = False
 
-    def expect(self, what: Expect) -> Slot:
+    def expect(self, what: Expect, lease_id: int = 0) -> Slot:
         """A request was (or is about to be) sent: its reply will fill the returned slot."""
-        slot = Slot(what)
+        slot = Slot(what, lease_id)
         self._waiting.append(slot)
         return slot
 
     def feed(self, data: bytes) -> None:
         """Bytes from the server: fill the oldest slots with the replies they complete.
 
-        Raises ``PinpriqConnectionError`` when the server sends what nobody asked for or
-        answers a sync with anything but ``00 00`` (known from the reply's first two bytes);
-        the connection is out of step after either.
+        Raises ``PinpriqConnectionError`` when the server sends what nobody asked for,
+        answers a sync with anything but ``00 00`` (known from the reply's first two bytes), or
+        answers an ack, release or touch about another lease; the connection is out of step.
         """
         decoder = self._decoder
         decoder.feed(data)
         while True:
-            reply = decoder.next_reply()
             head = self._waiting[0] if self._waiting else None
+            if head is not None and head.expect in _LEASED:
+                lease = decoder.next_lease_reply()
+                if lease is None:
+                    return
+                if head.expect is Expect.STATUS:
+                    check_status(self, lease, head.lease_id)
+                self._waiting.popleft().reply = lease
+                continue
+            reply = decoder.next_reply()
             if reply is None:
                 if head is not None and head.expect is not Expect.PACKETS:
                     self._check_sync(decoder.count_in_progress)
@@ -339,3 +394,81 @@ class Credits:
         """A delivery was handed to the caller."""
         self.received += 1
         self.unfinished = True
+
+
+# -- leases -----------------------------------------------------------------------------------
+
+
+def check_status(exchange: Exchange, answer: LeaseReply, lease_id: int) -> None:
+    """An ack, release or touch must be answered about its own lease, with no packets."""
+    if answer.lease_id != lease_id or answer.packets:
+        raise exchange.error(
+            f"{exchange.address} answered a request about lease {lease_id} with a message "
+            f"about lease {answer.lease_id} ({len(answer.packets)} packets): out of step"
+        )
+
+
+class LeasedStream:
+    """What a leased subscription's connection receives (decision 18): every message has the
+    11-byte header. Deliveries (count > 0) queue up in ``deliveries``; answers (count 0) fill
+    the oldest slot of an ack, release or touch sent on it."""
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+        self.deliveries: deque[LeaseReply] = deque()
+        self._decoder = wire.ReplyDecoder()
+        self._waiting: deque[Slot] = deque()
+
+    def expect(self, lease_id: int) -> Slot:
+        slot = Slot(Expect.STATUS, lease_id)
+        self._waiting.append(slot)
+        return slot
+
+    def feed(self, data: bytes) -> None:
+        """Bytes from the server: deliveries to ``deliveries``, answers to their slots.
+        ``PinpriqConnectionError`` if an answer comes that nobody asked for, or about another
+        lease."""
+        self.exchange.received_any = True
+        decoder = self._decoder
+        decoder.feed(data)
+        while (message := decoder.next_lease_reply()) is not None:
+            if message.packets:
+                self.deliveries.append(message)
+                continue
+            if not self._waiting:
+                raise self.exchange.error(
+                    f"{self.exchange.address} sent an answer about lease {message.lease_id} "
+                    "that nobody asked for"
+                )
+            slot = self._waiting.popleft()
+            check_status(self.exchange, message, slot.lease_id)
+            slot.reply = message
+
+
+class LeaseBase:
+    """A group of packets on a lease (decisions 13-17): what both clients' ``Lease`` share.
+
+    ``packets`` is the group (the selected packet first, then the rest of its key oldest first,
+    as a pop gives them); ``attempt`` is 1 the first time it is leased and counts up each time
+    it comes back (saturating at 255); ``lease_id`` names the lease on its connection. A
+    reserve that found nothing gives an empty lease: false, with no packets and id 0, whose
+    ack, release and touch send nothing and return False.
+    """
+
+    __slots__ = ("attempt", "lease_id", "packets", "settled")
+
+    def __init__(self, reply: LeaseReply) -> None:
+        self.lease_id = reply.lease_id
+        self.attempt = reply.attempt
+        self.packets: list[Packet] = reply.packets
+        #: Whether ``ack`` or ``release`` was called: the lease is over for this client.
+        self.settled = False
+
+    def __bool__(self) -> bool:
+        return bool(self.packets)
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} {self.lease_id} attempt {self.attempt}: "
+            f"{len(self.packets)} packets>"
+        )

@@ -7,45 +7,73 @@ connection; threads that share it take turns, one whole call at a time. A call t
 or is interrupted after its request went out leaves its reply owed on the connection, and the
 next call reads and drops it first; a failed send closes the connection (a frame cut short
 cannot be repaired).
+
+Leases (protocol 1.1) work as in the Trio client: a ``BlockingLease`` acks, releases and
+touches on the connection that holds it, and ``work`` is the worker loop, with a thread that
+touches the lease while the handler runs. On a leased subscription's connection, whichever
+thread needs something reads for everyone (``BlockingLeasedSubscription._until``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
+from typing import overload
 
 from pinpriq import wire
 from pinpriq._client_core import (
     DEFAULT_HOST,
     DEFAULT_PORT,
     DEFAULT_TIMEOUT,
+    DEFAULT_WORK_LEASE_MS,
     RECEIVE_SIZE,
     TLS_HANDSHAKE_FAILED,
     Credits,
     Data,
     Exchange,
     Expect,
+    LeaseBase,
+    LeasedStream,
     Queues,
+    ack_frame,
     auth_frame,
     check_address,
+    check_int,
     check_timeout,
     connect_error,
     format_address,
     pop_frame,
     push_frame,
+    release_frame,
+    reserve_frame,
     resolve_token,
     subscribe_frames,
     sync_frame,
+    touch_frame,
 )
 from pinpriq.errors import PinpriqConnectionError, PinpriqError, PinpriqTimeoutError
 from pinpriq.tls import client_context, describe_tls_error
-from pinpriq.wire import Packet
+from pinpriq.wire import LeaseReply, Packet
 
-__all__ = ["BlockingPinpriqClient", "BlockingSubscription"]
+__all__ = [
+    "BlockingLease",
+    "BlockingLeasedSubscription",
+    "BlockingPinpriqClient",
+    "BlockingSubscription",
+]
+
+log = logging.getLogger("pinpriq.client")
+
+#: Sends an ack, release or touch of one lease and says whether the lease was live.
+Answer = Callable[[bytes, int], bool]
+#: What ``work`` runs for each job.
+Handler = Callable[["BlockingLease"], object]
 
 
 class _Link:
@@ -268,24 +296,56 @@ class BlockingPinpriqClient:
     def pop(self, queue: Data) -> list[Packet]:
         """Take the best packet of ``queue`` and the others with its key (see
         ``PinpriqClient.pop``); an empty list when nothing can be selected."""
-        return self._request(pop_frame(queue), Expect.PACKETS, "pop from")
+        reply = self._request(pop_frame(queue), Expect.PACKETS, "pop from")
+        assert isinstance(reply, list)
+        return reply
+
+    def reserve(self, queue: Data, *, lease_ms: int = 0) -> BlockingLease:
+        """Take what ``pop`` would, on a lease (see ``PinpriqClient.reserve``): a
+        ``BlockingLease``, empty (false) if nothing could be taken. ``with
+        client.reserve("jobs") as job:`` acks when the block ends and releases on an
+        exception."""
+        reply = self._request(reserve_frame(queue, lease_ms), Expect.LEASE, "reserve from")
+        assert isinstance(reply, LeaseReply)
+        return BlockingLease(reply, self._answer)
+
+    def _answer(self, frame: bytes, lease_id: int) -> bool:
+        reply = self._request(frame, Expect.STATUS, "lease at", lease_id)
+        assert isinstance(reply, LeaseReply)
+        return reply.live
 
     def sync(self) -> None:
         """Return once the server has applied every frame this client sent before (see
         ``PinpriqClient.sync``)."""
         self._request(sync_frame(), Expect.NOTHING, "sync with")
 
+    @overload
     def subscribe(
-        self, queues: Queues, *, prefetch: int = 1, limit: int | None = None
-    ) -> BlockingSubscription:
+        self, queues: Queues, *, prefetch: int = 1, limit: int | None = None, lease_ms: None = None
+    ) -> BlockingSubscription: ...
+
+    @overload
+    def subscribe(
+        self, queues: Queues, *, prefetch: int = 1, limit: int | None = None, lease_ms: int
+    ) -> BlockingLeasedSubscription: ...
+
+    def subscribe(
+        self,
+        queues: Queues,
+        *,
+        prefetch: int = 1,
+        limit: int | None = None,
+        lease_ms: int | None = None,
+    ) -> BlockingSubscription | BlockingLeasedSubscription:
         """Receive packets from one queue, or a list of queues, as they arrive, on a connection
         of its own.
 
         Use as ``with client.subscribe("jobs") as deliveries: for packets in deliveries: ...``.
-        ``prefetch`` and ``limit`` mean what they mean for ``PinpriqClient.subscribe``; waiting
-        for a delivery has no timeout.
+        ``prefetch``, ``limit`` and ``lease_ms`` mean what they mean for
+        ``PinpriqClient.subscribe``; with ``lease_ms`` each delivery is a ``BlockingLease``.
+        Waiting for a delivery has no timeout.
         """
-        opening, credits = subscribe_frames(queues, prefetch, limit)
+        opening, credits = subscribe_frames(queues, prefetch, limit, lease_ms)
         exchange, own = self._link.exchange, self._link
         link = _Link.open(exchange.host, exchange.port, own.timeout, own.tls, own.token)
         try:
@@ -293,15 +353,69 @@ class BlockingPinpriqClient:
         except BaseException:
             link.close()
             raise
+        if lease_ms is not None:
+            return BlockingLeasedSubscription(link, credits)
         return BlockingSubscription(link, credits)
 
-    def _request(self, frame: bytes, expect: Expect, what: str) -> list[Packet]:
+    def work(
+        self,
+        queues: Queues,
+        handler: Handler,
+        *,
+        lease_ms: int = DEFAULT_WORK_LEASE_MS,
+        prefetch: int = 1,
+        limit: int | None = None,
+        retry_delay_ms: int = 0,
+    ) -> None:
+        """Run ``handler(job)`` for each job of ``queues``, taken on a lease, for ever or for
+        ``limit`` jobs (see ``PinpriqClient.work``): a thread touches the lease every
+        ``lease_ms / 2`` while the handler runs; on return, a sync on this client confirms its
+        follow-up pushes and the job is acked; on an ``Exception`` it is logged and the job
+        released, to come back after ``retry_delay_ms``."""
+        check_int("lease_ms", lease_ms, 1)
+        check_int("retry_delay_ms", retry_delay_ms, 0)
+        with self.subscribe(queues, prefetch=prefetch, limit=limit, lease_ms=lease_ms) as jobs:
+            for job in jobs:
+                self._work_on(job, handler, lease_ms, retry_delay_ms)
+
+    def _work_on(
+        self, job: BlockingLease, handler: Handler, lease_ms: int, retry_delay_ms: int
+    ) -> None:
+        done = threading.Event()
+        keeper = threading.Thread(
+            target=_keep_alive, args=(job, lease_ms, done), name="pinpriq-touch", daemon=True
+        )
+        keeper.start()
+        try:
+            handler(job)
+        except Exception as failure:
+            if not job.settled:
+                log.warning(
+                    "%s: job %r (attempt %d) failed, released: %s",
+                    self.address,
+                    job.packets[0].key,
+                    job.attempt,
+                    failure,
+                    exc_info=failure,
+                )
+                job.release(retry_delay_ms)
+            return
+        finally:
+            done.set()
+            keeper.join()
+        if not job.settled:
+            self.sync()
+            job.ack()
+
+    def _request(
+        self, frame: bytes, expect: Expect, what: str, lease_id: int = 0
+    ) -> list[Packet] | LeaseReply:
         """Send a frame with a reply and wait for it; replies owed to earlier calls that
         stopped waiting are read and dropped on the way."""
         link = self._link
         with self._lock:
             deadline = link.deadline()
-            slot = link.exchange.expect(expect)
+            slot = link.exchange.expect(expect, lease_id)
             link.send(frame, deadline, what)
             while slot.reply is None:
                 try:
@@ -355,6 +469,156 @@ class BlockingSubscription:
         self._link.close()
 
     def __enter__(self) -> BlockingSubscription:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _keep_alive(job: BlockingLease, lease_ms: int, done: threading.Event) -> None:
+    """Touch ``job`` every ``lease_ms / 2`` until ``done``; stop if the lease is gone."""
+    while not done.wait(lease_ms / 2000):
+        try:
+            live = job.touch(lease_ms)
+        except PinpriqError as error:
+            log.warning("lease %d: touch failed, the job may run twice: %s", job.lease_id, error)
+            return
+        if not live:
+            log.warning("lease %d ended before its touch: the job may run twice", job.lease_id)
+            return
+
+
+class BlockingLease(LeaseBase):
+    """A group of packets on a lease (see ``pinpriq.Lease``), for the blocking client. As
+    ``with lease:`` it acks when the block ends, and releases if the block raises."""
+
+    __slots__ = ("_answer",)
+
+    def __init__(self, reply: LeaseReply, answer: Answer) -> None:
+        super().__init__(reply)
+        self._answer = answer
+
+    def ack(self) -> bool:
+        """The job is done: its packets are gone for good. Whether the lease was live."""
+        if not self:
+            return False
+        self.settled = True
+        return self._answer(ack_frame(self.lease_id), self.lease_id)
+
+    def release(self, delay_ms: int = 0) -> bool:
+        """Give the job up: its packets go back after ``delay_ms`` (0: at once)."""
+        if not self:
+            return False
+        frame = release_frame(self.lease_id, delay_ms)
+        self.settled = True
+        return self._answer(frame, self.lease_id)
+
+    def touch(self, lease_ms: int = 0) -> bool:
+        """The lease now ends ``lease_ms`` from now (0: the server's default)."""
+        if not self:
+            return False
+        return self._answer(touch_frame(self.lease_id, lease_ms), self.lease_id)
+
+    def __enter__(self) -> BlockingLease:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.settled or not self:
+            return
+        if error is None:
+            self.ack()
+            return
+        try:
+            self.release()
+        except PinpriqError as failure:  # the connection is gone: the server put them back
+            log.warning("could not release lease %d: %s", self.lease_id, failure)
+
+
+class BlockingLeasedSubscription:
+    """The deliveries of a leased subscription: an iterator of ``BlockingLease`` that owns a
+    connection. Use it in a ``with`` block, or call ``close()``: leases not acked by then go
+    back to their queues. Any thread may ack, release or touch its leases."""
+
+    def __init__(self, link: _Link, credits: Credits) -> None:
+        self._link = link
+        self._credits = credits
+        self._stream = LeasedStream(link.exchange)
+        self._send_lock = threading.Lock()
+        self._read = threading.Condition()
+        self._reading = False
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return self._link.address
+
+    def __iter__(self) -> BlockingLeasedSubscription:
+        return self
+
+    def __next__(self) -> BlockingLease:
+        credits = self._credits
+        if credits.done or self._closed:
+            raise StopIteration
+        if credit := credits.to_return():
+            with self._send_lock:
+                self._link.send(credit, self._link.deadline(), "subscription at")
+            credits.returned()
+        deliveries = self._stream.deliveries
+        try:
+            self._until(lambda: bool(deliveries), None)
+        except PinpriqConnectionError:
+            if self._closed:
+                raise StopIteration from None  # close() from another thread ends the loop
+            raise
+        credits.delivered()
+        return BlockingLease(deliveries.popleft(), self._answer)
+
+    def _answer(self, frame: bytes, lease_id: int) -> bool:
+        link = self._link
+        deadline = link.deadline()
+        with self._send_lock:
+            slot = self._stream.expect(lease_id)
+            link.send(frame, deadline, "lease at")
+        self._until(lambda: slot.reply is not None, deadline)
+        assert isinstance(slot.reply, LeaseReply)
+        return slot.reply.live
+
+    def _until(self, done: Callable[[], bool], deadline: float | None) -> None:
+        """Wait until ``done()``. One thread at a time reads the connection and sorts what
+        comes into deliveries and answers; the others wait for it to say something arrived."""
+        with self._read:
+            while not done():
+                if self._reading:
+                    self._read.wait(None if deadline is None else deadline - time.monotonic())
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise self._link._timeout("lease at")
+                    continue
+                self._reading = True
+                self._read.release()
+                try:
+                    data = self._link.receive(deadline, "lease at")
+                finally:
+                    self._read.acquire()
+                    self._reading = False
+                    self._read.notify_all()
+                self._stream.feed(data)
+
+    def close(self) -> None:
+        """Close the connection and end iteration; unacked leases go back to their queues."""
+        self._closed = True
+        self._link.close()
+
+    def __enter__(self) -> BlockingLeasedSubscription:
         return self
 
     def __exit__(

@@ -29,9 +29,11 @@ Theory of operation, as the driver sees it:
   to the kernel. Past ``OUTPUT_HIGH_WATER`` in all, a session applies no more frames and receives
   no more deliveries (its subscriber is paused, credits kept) until the driver calls
   ``output_drained``.
-* **Time.** The store keeps its own clock. ``Broker.timer`` is the earliest TTL deadline the
-  broker knows of; pushes only ever move it earlier. The driver sleeps until then and calls
-  ``expire()``, which sweeps and sets the next one: one timer, whatever the number of packets.
+* **Time.** The store keeps its own clock. ``Broker.timer`` is the earliest time the broker
+  knows something is due: a TTL deadline, a lease's deadline or the end of a release delay;
+  pushes and lease frames only ever move it earlier. The driver sleeps until then and calls
+  ``expire()``, which sweeps, ends what is due and sets the next one: one timer, whatever the
+  number of packets and leases.
 * **Auth** (decision 12). On a broker with a token, a session starts unauthenticated: its first
   frame must be auth with the right token, answered ``00 00``. Anything else (another frame, a
   wrong token, and later a second auth with a wrong token) makes ``receive`` stop at that frame
@@ -39,9 +41,19 @@ Theory of operation, as the driver sees it:
   never include a token. The driver then closes the connection after ``REJECT_DELAY`` seconds,
   which slows down guessing, and logs the reason with the peer. The check costs an
   authenticated session one attribute test per batch, never one per frame.
+* **Leases** (decisions 13-18) are ``leases.Leases``; a session holds its connection's lease
+  ids (a ``Holder``). Packets that come back from a lease (released, past their deadline, their
+  connection closed) are offered to waiting subscribers as a push's are, by ``settle()``, which
+  every lease frame, a close and ``expire()`` end with. A connection that makes a leased
+  subscribe is *leased* for the rest of its life: everything it is sent has the 11-byte header
+  (a sync's and an auth's answer too: 11 zero bytes), and a pop, a plain subscribe or a reserve
+  on it breaks decision 18, as does a leased subscribe on a connection with a plain
+  subscription. Such a frame is not applied: ``receive`` stops before it and sets ``error``, and
+  the driver closes the connection (decision 9's way).
 * **Counting.** ``totals()`` reads what the store already counts (pushes, expiries, purges,
   packets held) and the deliveries, and derives the rest: an addition per packet on the hot
-  path costs more than a push's whole bookkeeping in the store, so there is none.
+  path costs more than a push's whole bookkeeping in the store, so there is none. The lease
+  table counts per lease (``lease_totals()``, ``leases.leased(queue)``).
 """
 
 from __future__ import annotations
@@ -50,23 +62,38 @@ import enum
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pinpriq.auth import tokens_match
+from pinpriq.leases import (
+    DEFAULT_LEASE_MS,
+    DEFAULT_MAX_DELIVERIES,
+    Holder,
+    Lease,
+    Leases,
+    LeaseTotals,
+)
 from pinpriq.store_contract import Store
 from pinpriq.subscriptions import Subscriber, Subscriptions
 from pinpriq.wire import (
     FRAMES,
+    LEASED_EMPTY,
+    Ack,
     Auth,
     ClientFrame,
-    KeyedPayload,
+    LeasedSubscribe,
     Opcode,
     Pop,
     Push,
     Ready,
+    Release,
+    Reserve,
     Subscribe,
     Sync,
+    Touch,
     Unsubscribe,
+    encode_lease_reply,
+    encode_lease_status,
     encode_reply,
 )
 
@@ -133,13 +160,22 @@ class Broker:
     """The state every connection shares: store, subscriptions, memory cap and counters."""
 
     def __init__(
-        self, store: Store, *, max_memory: int = DEFAULT_MAX_MEMORY, token: bytes | None = None
+        self,
+        store: Store,
+        *,
+        max_memory: int = DEFAULT_MAX_MEMORY,
+        token: bytes | None = None,
+        lease_default_ms: int = DEFAULT_LEASE_MS,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
     ) -> None:
         """``max_memory`` caps ``store.bytes_held``; 0 for no cap. ``token``: the one token a
-        session must present first (``auth.load_token``); ``None``: sessions need none."""
+        session must present first (``auth.load_token``); ``None``: sessions need none.
+        ``lease_default_ms`` is the lease time of lease frames that say 0; a group goes to its
+        dead-letter queue after ``max_deliveries`` attempts (0: never)."""
         self.store = store
         self.token = token
         self.subscriptions = Subscriptions(store)
+        self.leases = Leases(store, default_ms=lease_default_ms, max_deliveries=max_deliveries)
         self.max_memory: float = max_memory or math.inf
         self.low_water = self.max_memory * LOW_WATER_FRACTION
         #: Whether pushes wait: set at the cap, cleared below the low-water mark.
@@ -148,7 +184,8 @@ class Broker:
         self.on_room: Callable[[], None] = _nothing
         #: Packets sent to subscribers so far.
         self.delivered = 0
-        #: The earliest TTL deadline known, on the store's clock: when to call ``expire``.
+        #: The earliest TTL deadline, lease deadline or end of a release delay known, on the
+        #: store's clock: when to call ``expire``.
         self.timer = math.inf
         #: Sessions given deliveries since the driver last took them (see ``take_dirty``).
         self.dirty: list[Session] = []
@@ -161,23 +198,35 @@ class Broker:
         return Session(self)
 
     def totals(self) -> Totals:
-        """The totals so far. O(1): every packet pushed is held, popped, delivered, expired
-        or purged."""
+        """The totals so far. O(1): every packet pushed is held, popped, delivered, expired,
+        purged or on the lease side (leased now, acked, or dropped on its way to a dead-letter
+        queue)."""
         store = self.store
         pushed, expired, purged = store.pushed, store.expired, store.purged
-        popped = pushed - len(store) - expired - purged - self.delivered
+        leased = self.leases.totals()
+        taken = leased.leased + leased.acked + leased.dropped
+        # A store shared by several servers (Redis) counts this server's pops itself: packets
+        # held there were pushed through any of them.
+        popped: int | None = getattr(store, "popped", None)
+        if popped is None:
+            popped = pushed - len(store) - expired - purged - self.delivered - taken
         return Totals(pushed, popped, self.delivered, expired, purged)
 
     def purge(self, queue: bytes) -> int:
         """Remove every packet of a queue, prio 0 included (an operator's way out of a cap full
-        of prio-0 packets); pushes waiting for room resume if it made enough. Returns how many
-        packets went."""
+        of prio-0 packets); pushes waiting for room resume if it made enough. Leased packets
+        are not in the queue: they come back when their lease ends. Returns how many packets
+        went."""
         purged = self.store.purge(queue)
         if purged:
             log.info("purged %d packets from queue %r", purged, queue)
             if self.memory_full:
                 self.check_memory()
         return purged
+
+    def lease_totals(self) -> LeaseTotals:
+        """What the leases count, for metrics (leased packets per queue: ``leases.leased``)."""
+        return self.leases.totals()
 
     def take_dirty(self) -> list[Session]:
         """The sessions given deliveries since the last call, whose output is to be written."""
@@ -187,14 +236,38 @@ class Broker:
         return dirty
 
     def expire(self) -> int:
-        """Sweep the packets whose TTL deadline has come (decision 1); sets the next ``timer``.
-        Returns how many packets went."""
+        """Sweep the packets whose TTL deadline has come (decision 1), end the leases whose
+        deadline has come and send back the groups whose release delay ran out (decisions 14,
+        15); sets the next ``timer``. Returns how many packets expired."""
         expired = self.store.expire()
+        self.leases.expire()
+        self.settle()  # may deliver, and so lease, again: the timer comes after
         deadline = self.store.next_deadline()
-        self.timer = math.inf if deadline is None else deadline
+        leases_due = self.leases.next_deadline()
+        self.timer = min(
+            math.inf if deadline is None else deadline,
+            math.inf if leases_due is None else leases_due,
+        )
         if self.memory_full:
             self.check_memory()
         return expired
+
+    def settle(self) -> None:
+        """After lease operations: offer the queues that got packets back to their waiting
+        subscribers, as a push does (decision 15), and bring ``timer`` forward if a lease, a
+        release delay or a returning packet's TTL needs it."""
+        leases = self.leases
+        if leases.returned:
+            waiting = self.subscriptions.waiting_queues
+            for queue in leases.take_returned():
+                if queue in waiting:
+                    self.subscriptions.offer(queue)
+            deadline = self.store.next_deadline()
+            if deadline is not None and deadline < self.timer:
+                self.timer = deadline
+        soonest = leases.soonest()
+        if soonest < self.timer:
+            self.timer = soonest
 
     def check_memory(self) -> None:
         """Enter or leave the full state after usage changed; logs each change once."""
@@ -216,6 +289,10 @@ class Broker:
             self.on_room()
 
 
+class _Refused(Exception):
+    """A frame that breaks decision 18: the connection is to be closed, the frame unapplied."""
+
+
 class Session(Subscriber):
     """One connection's protocol state. Made by ``Broker.open_session``."""
 
@@ -225,6 +302,10 @@ class Session(Subscriber):
         "broker",
         "closed",
         "dirty",
+        "error",
+        "holder",
+        "lease_ms",
+        "leased",
         "output",
         "rejected",
         "unsent",
@@ -233,6 +314,15 @@ class Session(Subscriber):
     def __init__(self, broker: Broker) -> None:
         super().__init__()
         self.broker = broker
+        #: This connection's lease ids and live leases.
+        self.holder = Holder()
+        #: Whether it made a leased subscribe, for the rest of its life (decision 18).
+        self.leased = False
+        #: The lease time of its deliveries: that of its latest leased subscribe (decision 17).
+        self.lease_ms = 0
+        #: Why the connection must be closed, once a frame broke a rule; ``receive`` stopped
+        #: before that frame.
+        self.error: str | None = None
         #: Bytes owed to the client, in order: replies and deliveries. The driver writes them
         #: and removes what it wrote.
         self.output = bytearray()
@@ -252,8 +342,9 @@ class Session(Subscriber):
         """Apply ``frames[start:]`` in order, appending what the client is owed to ``output``.
 
         Returns how many of ``frames`` are done: all of them, or fewer if the next must wait
-        (``blocked`` says why). Call it again with the same list and the returned index once the
-        wait is over, unless the session is ``Blocked.REJECTED``, which is final.
+        (``blocked`` says why) or breaks a rule (``error`` says which; close the connection).
+        Call it again with the same list and the returned index once the wait is over, unless
+        the session is ``Blocked.REJECTED``, which is final.
         """
         if not self.authenticated:
             start = self._authenticate(frames, start)
@@ -264,6 +355,10 @@ class Session(Subscriber):
         waiting_queues = subscriptions.waiting_queues
         max_memory = broker.max_memory
         room = OUTPUT_HIGH_WATER - self.unsent
+        # A pop is applied inline, unless the connection is leased: then it goes to _HANDLERS,
+        # which refuses it (decision 18). Only a handled frame can make the connection leased,
+        # so ``pop`` is looked at again after each one, and the pop path pays nothing for it.
+        pop = None if self.leased else Pop
         try:
             for index in range(start, len(frames)):
                 frame = frames[index]
@@ -281,14 +376,15 @@ class Session(Subscriber):
                     if store.bytes_held >= max_memory:
                         broker.check_memory()
                     continue
-                if kind is Pop:
-                    output += encode_reply(store.pop(frame[0]))  # type: ignore[misc]
+                if kind is pop:
+                    output += encode_reply(store.pop(frame[0]))  # type: ignore[misc,arg-type]
                 else:
                     try:
                         handle = _HANDLERS[kind]
                     except KeyError:
                         raise TypeError(f"no handler for {kind.__name__} frames") from None
                     handle(self, frame)
+                    pop = None if self.leased else Pop
                 if len(output) > room:
                     self.blocked = Blocked.OUTPUT
                     return index + 1
@@ -296,6 +392,10 @@ class Session(Subscriber):
             return len(frames)
         except _Rejected:
             return index  # that frame and the ones after it are not applied
+        except _Refused as refused:
+            self.error = str(refused)
+            self.blocked = None
+            return index
         finally:
             if broker.memory_full:
                 broker.check_memory()  # pops and deliveries may have made room
@@ -344,9 +444,11 @@ class Session(Subscriber):
         if token is not None and not tokens_match(frame.token, token):
             self._reject("a wrong token in a second auth")
             raise _Rejected
-        self.output += _SYNC_REPLY
+        self.output += LEASED_EMPTY if self.leased else _SYNC_REPLY  # decision 18's framing
 
     def _subscribe(self, frame: Subscribe) -> None:
+        if self.leased:
+            raise _Refused("a plain subscribe on a leased connection (decision 18)")
         self.broker.subscriptions.subscribe(self, frame.queue)
 
     def _unsubscribe(self, frame: Unsubscribe) -> None:
@@ -357,13 +459,66 @@ class Session(Subscriber):
 
     def _sync(self, frame: Sync) -> None:
         # Every earlier frame is applied by now: frames are applied in order (decision 11).
-        self.output += _SYNC_REPLY
+        self.output += LEASED_EMPTY if self.leased else _SYNC_REPLY
 
-    def deliver(self, packets: Sequence[KeyedPayload]) -> None:
-        """Take a delivery the subscriptions made (``Subscriber``): queue its bytes."""
-        self.output += encode_reply(packets)
+    def _refuse_pop(self, frame: Pop) -> None:
+        raise _Refused("a pop on a leased connection (decision 18)")
+
+    def _reserve(self, frame: Reserve) -> None:
+        if self.leased:
+            raise _Refused("a reserve on a leased connection (decision 18)")
         broker = self.broker
-        broker.delivered += len(packets)
+        lease = broker.leases.reserve(self.holder, frame.queue, frame.lease_ms)
+        if lease is None:
+            self.output += LEASED_EMPTY
+            return
+        self.output += encode_lease_reply(lease.lease_id, lease.attempt, lease.packets)
+        if lease.due < broker.timer:
+            broker.timer = lease.due
+
+    def _ack(self, frame: Ack) -> None:
+        leases = self.broker.leases
+        live = leases.ack(self.holder, frame.lease_id)
+        self.output += encode_lease_status(frame.lease_id, live)
+        if leases.returned:  # an ack racing the deadline ended the lease the other way
+            self.broker.settle()
+
+    def _release(self, frame: Release) -> None:
+        live = self.broker.leases.release(self.holder, frame.lease_id, frame.delay_ms)
+        self.output += encode_lease_status(frame.lease_id, live)
+        self.broker.settle()
+
+    def _touch(self, frame: Touch) -> None:
+        live = self.broker.leases.touch(self.holder, frame.lease_id, frame.lease_ms)
+        self.output += encode_lease_status(frame.lease_id, live)
+        self.broker.settle()
+
+    def _leased_subscribe(self, frame: LeasedSubscribe) -> None:
+        if self.queues and not self.leased:
+            raise _Refused(
+                "a leased subscribe on a connection with a plain subscription (decision 18)"
+            )
+        self.leased = True
+        self.lease_ms = frame.lease_ms
+        self.take_from = self._take_lease
+        self.broker.subscriptions.subscribe(self, frame.queue)
+
+    def _take_lease(self, queue: bytes) -> Lease | None:
+        """How a leased subscriber takes from a queue (decision 17)."""
+        return self.broker.leases.reserve(self.holder, queue, self.lease_ms)
+
+    def deliver(self, packets: Any) -> None:
+        """Take a delivery the subscriptions made (``Subscriber``): queue its bytes. It is a
+        pop's packets, or on a leased connection the ``Lease`` that ``_take_lease`` made."""
+        broker = self.broker
+        if self.leased:
+            lease: Lease = packets
+            self.output += encode_lease_reply(lease.lease_id, lease.attempt, lease.packets)
+            if lease.due < broker.timer:
+                broker.timer = lease.due
+        else:
+            self.output += encode_reply(packets)
+            broker.delivered += len(packets)
         if not self.dirty:
             self.dirty = True
             broker.dirty.append(self)
@@ -378,23 +533,33 @@ class Session(Subscriber):
             self.broker.subscriptions.resume(self)
 
     def close(self) -> None:
-        """The connection is gone: its subscriptions and credits go (decision 7). Idempotent."""
+        """The connection is gone: its subscriptions and credits go (decision 7), and its
+        leases end, their packets going back (decision 15). Idempotent."""
         if not self.closed:
             self.closed = True
-            self.broker.subscriptions.remove(self)
+            self.broker.subscriptions.remove(self)  # first: none of it comes back to itself
+            self.broker.leases.close(self.holder)
+            self.broker.settle()
             self.broker.sessions -= 1
 
 
-# Dispatch for every frame but the two that ``receive`` handles inline. An unknown frame class
-# is an error in ``receive``, never a fall-through to some other frame's handler.
+# Dispatch for every frame but those ``receive`` handles inline: the push, and the pop except
+# on a leased connection. An unknown frame class is an error in ``receive``, never a
+# fall-through to some other frame's handler.
 _HANDLERS: dict[type[ClientFrame], Callable[[Session, ClientFrame], None]] = {
     Subscribe: Session._subscribe,  # type: ignore[dict-item]
     Unsubscribe: Session._unsubscribe,  # type: ignore[dict-item]
     Ready: Session._ready,  # type: ignore[dict-item]
     Sync: Session._sync,  # type: ignore[dict-item]
     Auth: Session._auth,  # type: ignore[dict-item]
+    Pop: Session._refuse_pop,  # type: ignore[dict-item]
+    Reserve: Session._reserve,  # type: ignore[dict-item]
+    Ack: Session._ack,  # type: ignore[dict-item]
+    Release: Session._release,  # type: ignore[dict-item]
+    Touch: Session._touch,  # type: ignore[dict-item]
+    LeasedSubscribe: Session._leased_subscribe,  # type: ignore[dict-item]
 }
-assert set(_HANDLERS) | {Push, Pop} == set(FRAMES.values()), "a frame the broker cannot handle"
+assert set(_HANDLERS) | {Push} == set(FRAMES.values()), "a frame the broker cannot handle"
 
 
 def _describe(kind: type[ClientFrame]) -> str:

@@ -11,8 +11,9 @@ object. It owns only what needs an event loop or a limit:
   pusher's next frame is read. Whatever the kernel does not take at once is left to the
   connection's writer task, so a subscriber that stops reading blocks only its own writer, never
   the pusher or the server.
-* one expiry task that sleeps until ``Broker.timer``, the earliest TTL deadline; a push with an
-  earlier deadline moves the sleep's deadline forward instead of starting a timer of its own.
+* one expiry task that sleeps until ``Broker.timer``, the earliest TTL deadline, lease deadline
+  or end of a release delay; a push or a lease with an earlier one moves the sleep's deadline
+  forward instead of starting a timer of its own.
 * waits the session asks for (a push while the memory cap is reached; output past its bound),
   during which that connection is not read: one connection waits, nothing is dropped.
 * a frame timeout: a connection that has held an incomplete frame for ``frame_timeout`` seconds
@@ -49,10 +50,23 @@ import trio
 from pinpriq.auth import TOKEN_VARIABLE, is_loopback
 from pinpriq.broker import DEFAULT_MAX_MEMORY, REJECT_DELAY, Blocked, Broker, Session
 from pinpriq.client_memory import ClientMemory, default_budget
+from pinpriq.leases import DEFAULT_LEASE_MS, DEFAULT_MAX_DELIVERIES
 from pinpriq.store import QueueStore
 from pinpriq.store_contract import BatchedStore, Deliveries, Store
 from pinpriq.tls import describe_tls_error
-from pinpriq.wire import ClientFrame, FrameDecoder, Pop, Push, Ready, Sync
+from pinpriq.wire import (
+    Ack,
+    ClientFrame,
+    FrameDecoder,
+    LeasedSubscribe,
+    Pop,
+    Push,
+    Ready,
+    Release,
+    Reserve,
+    Sync,
+    Touch,
+)
 
 __all__ = [
     "DEFAULT_FRAME_TIMEOUT",
@@ -151,8 +165,10 @@ class _Connection:
                 if self.reading.cancelled_caught and self.server.stopping:
                     self.close_reason = "the server is shutting down"
             finally:
-                # No deliveries to a connection that is going away (decision 7).
+                # No deliveries to a connection that is going away (decision 7); its leases go
+                # back, and may be delivered to other connections at once (decision 15).
                 self.session.close()
+                self.server.after_batch()
             with trio.move_on_after(CLOSE_FLUSH_SECONDS):
                 await self._drain()
             nursery.cancel_scope.cancel()
@@ -196,7 +212,7 @@ class _Connection:
                 done = session.receive(frames)
                 server.after_batch()  # before any await: no socket can close in between
                 self.frames += len(frames)
-                while done < len(frames):
+                while done < len(frames) and session.error is None:
                     if session.blocked is Blocked.REJECTED:
                         await self._reject(session.rejected or "")
                         return
@@ -207,6 +223,10 @@ class _Connection:
                 await self._backed_up()
             elif session.output:
                 await self._send_output()
+            if session.error is not None:  # a frame broke decision 18
+                log.warning("closing %s: %s", self.peer, session.error)
+                self.close_reason = session.error
+                return
             if decoder.error is not None:
                 log.warning("closing %s: %s%s", self.peer, decoder.error, self._not_tls_hint())
                 self.close_reason = f"protocol error: {decoder.error}"
@@ -220,7 +240,7 @@ class _Connection:
         session asks, then go on. Returns ``False`` if the connection was rejected."""
         session, server = self.session, self.server
         server.after_batch()  # before any await: no socket can close in between
-        while done < len(frames):
+        while done < len(frames) and session.error is None:
             if session.blocked is Blocked.REJECTED:
                 await self._reject(session.rejected or "")
                 return False
@@ -241,7 +261,12 @@ class _Connection:
         subscriptions = self.server.deliveries
         session = self.session
         start = 0
-        while start < len(frames):
+        while start < len(frames) and session.error is None:
+            if frames[start].__class__ in _LEASE_FRAMES and store.leases_unsupported:
+                # Closed like a frame that breaks decision 18: what came before is applied
+                # and answered, then the connection closes with a warning saying why.
+                session.error = store.leases_unsupported
+                break
             end = _segment_end(frames, start, session, subscriptions.waiting_queues)
             segment = frames[start:end]
             results = await store.run(segment)
@@ -402,6 +427,9 @@ class _Connection:
             await self._output_drained.wait()
 
 
+_LEASE_FRAMES = frozenset({Reserve, Ack, Release, Touch, LeasedSubscribe})
+
+
 def _segment_end(
     frames: list[ClientFrame], start: int, session: Session, waited: Container[bytes]
 ) -> int:
@@ -415,6 +443,8 @@ def _segment_end(
             push = cast(Push, frame)
             if push.prio and push.queue in waited:
                 return index + 1
+        elif kind in _LEASE_FRAMES:
+            return index  # judged at the start of the next segment
         elif kind is Ready:
             # Credits in a row deliver what they would one by one: one segment, one serve.
             if index + 1 == len(frames) or frames[index + 1].__class__ is not Ready:
@@ -507,6 +537,8 @@ class PinpriqServer:
         protected_mode: bool = True,
         tls: ssl.SSLContext | None = None,
         max_client_memory: int | None = None,
+        lease_default_ms: int = DEFAULT_LEASE_MS,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
         deliveries: Deliveries | None = None,
     ) -> None:
         """``store`` defaults to an in-memory ``QueueStore`` on trio's clock. ``max_memory``
@@ -518,13 +550,16 @@ class PinpriqServer:
         token, ``protected_mode`` refuses connections from other hosts than this one; ``tls``
         (``tls.server_context``) makes every connection TLS; ``max_client_memory`` caps the
         bytes of incomplete frames and unsent output of all connections together (0 for no
-        cap; ``None`` for ``client_memory.default_budget(max_memory)``). A ``BatchedStore``
-        (the Redis store) comes with its ``deliveries``, the subscriptions that deliver from
-        it."""
+        cap; ``None`` for ``client_memory.default_budget(max_memory)``); ``lease_default_ms``
+        is the lease time of lease frames that say 0, and a group goes to its dead-letter queue
+        after ``max_deliveries`` attempts (0: never). A ``BatchedStore`` (the Redis store) comes
+        with its ``deliveries``, the subscriptions that deliver from it."""
         self.broker = Broker(
             store if store is not None else QueueStore(trio.current_time),
             max_memory=max_memory,
             token=token,
+            lease_default_ms=lease_default_ms,
+            max_deliveries=max_deliveries,
         )
         self.broker.on_room = self._room_freed
         #: A store that runs operations in another process (Redis), and the subscriptions that
@@ -740,11 +775,13 @@ class PinpriqServer:
                 self._all_closed.set()
 
     async def _expire_loop(self) -> None:
-        """Sweep expired packets at the earliest deadline, and only then (decision 1)."""
+        """Sweep expired packets and end leases at the earliest deadline, and only then
+        (decisions 1 and 15); write the deliveries of packets that came back."""
         while True:
             with trio.CancelScope(deadline=self.broker.timer) as self._expiry_scope:
                 await trio.sleep_forever()
             self.broker.expire()
+            self.after_batch()
 
 
 async def serve(

@@ -41,6 +41,16 @@ push or pop of a lone key beyond one addition for a queue's bytes:
 
 Packets carry no time: ``note_time``, called about once a second by the owner, records which
 sequence number had been reached when, so a packet's age is known to within that interval.
+
+Leases (decisions 13-16) need three more operations, and no change to push or pop: ``take`` is
+a pop whose packets stay counted in ``bytes_held``; ``discard`` forgets taken packets for good
+(an ack); ``restore`` puts taken packets back, into their own queue or another (a dead-letter
+queue). A packet carries its TTL deadline and how many times it was leased, so it goes back as
+it was: ``restore`` files it under its old sequence number, in its key group and its level, in
+push order, and gives it an expiry entry again. Entries a packet left behind when it was taken
+are reused (a level's, found by bisection) or harmless (an expiry entry, which then names a live
+packet twice; compaction keeps one). What the leases themselves are (ids, deadlines, attempts)
+is ``leases.py``'s.
 """
 
 from __future__ import annotations
@@ -49,16 +59,19 @@ import heapq
 import math
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain, islice
+from operator import itemgetter
 from typing import Final
 
 # The one thing the store takes from the rest of pinpriq: the record its contract returns.
 from pinpriq.store_contract import QueueInfo
 
 __all__ = [
+    "DEADLINE",
     "DEFAULT_MAX_POP",
     "KEY",
+    "LEASES",
     "PACKET_OVERHEAD",
     "PAYLOAD",
     "PRIO",
@@ -91,22 +104,35 @@ _MAX_TIME_NOTES = 4096
 _ExpiryEntry = tuple[float, int, bytes, bytes]
 
 
-#: A packet held by the store: ``(key, payload, prio, seq)``, where ``seq`` is store-wide push
-#: order. A plain tuple, read through the indices below, because the store builds one per push
+#: A packet held by the store: ``(key, payload, prio, seq, deadline, leases)``, where ``seq`` is
+#: store-wide push order, ``deadline`` its TTL deadline on the store's clock (inf for TTL 0), and
+#: ``leases`` how many times it was leased (decision 13's attempt count; the store only keeps
+#: it). A plain tuple, read through the indices below, because the store builds one per push
 #: and reads its fields on every pop: a plain tuple is the cheapest object CPython builds (a
 #: named tuple takes three allocations through ``tuple.__new__``, and its fields are read
-#: through descriptors). Its TTL deadline lives in its expiry-heap entry, the one place that
-#: needs it.
-QueuedPacket = tuple[bytes, bytes, int, int]
+#: through descriptors). The deadline is in the expiry-heap entry too, which orders it; the
+#: packet's own copy is for a packet that comes back from a lease.
+QueuedPacket = tuple[bytes, bytes, int, int, float, int]
 KEY: Final = 0
 PAYLOAD: Final = 1
 PRIO: Final = 2
 SEQ: Final = 3
+DEADLINE: Final = 4
+LEASES: Final = 5
+_seq_of = itemgetter(SEQ)
 
 
 def _held(packets: Iterable[QueuedPacket]) -> int:
     """The bytes ``bytes_held`` counts for these packets."""
     return sum(len(p[KEY]) + len(p[PAYLOAD]) + PACKET_OVERHEAD for p in packets)
+
+
+def _group_held(packets: Sequence[QueuedPacket]) -> int:
+    """``_held`` of a key group, without a generator for the common group of one."""
+    if len(packets) == 1:
+        packet = packets[0]
+        return len(packet[KEY]) + len(packet[PAYLOAD]) + PACKET_OVERHEAD
+    return _held(packets)
 
 
 def _unselectable(packets: Iterable[QueuedPacket]) -> int:
@@ -224,6 +250,24 @@ class _Queue:
         for group in self.groups.values():
             yield from _members(group)
 
+    def refile(self, packet: QueuedPacket) -> None:
+        """File a selectable packet coming back from a lease in its level, in push order. Its
+        old entry, if still there (stale while it was away), is the one it takes again."""
+        prio, seq = packet[PRIO], packet[SEQ]
+        level = self.levels.get(prio)
+        if level is None:
+            self.levels[prio] = [packet]
+            self.mask |= 1 << prio
+            self.entries += 1
+            return
+        at = bisect_left(level, seq, key=_seq_of)
+        if at < len(level) and level[at][SEQ] == seq:
+            level[at] = packet  # the same packet, perhaps as a new tuple (its lease count)
+            self.stale[prio] -= 1  # type: ignore[index]  # it was stale while the packet was away
+        else:
+            level.insert(at, packet)
+            self.entries += 1
+
     def compact(self) -> None:
         """Rebuild the levels without stale entries. O(entries)."""
         levels = {}
@@ -256,22 +300,28 @@ class QueueStore:
         self.bytes_held = 0
         #: The part of ``bytes_held`` held by prio-0 packets, which never leave on their own.
         self.unselectable_bytes = 0
-        #: Packets removed at their deadline so far, by ``expire`` or before a read.
+        #: Packets removed at their deadline so far, by ``expire`` or before a read, or dropped
+        #: by ``restore`` because their deadline passed while they were taken.
         self.expired = 0
         #: Packets removed by ``purge`` so far.
         self.purged = 0
+        #: The part of ``bytes_held`` held by packets taken and not yet restored or discarded.
+        self.taken_bytes = 0
         self._queues: dict[bytes, _Queue] = {}
         self._seq = 0
-        #: Packets removed by pops. Packets held are derived (``__len__``), which spares a push
-        #: the addition that pays for its queue's ``bytes``.
+        #: Packets removed by pops (``take`` included), and put back by ``restore`` (those it
+        #: drops at their deadline included, as they count in ``expired``). Packets held are
+        #: derived (``__len__``), which spares a push the addition that pays for its queue's
+        #: ``bytes``.
         self._popped = 0
+        self._restored = 0
         self._expiry: list[_ExpiryEntry] = []
         #: ``(seq, time)``: by ``time``, packets up to ``seq`` had been pushed (``note_time``).
         self._time_notes: list[tuple[int, float]] = []
 
     def __len__(self) -> int:
         """Packets held, in all queues."""
-        return self._seq - self._popped - self.expired - self.purged
+        return self._seq - self._popped + self._restored - self.expired - self.purged
 
     @property
     def pushed(self) -> int:
@@ -282,6 +332,10 @@ class QueueStore:
     def queue_count(self) -> int:
         """Queues holding at least one packet; empty queues are forgotten (decision 5)."""
         return len(self._queues)
+
+    def now(self) -> float:
+        """The store's clock, which every deadline it takes and returns is on."""
+        return self._clock()
 
     def depth(self, queue: bytes) -> int:
         """Packets held in one queue, selectable or not. O(1)."""
@@ -298,7 +352,7 @@ class QueueStore:
         self._seq += 1
         seq = self._seq
         deadline = self._clock() + ttl_ms / 1000 if ttl_ms else _NEVER
-        packet = (key, payload, prio, seq)
+        packet = (key, payload, prio, seq, deadline, 0)
         size = len(key) + len(payload) + PACKET_OVERHEAD
         q = self._queues.get(queue)
         if q is None:
@@ -407,6 +461,60 @@ class QueueStore:
         self.unselectable_bytes -= _unselectable(reply)
         return reply
 
+    def take(self, queue: bytes) -> list[QueuedPacket]:
+        """``pop``, for a lease: the packets leave their queue but stay counted in
+        ``bytes_held`` (and ``taken_bytes``) until ``restore`` or ``discard``. O(pop + g)."""
+        packets = self.pop(queue)
+        if packets:
+            held = _group_held(packets)
+            self.bytes_held += held
+            self.taken_bytes += held
+        return packets
+
+    def discard(self, packets: Sequence[QueuedPacket]) -> None:
+        """Forget packets ``take`` returned, for good (an ack). O(g)."""
+        held = _group_held(packets)
+        self.bytes_held -= held
+        self.taken_bytes -= held
+
+    def restore(self, queue: bytes, packets: Sequence[QueuedPacket]) -> int:
+        """Put packets ``take`` returned, all of one key, back into ``queue`` (theirs or
+        another): each with its prio, its place in push order and its TTL deadline, as if it had
+        never left. Those whose deadline has passed are dropped instead, and counted in
+        ``expired`` (decision 15: TTL wins). Returns how many went back.
+
+        O(g log g) for a group of g packets with the packets of their key already queued, plus,
+        per packet, a bisection of its level and moving that level's later entries, and O(log t)
+        for its expiry entry.
+        """
+        self.taken_bytes -= _held(packets)
+        self._restored += len(packets)  # those dropped count as expired: they leave again
+        now = self._clock()
+        live = [packet for packet in packets if packet[DEADLINE] > now]
+        if len(live) < len(packets):
+            self.expired += len(packets) - len(live)
+            self.bytes_held -= _held(p for p in packets if p[DEADLINE] <= now)
+        if not live:
+            return 0
+        q = self._queues.get(queue)
+        if q is None:
+            q = self._queues[queue] = _Queue(queue)
+        key = live[0][KEY]
+        group = q.groups.get(key)
+        members = sorted([*live, *_members(group)] if group is not None else live, key=_seq_of)
+        q.groups[key] = members[0] if len(members) == 1 else {p[SEQ]: p for p in members}
+        q.displace(key)  # the group may now hold the queue's oldest packet
+        for packet in live:
+            if packet[PRIO]:
+                q.refile(packet)
+            else:
+                self.unselectable_bytes += len(key) + len(packet[PAYLOAD]) + PACKET_OVERHEAD
+            if packet[DEADLINE] != _NEVER:
+                self._file_expiry(q, (packet[DEADLINE], packet[SEQ], q.name, key))
+        q.size += len(live)
+        q.bytes += _held(live)
+        return len(live)
+
     def peek_rank(self, queue: bytes) -> tuple[int, int] | None:
         """How good the packet a pop of ``queue`` would select is: ``(prio, -seq)``, smaller is
         better, comparable across queues (decision 6); ``None`` if nothing is selectable."""
@@ -492,9 +600,14 @@ class QueueStore:
         return group if group is not None and group[SEQ] == seq else None
 
     def _compact_expiry(self) -> None:
-        """Drop stale expiry entries; ``pop`` calls this once they outnumber the store's packets
+        """Drop stale expiry entries, and all but one entry of a packet that came back from a
+        lease and so has two; ``pop`` calls this once the entries outnumber the store's packets
         twice over, so the heap's memory stays O(live) and the rebuild's cost is amortised."""
-        self._expiry = [entry for entry in self._expiry if self._live(entry) is not None]
+        kept: dict[int, _ExpiryEntry] = {}
+        for entry in self._expiry:
+            if entry[1] not in kept and self._live(entry) is not None:
+                kept[entry[1]] = entry
+        self._expiry = list(kept.values())
         heapq.heapify(self._expiry)
         for q in self._queues.values():
             q.expiry = None
@@ -624,14 +737,17 @@ class QueueStore:
                 assert len(level) - (q.stale or Counter())[prio] == live, "stale count is wrong"
             first = min(q.packets(), key=lambda p: p[SEQ])
             assert q.oldest() is first, f"queue {name!r}: oldest packet is wrong"
-            in_heap = {id(entry) for entry in q.expiry or ()}
-            for entry in self._expiry:
-                if entry[2] == name and self._live(entry) is not None:
-                    assert id(entry) in in_heap, "a live expiry entry missing from its queue"
+            in_heap = {entry[:2] for entry in q.expiry or ()}
+            for packet in q.packets():
+                if packet[DEADLINE] != _NEVER:
+                    assert (packet[DEADLINE], packet[SEQ]) in in_heap, "no entry in its queue"
             heap = q.expiry or []
             assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap))), "not a heap"
         assert count == len(self), f"count {len(self)} but {count} packets held"
-        assert _held(held) == self.bytes_held, f"bytes_held {self.bytes_held} but {_held(held)}"
+        queued = _held(held)
+        assert queued + self.taken_bytes == self.bytes_held, f"bytes_held {self.bytes_held}"
         assert _unselectable(held) == self.unselectable_bytes, "unselectable_bytes is wrong"
-        live_seqs = [entry[1] for entry in self._expiry if self._live(entry) is not None]
-        assert len(live_seqs) == len(set(live_seqs)), "a packet has two expiry entries"
+        ttl_entries = {entry[:2] for entry in self._expiry if self._live(entry) is not None}
+        for packet in held:
+            if packet[DEADLINE] != _NEVER:
+                assert (packet[DEADLINE], packet[SEQ]) in ttl_entries, "a TTL packet has no entry"

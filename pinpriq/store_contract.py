@@ -19,15 +19,26 @@ behind the same broker in two parts, with no copy of the broker:
   in-memory one does at once.
 
 Both halves leave ``broker.py`` as it is; they are the Redis store's work, not this module's.
+
+Leases (decisions 13-16) are ``leases.Leases``, built on three operations every store has:
+``take`` (a pop whose packets stay counted), ``discard`` (an ack) and ``restore`` (a group going
+back, in push order with its TTL deadline, or on to a dead-letter queue). A store that must
+keep leases across front ends (decision 19: on Redis, a lease held through a front end that
+dies returns at its deadline) keeps the lease table itself, with the same methods as
+``Leases``; a store that persists packets logs an ack (``discard``) as a removal and a
+dead-letter move (``restore`` to another queue) as a move, and never logs a ``take``.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 from pinpriq.wire import ClientFrame, KeyedPayload
+
+if TYPE_CHECKING:  # store.py imports QueueInfo from here
+    from pinpriq.store import QueuedPacket
 
 __all__ = ["BatchedStore", "Deliveries", "PeekedPacket", "QueueInfo", "Rank", "Store"]
 
@@ -70,10 +81,12 @@ class Store(Protocol):
     #: key (or by expiring), so a cap full of them never frees itself.
     unselectable_bytes: int
     #: Packets removed at their TTL deadline since the store was made, by ``expire`` or by the
-    #: store itself before a read.
+    #: store itself before a read, or by ``restore`` (a deadline passed while taken).
     expired: int
     #: Packets removed by ``purge`` since the store was made.
     purged: int
+    #: The part of ``bytes_held`` held by packets taken and not yet restored or discarded.
+    taken_bytes: int
 
     @property
     def pushed(self) -> int:
@@ -137,6 +150,29 @@ class Store(Protocol):
         without reading the clock per push."""
         ...
 
+    # Leases (decisions 13-19).
+
+    def now(self) -> float:
+        """The store's clock: every deadline it takes and returns is on it."""
+        ...
+
+    def take(self, queue: bytes) -> Sequence[QueuedPacket]:
+        """``pop``, for a lease: the same packets leave the queue, but stay counted in
+        ``bytes_held`` (and ``taken_bytes``) until ``restore`` or ``discard``. Packets are
+        ``store.QueuedPacket`` tuples: the lease table reads their lease count (``LEASES``)."""
+        ...
+
+    def discard(self, packets: Sequence[QueuedPacket]) -> None:
+        """Forget packets ``take`` returned, for good (an ack): their bytes are free."""
+        ...
+
+    def restore(self, queue: bytes, packets: Sequence[QueuedPacket]) -> int:
+        """Put packets ``take`` returned (all of one key, their lease counts possibly changed)
+        into ``queue``, their own or another: each with its prio, its place in push order and
+        its TTL deadline, as if it had never left; one whose deadline has passed is dropped and
+        counted in ``expired``. Returns how many went back. O(g log n) for g packets."""
+        ...
+
 
 @runtime_checkable
 class BatchedStore(Store, Protocol):
@@ -145,6 +181,8 @@ class BatchedStore(Store, Protocol):
     #: The results ``pop`` hands back, in order: the server sets it to what ``run`` returned
     #: right before each ``Session.receive``.
     current: deque[list[KeyedPayload]]
+    #: Why lease frames close the connection on this store, or ``None`` if it takes them.
+    leases_unsupported: str | None
 
     async def run(self, frames: Sequence[ClientFrame]) -> deque[list[KeyedPayload]]:
         """Apply the pushes and pops of ``frames``, in order; returns the pops' results."""

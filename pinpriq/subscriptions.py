@@ -21,12 +21,11 @@ method restores it:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sized
 
 from sortedcontainers import SortedDict
 
 from pinpriq.store_contract import Store
-from pinpriq.wire import KeyedPayload
 
 __all__ = ["Subscriber", "Subscriptions"]
 
@@ -34,7 +33,7 @@ __all__ = ["Subscriber", "Subscriptions"]
 class Subscriber:
     """One connection's subscriptions and credits. Subclasses say where deliveries go."""
 
-    __slots__ = ("credits", "paused", "queues", "stamp")
+    __slots__ = ("credits", "paused", "queues", "stamp", "take_from")
 
     def __init__(self) -> None:
         self.queues: set[bytes] = set()
@@ -43,9 +42,14 @@ class Subscriber:
         #: Set by the owner (even from inside ``deliver``) to receive nothing for now, credits
         #: kept; ``Subscriptions.resume`` clears it.
         self.paused = False
+        #: How this subscriber takes from a queue: ``None`` for the store's pop; a leased
+        #: subscriber (decision 17) takes a lease instead. Whatever it returns, empty or None if
+        #: nothing was selectable, is what ``deliver`` is given.
+        self.take_from: Callable[[bytes], Sized | None] | None = None
 
-    def deliver(self, packets: Sequence[KeyedPayload]) -> None:
-        """Take one delivery: a popped packet and its key group, a credit already spent."""
+    def deliver(self, packets: Sized) -> None:
+        """Take one delivery, a credit already spent: a popped packet and its key group, or
+        what ``take_from`` returned."""
         raise NotImplementedError
 
 
@@ -139,16 +143,17 @@ class Subscriptions:
         """Deliver to ``sub`` while it has credit and something selectable, then file it as
         waiting or not. Returns whether anything was delivered."""
         served = False
+        take = sub.take_from or self._store.pop
         while sub.credits and sub.queues and not sub.paused and not (once and served):
             if len(sub.queues) == 1:  # the common case: nothing to rank, just pop
-                packets = self._store.pop(next(iter(sub.queues)))
+                packets = take(next(iter(sub.queues)))
                 if not packets:
                     break
             else:
                 queue = self._best_queue(sub.queues)
                 if queue is None:
                     break
-                packets = self._store.pop(queue)
+                packets = take(queue)
                 if not packets:  # the best packet expired between peek and pop: rank again
                     continue
             sub.credits -= 1

@@ -7,9 +7,10 @@ is shared by HTTP clients and servers. Integers are big-endian and unsigned.
 Two decoders, because the two directions carry different streams:
 
 * ``FrameDecoder`` reads what a client sends (push, pop, subscribe, unsubscribe, ready, sync,
-  auth);
+  auth, and the lease frames: reserve, ack, release, touch, leased subscribe);
 * ``ReplyDecoder`` reads what a server sends (pop replies and subscription deliveries, which
-  look the same: ``u16 count`` then ``count`` packets).
+  look the same: ``u16 count`` then ``count`` packets; and, through ``next_lease_reply``, the
+  11-byte-header messages of leases: ``u64 lease id``, ``u8 attempt or status``, ``u16 count``).
 
 Both accept bytes in any chunking and hold at most one incomplete frame plus the last chunk.
 """
@@ -27,25 +28,38 @@ from pinpriq.errors import ArgumentError, PinpriqError
 __all__ = [
     "DEFAULT_PORT",
     "FRAMES",
+    "LEASED_EMPTY",
+    "MAX_ATTEMPT",
     "MAX_FIELD",
     "MAX_FRAME",
+    "MAX_LEASE_ID",
+    "MAX_LEASE_MS",
     "MAX_REPLY_PACKETS",
     "READY",
     "SYNC",
+    "Ack",
     "Auth",
     "ClientFrame",
     "FrameDecoder",
+    "LeaseReply",
+    "LeasedSubscribe",
+    "MalformedFrame",
     "Opcode",
     "Packet",
     "Pop",
     "ProtocolError",
     "Push",
     "Ready",
+    "Release",
     "ReplyDecoder",
+    "Reserve",
     "Subscribe",
     "Sync",
+    "Touch",
     "Unsubscribe",
     "encode",
+    "encode_lease_reply",
+    "encode_lease_status",
     "encode_reply",
 ]
 
@@ -58,6 +72,11 @@ class Opcode(enum.IntEnum):
     READY = 0x41
     SYNC = 0x21  # protocol 1.1
     AUTH = 0x61  # protocol 1.1
+    RESERVE = 0x52  # protocol 1.1, the lease frames (decisions 13-18)
+    ACK = 0x4B
+    RELEASE = 0x4E
+    TOUCH = 0x54
+    LEASED_SUBSCRIBE = 0x53
 
 
 #: The TCP port a pinpriq server listens on, and a client connects to, unless told otherwise.
@@ -70,6 +89,12 @@ MAX_REPLY_PACKETS = 0xFFFF
 MAX_FRAME = 1 + 2 + 2 + 1 + 4 + 3 * MAX_FIELD
 MAX_TTL_MS = 0xFFFF
 MAX_PRIO = 0xFF
+#: Longest lease time or release delay, in milliseconds (24 h); a frame with more is malformed.
+MAX_LEASE_MS = 86_400_000
+#: Lease ids are u64; a server numbers a connection's leases from 1, and 0 means "no lease".
+MAX_LEASE_ID = 0xFFFF_FFFF_FFFF_FFFF
+#: The attempt byte of a lease reply saturates here; the count it stands for does not.
+MAX_ATTEMPT = 0xFF
 
 # Headers after the opcode byte.
 _PUSH_HEADER = struct.Struct(">HHBHH")  # queue_len, ttl_ms, prio, key_len, payload_len
@@ -79,19 +104,45 @@ _PACKET_HEADER = struct.Struct(">HH")  # key_len, payload_len
 _PUSH_PREFIX = struct.Struct(">BHHBHH")  # opcode + push header, for encoding
 _ONE_PACKET_HEADER = struct.Struct(">HHH")  # count 1, key_len, payload_len
 _EMPTY_REPLY = b"\x00\x00"
+_TIMED_NAME_HEADER = struct.Struct(">IH")  # lease_ms, queue_len of reserve, leased subscribe
+#: What the server sends on a lease: lease id, attempt (or status), count; then the packets.
+_LEASE_HEADER = struct.Struct(">QBH")
+_ONE_LEASE_HEADER = struct.Struct(">QBHHH")  # the lease header of one packet, and its lengths
+#: A reserve that found nothing, or a sync answered on a leased connection: eleven zero bytes.
+LEASED_EMPTY = bytes(_LEASE_HEADER.size)
 
 
 class ProtocolError(PinpriqError, ValueError):
-    """The byte stream is not pinpriq: an unknown opcode.
+    """The byte stream is not pinpriq: an unknown opcode, or a malformed frame
+    (``MalformedFrame``).
 
-    ``offset`` counts bytes from the start of the stream; ``byte`` is the offending value.
-    After this error the decoder is unusable: the stream has no way to resynchronise.
+    ``offset`` counts bytes from the start of the stream; ``byte`` is the offending value (the
+    opcode of a malformed frame). After this error the decoder is unusable: the stream has no
+    way to resynchronise.
     """
 
-    def __init__(self, offset: int, byte: int) -> None:
-        super().__init__(f"unknown opcode 0x{byte:02x} at stream offset {offset}")
+    def __init__(self, offset: int, byte: int, message: str | None = None) -> None:
+        super().__init__(message or f"unknown opcode 0x{byte:02x} at stream offset {offset}")
         self.offset = offset
         self.byte = byte
+
+
+def _frame_name(cls: type) -> str:
+    """``LeasedSubscribe`` as ``leased subscribe``."""
+    return "".join(
+        f" {c.lower()}" if c.isupper() and i else c.lower() for i, c in enumerate(cls.__name__)
+    )
+
+
+class MalformedFrame(ProtocolError):
+    """A frame whose opcode is known but whose field is out of range: a lease time or release
+    delay above ``MAX_LEASE_MS``. ``offset`` is where the frame starts, ``byte`` its opcode."""
+
+    def __init__(self, offset: int, byte: int, reason: str) -> None:
+        name = _frame_name(_CLASSES[byte])
+        message = f"malformed {name} frame (0x{byte:02x}) at stream offset {offset}: {reason}"
+        super().__init__(offset, byte, message)
+        self.reason = reason
 
 
 # Frames are named tuples: the decoder builds one per frame on the server's hot path, and
@@ -170,7 +221,64 @@ class Auth(NamedTuple):
         return f"Auth(<{len(self.token)} bytes>)"
 
 
-ClientFrame: TypeAlias = Push | Pop | Subscribe | Unsubscribe | Ready | Sync | Auth
+# The lease frames of protocol 1.1 (decisions 13-18). A lease time of 0 means the server's
+# default; lease times and delays are at most MAX_LEASE_MS.
+
+
+@_distinct
+class Reserve(NamedTuple):
+    """Lease the group a pop would take (decision 13). On the wire the time comes first."""
+
+    queue: bytes
+    lease_ms: int = 0
+
+
+@_distinct
+class Ack(NamedTuple):
+    """The lease's packets are done with, for good (decision 14)."""
+
+    lease_id: int
+
+
+@_distinct
+class Release(NamedTuple):
+    """End the lease now; its packets go back after ``delay_ms`` (decision 14)."""
+
+    lease_id: int
+    delay_ms: int = 0
+
+
+@_distinct
+class Touch(NamedTuple):
+    """The lease now ends ``lease_ms`` from now (decision 14)."""
+
+    lease_id: int
+    lease_ms: int = 0
+
+
+@_distinct
+class LeasedSubscribe(NamedTuple):
+    """Subscribe with every delivery a lease (decision 17). On the wire the time comes first."""
+
+    queue: bytes
+    lease_ms: int = 0
+
+
+ClientFrame: TypeAlias = (
+    Push
+    | Pop
+    | Subscribe
+    | Unsubscribe
+    | Ready
+    | Sync
+    | Auth
+    # protocol 1.1: leases
+    | Reserve
+    | Ack
+    | Release
+    | Touch
+    | LeasedSubscribe
+)
 
 #: Every client frame the protocol has, by opcode: the one table the decoder decodes by and the
 #: broker dispatches by. A frame class missing here is neither decoded nor handled.
@@ -182,6 +290,11 @@ FRAMES: dict[int, type[ClientFrame]] = {
     Opcode.READY: Ready,
     Opcode.SYNC: Sync,
     Opcode.AUTH: Auth,
+    Opcode.RESERVE: Reserve,
+    Opcode.ACK: Ack,
+    Opcode.RELEASE: Release,
+    Opcode.TOUCH: Touch,
+    Opcode.LEASED_SUBSCRIBE: LeasedSubscribe,
 }
 _OPCODE_BYTE = {cls: bytes([op]) for op, cls in FRAMES.items()}
 
@@ -191,14 +304,20 @@ SYNC = Sync()
 # The decoder's view of ``FRAMES``: for each possible first byte, the frame's layout, its class
 # and, for one-byte frames, the frame itself (they carry nothing, so one instance serves every
 # time). Tuples indexed by the byte: an index into a tuple is the cheapest lookup CPython has.
-_UNKNOWN, _PUSH, _NAMED, _SINGLE = range(4)
+_UNKNOWN, _PUSH, _NAMED, _SINGLE, _TIMED_NAME, _FIXED = range(6)
 #: The frames laid out as an opcode and one u16-length byte string have one of these fields.
 _NAMED_FIELDS = (("queue",), ("token",))
+
+#: The integer fields of lease frames: their struct format and their largest value. A field
+#: whose name ends in ``_ms`` is a time; above MAX_LEASE_MS it makes the frame malformed.
+_INT_FIELDS = {"lease_id": ("Q", MAX_LEASE_ID), "lease_ms": ("I", MAX_LEASE_MS)}
+_INT_FIELDS["delay_ms"] = _INT_FIELDS["lease_ms"]
 
 
 def _layout(cls: type[ClientFrame] | None) -> int:
     """Not an opcode; the push; one u16-length byte string (a queue name, auth's token) after
-    the opcode; the opcode alone."""
+    the opcode; the opcode alone; a queue name after a u32 time; integers only, of the sizes
+    ``_INT_FIELDS`` gives."""
     if cls is None:
         return _UNKNOWN
     if cls is Push:
@@ -207,7 +326,15 @@ def _layout(cls: type[ClientFrame] | None) -> int:
         return _NAMED
     if not cls._fields:
         return _SINGLE
+    if cls._fields == ("queue", "lease_ms"):
+        return _TIMED_NAME
+    if all(name in _INT_FIELDS for name in cls._fields):
+        return _FIXED
     raise AssertionError(f"no layout for {cls.__name__} frames")
+
+
+def _fixed_struct(cls: type[ClientFrame]) -> struct.Struct:
+    return struct.Struct(">" + "".join(_INT_FIELDS[name][0] for name in cls._fields))
 
 
 _CLASSES: tuple[Any, ...] = tuple(FRAMES.get(byte) for byte in range(256))
@@ -215,6 +342,17 @@ _LAYOUTS = tuple(_layout(cls) for cls in _CLASSES)
 _SINGLETONS: tuple[Any, ...] = tuple(
     cls() if layout == _SINGLE else None for cls, layout in zip(_CLASSES, _LAYOUTS, strict=True)
 )
+#: The fields after the opcode of each integers-only frame, by opcode (None for the others).
+_STRUCTS: tuple[struct.Struct | None, ...] = tuple(
+    _fixed_struct(cls) if layout == _FIXED else None
+    for cls, layout in zip(_CLASSES, _LAYOUTS, strict=True)
+)
+#: Whether an integers-only frame ends with a time (release, touch; not ack), by opcode.
+_ENDS_TIMED = tuple(
+    layout == _FIXED and cls._fields[-1].endswith("_ms")
+    for cls, layout in zip(_CLASSES, _LAYOUTS, strict=True)
+)
+_FIXED_BY_CLASS = {_CLASSES[op]: s for op, s in enumerate(_STRUCTS) if s is not None}
 
 
 #: What a reply is encoded from: tuples whose first two items are a key and a payload, such as
@@ -253,6 +391,15 @@ def encode(frame: ClientFrame) -> bytes:
     opcode = _OPCODE_BYTE[frame.__class__]
     if not frame:  # a frame of one byte: ready, sync
         return opcode
+    if isinstance(frame, Ack | Release | Touch):
+        for name, value in zip(frame._fields, frame, strict=True):
+            _check_int(name, value, _INT_FIELDS[name][1])
+        return opcode + _FIXED_BY_CLASS[frame.__class__].pack(*frame)
+    if isinstance(frame, Reserve | LeasedSubscribe):  # the time, then a named frame's fields
+        _check_field("queue", frame.queue)
+        _check_int("lease_ms", frame.lease_ms, MAX_LEASE_MS)
+        header = _TIMED_NAME_HEADER.pack(frame.lease_ms, len(frame.queue))
+        return b"".join((opcode, header, frame.queue))
     (field,) = frame
     _check_field(frame._fields[0], field)
     return b"".join((opcode, _NAME_HEADER.pack(len(field)), field))
@@ -268,15 +415,47 @@ def encode_reply(packets: Sequence[KeyedPayload]) -> bytes:
         return _ONE_PACKET_HEADER.pack(1, len(key), len(payload)) + key + payload
     if not count:
         return _EMPTY_REPLY
+    _check_count(count)
+    return _join_packets(_COUNT.pack(count), packets)
+
+
+def _check_count(count: int) -> None:
     if count > MAX_REPLY_PACKETS:
         raise ArgumentError(f"a reply holds at most {MAX_REPLY_PACKETS} packets, not {count}")
-    parts = [_COUNT.pack(count)]
+
+
+def _join_packets(header: bytes, packets: Sequence[KeyedPayload]) -> bytes:
+    """``header`` then each packet's lengths, key and payload."""
+    parts = [header]
     for packet in packets:
         key, payload = packet[0], packet[1]
         parts.append(_PACKET_HEADER.pack(len(key), len(payload)))
         parts.append(key)
         parts.append(payload)
     return b"".join(parts)
+
+
+def encode_lease_reply(lease_id: int, attempt: int, packets: Sequence[KeyedPayload]) -> bytes:
+    """The bytes of a reserve reply or a leased delivery (decisions 13, 17): ``u64 lease id``,
+    ``u8 attempt`` (saturating at 255), ``u16 count``, then each packet. A reserve that found
+    nothing is ``LEASED_EMPTY``."""
+    count = len(packets)
+    if count == 1:  # the common one: a packet of a unique key
+        key: bytes = packets[0][0]
+        payload: bytes = packets[0][1]
+        header = _ONE_LEASE_HEADER.pack(
+            lease_id, min(attempt, MAX_ATTEMPT), 1, len(key), len(payload)
+        )
+        return header + key + payload
+    _check_count(count)
+    header = _LEASE_HEADER.pack(lease_id, min(attempt, MAX_ATTEMPT), count)
+    return _join_packets(header, packets)
+
+
+def encode_lease_status(lease_id: int, live: bool) -> bytes:
+    """The reply to an ack, release or touch (decision 14): the lease id, status 1 if the lease
+    was live (0 if not), count 0."""
+    return _LEASE_HEADER.pack(lease_id, live, 0)
 
 
 class _Buffer:
@@ -303,6 +482,13 @@ class _Buffer:
 
 _PUSH_HEAD = 1 + _PUSH_HEADER.size
 _NAME_HEAD = 1 + _NAME_HEADER.size
+_TIMED_NAME_HEAD = 1 + _TIMED_NAME_HEADER.size
+
+
+def _too_long(offset: int, opcode: int, ms: int) -> MalformedFrame:
+    what = "release delay" if _CLASSES[opcode] is Release else "lease time"
+    reason = f"{what} {ms:,} ms is above the most, {MAX_LEASE_MS:,} ms (24 h)"
+    return MalformedFrame(offset, opcode, reason)
 
 
 class FrameDecoder:
@@ -407,6 +593,38 @@ class FrameDecoder:
             elif layout == _SINGLE:
                 append(_SINGLETONS[opcode])
                 pos += 1
+            elif layout == _FIXED:  # ack, release, touch
+                fixed = _STRUCTS[opcode]
+                assert fixed is not None
+                stop = pos + 1 + fixed.size
+                if stop > end:
+                    need = stop - pos
+                    break
+                values = fixed.unpack_from(data, pos + 1)
+                if _ENDS_TIMED[opcode] and values[-1] > MAX_LEASE_MS:
+                    self.error = _too_long(self._offset + pos, opcode, values[-1])
+                    break
+                append(new(classes[opcode], values))
+                pos = stop
+            elif layout == _TIMED_NAME:  # reserve, leased subscribe
+                if end - pos < _TIMED_NAME_HEAD:
+                    need = _TIMED_NAME_HEAD
+                    break
+                lease_ms, queue_len = _TIMED_NAME_HEADER.unpack_from(data, pos + 1)
+                if lease_ms > MAX_LEASE_MS:  # known from the header: no need to wait for more
+                    self.error = _too_long(self._offset + pos, opcode, lease_ms)
+                    break
+                stop = pos + _TIMED_NAME_HEAD + queue_len
+                if stop > end:
+                    need = stop - pos
+                    break
+                raw = data[pos:stop]  # a worker pipelining reserves: one frame serves them all
+                frame = seen.get(raw)
+                if frame is None:
+                    frame = new(classes[opcode], (raw[_TIMED_NAME_HEAD:], lease_ms))
+                    seen[raw] = frame
+                append(frame)
+                pos = stop
             else:
                 self.error = ProtocolError(self._offset + pos, opcode)
                 break
@@ -435,6 +653,25 @@ class FrameDecoder:
             yield frame
 
 
+class LeaseReply(NamedTuple):
+    """One message with the 11-byte lease header (decisions 13, 14, 17 and 18).
+
+    A reserve reply or a leased delivery: the lease's id, its ``attempt`` (1 the first time,
+    saturating at 255) and its packets; nothing to take is all zero. The answer to an ack,
+    release or touch: the lease id it named, ``attempt`` holding the status (1 if the lease was
+    live; see ``live``) and no packets. A sync on a leased connection: all zero.
+    """
+
+    lease_id: int
+    attempt: int
+    packets: list[Packet]
+
+    @property
+    def live(self) -> bool:
+        """For the answer to an ack, release or touch: whether the lease was live."""
+        return self.attempt == 1
+
+
 class ReplyDecoder(_Buffer):
     """Turns the bytes a server sends into replies, each a list of packets.
 
@@ -442,6 +679,10 @@ class ReplyDecoder(_Buffer):
     order of requests on the connection (decision 8), not from the bytes. Packets of a reply are
     decoded as they complete, so a long reply arriving in small chunks costs linear time and the
     buffer holds at most one incomplete packet.
+
+    Messages about leases have an 11-byte header instead of the 2-byte count: read those with
+    ``next_lease_reply``. The caller knows from its requests which comes next (on a leased
+    connection, every message), and must not switch methods in the middle of a message.
     """
 
     def __init__(self) -> None:
@@ -449,6 +690,7 @@ class ReplyDecoder(_Buffer):
         self._remaining = -1  # packets still to read in the current reply; -1 before its count
         self._count = 0  # packets in the current reply, once its count is read
         self._packets: list[Packet] = []
+        self._lease = (0, 0)  # lease id and attempt of the current lease message
 
     @property
     def count_in_progress(self) -> int:
@@ -462,13 +704,30 @@ class ReplyDecoder(_Buffer):
 
     def next_reply(self) -> list[Packet] | None:
         """The next complete reply, or ``None`` if more bytes are needed."""
-        data = self._data
         if self._remaining < 0:
-            if len(data) - self._pos < _COUNT.size:
+            if len(self._data) - self._pos < _COUNT.size:
                 return None
-            (self._remaining,) = _COUNT.unpack_from(data, self._pos)
+            (self._remaining,) = _COUNT.unpack_from(self._data, self._pos)
             self._count = self._remaining
             self._pos += _COUNT.size
+        return self._read_packets()
+
+    def next_lease_reply(self) -> LeaseReply | None:
+        """The next complete message with the 11-byte lease header, or ``None`` if more bytes
+        are needed."""
+        if self._remaining < 0:
+            if len(self._data) - self._pos < _LEASE_HEADER.size:
+                return None
+            lease_id, attempt, self._remaining = _LEASE_HEADER.unpack_from(self._data, self._pos)
+            self._lease = (lease_id, attempt)
+            self._count = self._remaining
+            self._pos += _LEASE_HEADER.size
+        packets = self._read_packets()
+        return None if packets is None else LeaseReply(*self._lease, packets)
+
+    def _read_packets(self) -> list[Packet] | None:
+        """The current reply's packets once all have arrived, else ``None``."""
+        data = self._data
         while self._remaining:
             pos = self._pos
             if len(data) - pos < _PACKET_HEADER.size:

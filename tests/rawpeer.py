@@ -90,6 +90,12 @@ class Peer:
             )
         return packets
 
+    async def lease(self) -> tuple[int, int, Reply]:
+        """Read one message with the 11-byte lease header: (lease id, attempt or status,
+        packets)."""
+        lease_id, attempt = struct.unpack(">QB", await self.receive_exactly(9))
+        return lease_id, attempt, await self.reply()
+
     async def request(self, data: bytes) -> Reply:
         await self.send(data)
         return await self.reply()
@@ -113,3 +119,39 @@ class Peer:
 
     async def aclose(self) -> None:
         await self.stream.aclose()
+
+
+# -- protocol 1.1: leases ---------------------------------------------------------------------
+
+
+def reserve(queue: bytes, lease_ms: int = 0) -> bytes:
+    return b"\x52" + struct.pack(">IH", lease_ms, len(queue)) + queue
+
+
+def leased_subscribe(queue: bytes, lease_ms: int = 0) -> bytes:
+    return b"\x53" + struct.pack(">IH", lease_ms, len(queue)) + queue
+
+
+def ack(lease_id: int) -> bytes:
+    return b"\x4b" + struct.pack(">Q", lease_id)
+
+
+def release(lease_id: int, delay_ms: int = 0) -> bytes:
+    return b"\x4e" + struct.pack(">QI", lease_id, delay_ms)
+
+
+def touch(lease_id: int, lease_ms: int = 0) -> bytes:
+    return b"\x54" + struct.pack(">QI", lease_id, lease_ms)
+
+
+def lease_reply(lease_id: int, attempt: int, *packets: tuple[bytes, bytes]) -> bytes:
+    """A reserve reply or leased delivery: the 11-byte header, then the packets."""
+    return struct.pack(">QB", lease_id, attempt) + reply(*packets)
+
+
+def status(lease_id: int, live: bool) -> bytes:
+    """The answer to an ack, release or touch."""
+    return struct.pack(">QBH", lease_id, live, 0)
+
+
+LEASED_NOTHING = bytes(11)

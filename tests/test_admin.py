@@ -19,7 +19,18 @@ from pinpriq.display import escape
 from pinpriq.server import PinpriqServer
 from pinpriq.store import PACKET_OVERHEAD
 from tests.conftest import LiveServer, StartServer
-from tests.rawpeer import READY, Peer, pop, push, subscribe
+from tests.rawpeer import (
+    READY,
+    Peer,
+    ack,
+    lease_reply,
+    pop,
+    push,
+    release,
+    reserve,
+    status,
+    subscribe,
+)
 from tests.test_load_shapes import wait_until
 
 SYNC = b"\x21"
@@ -121,6 +132,43 @@ async def test_metrics_count_what_was_pushed_popped_delivered_expired_and_purged
     assert "process_resident_memory_bytes" in samples  # prometheus_client's own, beside ours
 
 
+async def test_metrics_and_stats_count_leases(admin: Admin) -> None:
+    worker = await admin.live.connect()
+    await applied(worker, b"".join(push(b"jobs", b"k%d" % i, b"p") for i in range(3)))
+    # Three leases: one acked, one released (back in the queue), one still held; an ack of a
+    # lease that is no more is answered status 0 and counted.
+    expected = (
+        b"".join(lease_reply(n, 1, (b"k%d" % (3 - n), b"p")) for n in (1, 2, 3))
+        + status(1, True)
+        + status(2, True)
+        + status(1, False)
+    )
+    await worker.send(reserve(b"jobs") * 3 + ack(1) + release(2) + ack(1))
+    assert await worker.receive_exactly(len(expected)) == expected
+
+    samples = await admin.metrics()
+    assert value(samples, "pinpriq_packets_leased") == 1
+    assert value(samples, "pinpriq_queue_leased", queue="jobs") == 1
+    assert value(samples, "pinpriq_queue_packets", queue="jobs") == 1  # the released one
+    assert value(samples, "pinpriq_packets_acked_total") == 1
+    assert value(samples, "pinpriq_packets_redelivered_total") == 1
+    assert value(samples, "pinpriq_packets_dead_lettered_total") == 0
+    assert value(samples, "pinpriq_lease_frames_unknown_total") == 1
+    assert value(samples, "pinpriq_packets_popped_total") == 0  # leases are not pops
+    # Held packets count against the cap whether queued or leased.
+    assert value(samples, "pinpriq_memory_held_bytes") == 2 * (2 + 1 + PACKET_OVERHEAD)
+    stats = await admin.json("/stats")
+    assert stats["leases"] == {
+        "leased": 1,
+        "acked": 1,
+        "redelivered": 1,
+        "dead_lettered": 0,
+        "dropped": 0,
+        "unknown": 1,
+    }
+    assert (stats["queues"][0]["packets"], stats["queues"][0]["leased"]) == (1, 1)
+
+
 async def test_metrics_give_series_to_the_deepest_queues_only(
     start_server: StartServer, nursery: trio.Nursery
 ) -> None:
@@ -179,6 +227,7 @@ async def test_stats_tell_each_queues_packets_bytes_priorities_and_times(admin: 
         "bytes": 0,
         "by_priority": {},
         "subscribers": 1,
+        "leased": 0,
         "oldest_age_ms": None,
         "next_expiry_ms": None,
     }

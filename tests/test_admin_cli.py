@@ -116,6 +116,7 @@ def test_queues_and_stats_are_aligned_tables(server: Server) -> None:
     stats = ok("stats", PINPRIQ_ADMIN_URL=server.admin)
     assert re.search(r"^packets\s+\d+ in \d+ queues$", stats, re.MULTILINE)
     assert re.search(r"^memory\s+.* of 1\.0 GiB$", stats, re.MULTILINE)
+    assert re.search(r"^leases\s+leased 0  acked 0  redelivered 0 ", stats, re.MULTILINE)
     assert "QUEUE" in stats
     assert "tables" in stats
 

@@ -21,8 +21,21 @@ import trio
 import trio.testing
 
 from pinpriq import BlockingPinpriqClient, Packet, PinpriqConnectionError, PinpriqError
+from pinpriq.blocking import BlockingLease
+from pinpriq.leases import LeaseTotals
 from pinpriq.server import PinpriqServer
-from tests.rawpeer import READY, pop, push, reply, subscribe
+from tests.rawpeer import (
+    READY,
+    ack,
+    lease_reply,
+    leased_subscribe,
+    pop,
+    push,
+    reply,
+    status,
+    subscribe,
+    touch,
+)
 
 T = TypeVar("T")
 TIMEOUT = 10
@@ -378,3 +391,91 @@ def test_a_close_racing_a_call_is_a_connection_error_not_a_raw_os_error(
         client._link.sock.close()  # the race, made certain: closed, not yet marked closed
         with pytest.raises(PinpriqConnectionError):
             client.pop("q")
+
+
+# -- leases (protocol 1.1) --------------------------------------------------------------------
+
+
+def lease_totals(live: ThreadServer) -> LeaseTotals:
+    return live.call(live.server.broker.lease_totals)
+
+
+def test_reserve_and_the_lease_as_a_context_manager(live: ThreadServer) -> None:
+    with connect(live.port) as client:
+        client.push("jobs", "k", "v")
+        held: list[Packet] = []
+
+        def fail(job: BlockingLease) -> None:
+            with job:
+                held.extend(job.packets)
+                raise KeyError("fails: released")
+
+        with pytest.raises(KeyError):
+            fail(client.reserve("jobs"))
+        assert held == [Packet(b"k", b"v")]
+        with client.reserve("jobs") as job:
+            assert job.attempt == 2
+        assert not client.reserve("jobs")
+        assert client.pop("jobs") == []
+    assert lease_totals(live)[:3] == (0, 1, 1)  # leased, acked, redelivered
+
+
+def test_a_leased_subscription_acks_and_gives_back_the_rest_at_close(live: ThreadServer) -> None:
+    with connect(live.port) as client:
+        for i in range(3):
+            client.push("jobs", f"k{i}", "")
+        with client.subscribe("jobs", lease_ms=60_000, prefetch=3) as jobs:
+            job = next(jobs)
+            assert job.packets == [Packet(b"k2", b"")]
+            assert job.ack()
+            assert not job.ack()
+        live.settle()  # the server has seen the subscription's connection close
+        assert [client.pop("jobs") for _ in range(2)] == [
+            [Packet(b"k1", b"")],
+            [Packet(b"k0", b"")],
+        ]
+
+
+def test_work_acks_done_jobs_and_releases_failed_ones(live: ThreadServer) -> None:
+    with connect(live.port) as client:
+        client.push("jobs", "a", "1")
+        client.push("jobs", "b", "2")
+        seen: list[tuple[bytes, int]] = []
+
+        def handler(job: BlockingLease) -> None:
+            seen.append((job.packets[0].key, job.attempt))
+            if job.packets[0].key == b"b" and job.attempt == 1:
+                raise RuntimeError("retry me")
+            client.push("done", job.packets[0].key, "")
+
+        client.work("jobs", handler, limit=3)
+        assert seen == [(b"b", 1), (b"b", 2), (b"a", 1)]
+        assert sorted(p.key for _ in range(2) for p in client.pop("done")) == [b"a", b"b"]
+
+
+def test_work_touches_the_lease_at_half_its_time_while_the_handler_runs(
+    fake: socket.socket,
+) -> None:
+    """Against a fake server, so the touches can be seen on the wire, in real time."""
+    go_on = threading.Event()
+    with connect(port_of(fake)) as client, accept(fake) as main:
+        worker = threading.Thread(
+            target=client.work,
+            args=("jobs", lambda job: go_on.wait(TIMEOUT)),
+            kwargs={"lease_ms": 200, "limit": 1},
+        )
+        worker.start()
+        with accept(fake) as sub:
+            opening = leased_subscribe(b"jobs", 200) + READY
+            assert receive_exactly(sub, len(opening)) == opening
+            sub.sendall(lease_reply(1, 1, (b"k", b"v")))
+            for _ in range(2):  # every 100 ms, until the handler is done
+                assert receive_exactly(sub, 13) == touch(1, 200)
+                sub.sendall(status(1, True))
+            go_on.set()
+            assert receive_exactly(main, 1) == b"\x21"  # the follow-ups are confirmed first,
+            main.sendall(reply())
+            assert receive_exactly(sub, 9) == ack(1)  # then the job is acked
+            sub.sendall(status(1, True))
+            worker.join(TIMEOUT)
+            assert not worker.is_alive()

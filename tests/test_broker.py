@@ -5,6 +5,7 @@ replies built by hand (``tests.rawpeer``)."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import NamedTuple
 
 import pytest
@@ -15,15 +16,20 @@ from pinpriq.wire import (
     FRAMES,
     READY,
     SYNC,
+    Ack,
     Auth,
     ClientFrame,
+    LeasedSubscribe,
     Opcode,
     Pop,
     Push,
+    Release,
+    Reserve,
     Subscribe,
+    Touch,
     Unsubscribe,
 )
-from tests.rawpeer import reply
+from tests.rawpeer import LEASED_NOTHING, lease_reply, reply, status
 
 
 class FakeClock:
@@ -71,8 +77,11 @@ def test_every_frame_of_the_protocol_is_handled(clock: FakeClock) -> None:
     examples = {Push: Push(b"q", b"k", b"v"), Pop: Pop(b"q"), Subscribe: Subscribe(b"q")}
     examples |= {Unsubscribe: Unsubscribe(b"q"), type(READY): READY, type(SYNC): SYNC}
     examples |= {Auth: Auth(b"any token: this broker has none")}
+    examples |= {Reserve: Reserve(b"q"), Ack: Ack(1), Release: Release(2), Touch: Touch(3)}
+    examples |= {LeasedSubscribe: LeasedSubscribe(b"r")}  # last: then the connection is leased
     assert set(examples) == set(FRAMES.values())
     assert session.receive(list(examples.values())) == len(examples)
+    assert session.error is None
 
 
 def test_a_frame_the_broker_does_not_know_is_an_error_not_a_fall_through(
@@ -349,3 +358,179 @@ def test_a_second_auth_is_answered_if_right_and_rejected_if_wrong(clock: FakeClo
     assert take(session) == reply() + reply() + reply((b"k1", b"v"))
     assert [packet[0] for packet in broker.store.pop(b"q")] == [b"k2"]
     assert len(broker.store) == 0
+
+
+# -- leases (decisions 13-18) -----------------------------------------------------------------
+
+
+def test_reserve_ack_release_touch_conversation(clock: FakeClock) -> None:
+    broker = broker_with(clock)
+    session = broker.open_session()
+    session.receive([Push(b"q", b"k", b"a", 0, 2), Push(b"q", b"j", b"b", 0, 1)])
+    session.receive([Reserve(b"q", 500), Reserve(b"q"), Reserve(b"q"), Touch(1, 2000)])
+    session.receive([Ack(1), Ack(1), Release(2, 0), Pop(b"q")])
+    assert take(session) == (
+        lease_reply(1, 1, (b"j", b"b"))
+        + lease_reply(2, 1, (b"k", b"a"))
+        + LEASED_NOTHING  # nothing left to take
+        + status(1, True)  # touched
+        + status(1, True)  # acked
+        + status(1, False)  # acked already
+        + status(2, True)  # released: back at once...
+        + reply((b"k", b"a"))  # ...for the pop to find
+    )
+    assert broker.lease_totals() == (0, 1, 1, 0, 0, 1)
+    assert broker.totals() == (2, 1, 0, 0, 0)  # pushed, popped (k after its release), ...
+
+
+def test_lease_ids_are_per_connection(clock: FakeClock) -> None:
+    broker = broker_with(clock)
+    one, two = broker.open_session(), broker.open_session()
+    one.receive([Push(b"q", b"%d" % i, b"", 0, 1) for i in range(3)])
+    one.receive([Reserve(b"q")])
+    two.receive([Reserve(b"q"), Ack(1)])
+    one.receive([Reserve(b"q"), Ack(2)])
+    assert take(one) == lease_reply(1, 1, (b"2", b"")) + lease_reply(2, 1, (b"0", b"")) + status(
+        2, True
+    )
+    assert take(two) == lease_reply(1, 1, (b"1", b"")) + status(1, True)
+
+
+def test_a_lease_deadline_is_on_the_one_timer_and_its_packets_go_to_a_waiting_subscriber(
+    clock: FakeClock,
+) -> None:
+    broker = broker_with(clock)
+    worker, subscriber = broker.open_session(), broker.open_session()
+    worker.receive([Push(b"q", b"k", b"v", 0, 1), Reserve(b"q", 250)])
+    subscriber.receive([Subscribe(b"q"), READY])
+    assert broker.timer == 1000.25
+    clock.now = 1000.25
+    broker.expire()
+    assert broker.take_dirty() == [subscriber]
+    assert take(subscriber) == reply((b"k", b"v"))  # a plain subscriber gets it as a push's
+    assert broker.timer == math.inf
+    worker.receive([Ack(1)])
+    assert take(worker) == lease_reply(1, 1, (b"k", b"v")) + status(1, False)
+
+
+def test_closing_a_connection_returns_its_leases_to_waiting_subscribers(clock: FakeClock) -> None:
+    broker = broker_with(clock)
+    worker, subscriber = broker.open_session(), broker.open_session()
+    subscriber.receive([LeasedSubscribe(b"q", 1000), READY])
+    worker.receive([Push(b"other", b"k", b"v", 0, 1), Reserve(b"other")])
+    subscriber.receive([LeasedSubscribe(b"other")])  # the latest lease time is the default
+    worker.close()
+    assert broker.take_dirty() == [subscriber]
+    assert take(subscriber) == lease_reply(1, 2, (b"k", b"v"))  # its second attempt
+    assert broker.timer == 1030.0  # the default lease time: 30 s
+
+
+def test_release_with_a_delay_sets_the_timer(clock: FakeClock) -> None:
+    broker = broker_with(clock)
+    session = broker.open_session()
+    session.receive([Push(b"q", b"k", b"v", 0, 1), Reserve(b"q", 60_000), Release(1, 125)])
+    assert broker.timer == 1000.125
+    session.receive([Pop(b"q")])
+    clock.now = 1000.125
+    broker.expire()
+    session.receive([Pop(b"q")])
+    assert take(session).endswith(reply() + reply((b"k", b"v")))
+
+
+def test_a_leased_connection_gets_the_11_byte_header_on_everything(clock: FakeClock) -> None:
+    broker = broker_with(clock)
+    worker, pusher = broker.open_session(), broker.open_session()
+    worker.receive([SYNC, LeasedSubscribe(b"q", 500), READY, READY, SYNC])
+    pusher.receive([Push(b"q", b"a", b"1", 0, 1), Push(b"q", b"b", b"2", 0, 1)])
+    worker.receive([Touch(2), Ack(1), SYNC, Push(b"q", b"c", b"3", 0, 1)])
+    assert take(worker) == (
+        reply()  # a sync before the leased subscribe: still the 2-byte answer
+        + LEASED_NOTHING  # a sync after it
+        + lease_reply(1, 1, (b"a", b"1"))
+        + lease_reply(2, 1, (b"b", b"2"))
+        + status(2, True)
+        + status(1, True)
+        + LEASED_NOTHING
+    )  # and no credit for the third packet: acks grant none (decision 17)
+    assert len(broker.store) == 1
+
+
+@pytest.mark.parametrize(
+    ("first", "offending", "reason"),
+    [
+        (LeasedSubscribe(b"q"), Pop(b"q"), "a pop on a leased connection"),
+        (LeasedSubscribe(b"q"), Subscribe(b"r"), "a plain subscribe on a leased connection"),
+        (LeasedSubscribe(b"q"), Reserve(b"q"), "a reserve on a leased connection"),
+        (Subscribe(b"q"), LeasedSubscribe(b"r"), "a leased subscribe on a connection with a"),
+    ],
+)
+def test_mixing_leased_and_plain_frames_is_refused(
+    clock: FakeClock, first: ClientFrame, offending: ClientFrame, reason: str
+) -> None:
+    session = broker_with(clock).open_session()
+    frames: list[ClientFrame] = [first, SYNC, offending, SYNC]
+    assert session.receive(frames) == 2  # the frames before it are applied, it and after not
+    assert session.error is not None
+    assert session.error.startswith(reason)
+    assert "decision 18" in session.error
+    assert take(session) in (reply(), LEASED_NOTHING)
+
+
+def test_a_pop_in_the_same_batch_as_the_leased_subscribe_is_refused(clock: FakeClock) -> None:
+    session = broker_with(clock).open_session()
+    assert session.receive([Pop(b"q"), LeasedSubscribe(b"q"), Pop(b"q")]) == 2
+    assert session.error == "a pop on a leased connection (decision 18)"
+
+
+def test_a_plain_subscription_given_up_allows_a_leased_one(clock: FakeClock) -> None:
+    session = broker_with(clock).open_session()
+    frames: list[ClientFrame] = [Subscribe(b"q"), Unsubscribe(b"q"), LeasedSubscribe(b"q")]
+    assert session.receive(frames) == 3
+    assert session.error is None
+
+
+def test_leased_packets_count_against_the_cap_and_an_ack_makes_room(clock: FakeClock) -> None:
+    broker = broker_with(clock, max_memory=2 * PACKET)
+    rooms: list[bool] = []
+    broker.on_room = lambda: rooms.append(True)
+    producer, worker = broker.open_session(), broker.open_session()
+    frames = pushes(3)
+    assert producer.receive(frames) == 2
+    worker.receive([Reserve(b"q"), Reserve(b"q")])
+    assert broker.memory_full  # still: leased packets are held
+    assert producer.receive(frames, 2) == 2
+    worker.receive([Ack(1)])
+    assert (broker.memory_full, rooms) == (False, [True])
+    assert producer.receive(frames, 2) == 3
+
+
+def test_an_ack_racing_the_deadline_finds_the_lease_gone(clock: FakeClock) -> None:
+    broker = broker_with(clock)
+    worker, subscriber = broker.open_session(), broker.open_session()
+    worker.receive([Push(b"q", b"k", b"v", 0, 1), Reserve(b"q", 125)])
+    subscriber.receive([Subscribe(b"q"), READY])
+    clock.now += 0.125  # the deadline passed; expire() has not run yet
+    worker.receive([Ack(1)])
+    assert take(worker).endswith(status(1, False))
+    assert take(subscriber) == reply((b"k", b"v"))  # came back with the ack, and was offered
+
+
+def test_dead_letters_after_max_deliveries(clock: FakeClock) -> None:
+    broker = broker_with(clock, max_deliveries=2)
+    session, watcher = broker.open_session(), broker.open_session()
+    watcher.receive([Subscribe(b"q.dead"), READY])
+    session.receive([Push(b"q", b"k", b"v", 0, 1)])
+    session.receive([Reserve(b"q"), Release(1), Reserve(b"q"), Release(2)])
+    assert take(watcher) == reply((b"k", b"v"))
+    assert broker.lease_totals().dead_lettered == 1
+
+
+def test_auth_on_a_leased_connection_is_answered_with_eleven_zero_bytes(clock: FakeClock) -> None:
+    # Decision 18: everything a leased connection receives has the 11-byte header.
+    session = broker_with(clock, token=TOKEN).open_session()
+    frames: list[ClientFrame] = [Auth(TOKEN), LeasedSubscribe(b"q"), Auth(TOKEN)]
+    assert session.receive(frames) == 3
+    assert take(session) == reply() + LEASED_NOTHING
+    assert session.receive([Auth(b"wrong")]) == 0  # a wrong one still closes, unanswered
+    assert session.blocked is Blocked.REJECTED
+    assert take(session) == b""

@@ -7,7 +7,7 @@ The fake server's replies are built by hand with ``struct`` (``reply()`` below) 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from functools import partial
 
@@ -16,9 +16,10 @@ import trio
 import trio.testing
 
 from pinpriq import Packet, PinpriqClient, PinpriqConnectionError, PinpriqError
+from pinpriq.client import Lease
 from pinpriq.server import PinpriqServer
 from tests.conftest import LiveServer, StartServer
-from tests.rawpeer import READY, Peer, pop, push, reply, subscribe
+from tests.rawpeer import READY, Peer, lease_reply, pop, push, reply, reserve, status, subscribe
 
 TIMEOUT = 10
 
@@ -502,3 +503,183 @@ async def test_a_server_at_its_connection_limit_is_named_as_the_likely_cause(
         "(it may be at its connection limit, want a token or TLS, or refuse clients from "
         "other hosts)"
     )
+
+
+# -- leases (protocol 1.1) --------------------------------------------------------------------
+
+
+async def test_reserve_gives_a_lease_that_acks_once(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        await client.push("jobs", "k", "a", prio=2)
+        await client.push("jobs", "k", "b", prio=0)
+        job = await client.reserve("jobs", lease_ms=5000)
+        assert (job.lease_id, job.attempt) == (1, 1)
+        assert job.packets == [Packet(b"k", b"a"), Packet(b"k", b"b")]
+        assert await client.pop("jobs") == []  # leased: out of the queue
+        assert await job.touch(5000)
+        assert await job.ack()
+        assert not await job.ack()  # already over: the server answers status 0
+        assert live.broker.lease_totals().acked == 2
+
+
+async def test_an_empty_reserve_is_a_false_lease_that_sends_nothing(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        job = await client.reserve("nothing")
+        assert not job
+        assert (job.lease_id, job.attempt, job.packets) == (0, 0, [])
+        assert not await job.ack()
+        assert not await job.touch()
+        async with job:
+            pass
+    assert live.broker.lease_totals().unknown == 0  # no ack reached the server
+
+
+async def test_the_lease_as_a_context_manager_acks_or_releases(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        await client.push("jobs", "k", "v")
+        with pytest.raises(ValueError, match="boom"):
+            async with await client.reserve("jobs") as job:
+                raise ValueError("boom")
+        async with await client.reserve("jobs") as again:  # released: back at once
+            assert again.packets == job.packets
+            assert again.attempt == 2
+        assert await client.pop("jobs") == []
+        assert live.broker.lease_totals()[:3] == (0, 1, 1)  # leased, acked, redelivered
+
+
+async def test_a_cancelled_job_is_released_all_the_same(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        await client.push("jobs", "k", "v")
+        job = await client.reserve("jobs")
+        with trio.CancelScope() as scope:
+            async with job:
+                scope.cancel()
+                await trio.sleep_forever()
+        assert await client.pop("jobs") == [Packet(b"k", b"v")]
+
+
+async def test_a_lease_left_to_lapse_comes_back_and_its_ack_says_so(
+    live: LiveServer, mock_clock: trio.testing.MockClock
+) -> None:
+    async with connect(live.port) as client:
+        await client.push("jobs", "k", "v")
+        job = await client.reserve("jobs", lease_ms=1000)
+        await trio.sleep(0.75)
+        assert await job.touch(1000)  # now ends at 1.75 s
+        await trio.sleep(0.75)
+        assert await client.pop("jobs") == []
+        await trio.sleep(0.5)  # virtual time
+        assert not await job.ack()
+        assert await client.pop("jobs") == [Packet(b"k", b"v")]
+
+
+async def test_release_with_a_delay_brings_the_job_back_later(
+    live: LiveServer, mock_clock: trio.testing.MockClock
+) -> None:
+    async with connect(live.port) as client:
+        await client.push("jobs", "k", "v")
+        assert await (await client.reserve("jobs")).release(delay_ms=2000)
+        await trio.sleep(1.9)
+        assert not await client.reserve("jobs")
+        await trio.sleep(0.2)
+        assert (await client.reserve("jobs")).attempt == 2
+
+
+async def test_leased_subscription_delivers_leases_and_unacked_ones_go_back(
+    live: LiveServer,
+) -> None:
+    async with connect(live.port) as client:
+        for i in range(3):
+            await client.push("jobs", f"k{i}", "")
+        async with client.subscribe("jobs", lease_ms=60_000, prefetch=2) as jobs:
+            first = await anext(jobs)
+            assert first.packets == [Packet(b"k2", b"")]
+            assert await first.ack()
+            second = await anext(jobs)
+            assert second.packets == [Packet(b"k1", b"")]
+            assert await second.touch()
+            # the third was delivered too (prefetch 2), never handed out: neither acked
+        await trio.testing.wait_all_tasks_blocked()  # the server has seen the close
+        assert await client.pop("jobs") == [Packet(b"k1", b"")]  # both came back at the close
+        assert await client.pop("jobs") == [Packet(b"k0", b"")]
+
+
+async def test_acks_from_another_task_while_the_iterator_waits(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        await client.push("jobs", "k", "")
+        async with client.subscribe("jobs", lease_ms=60_000, prefetch=2) as jobs:
+            job = await anext(jobs)
+            async with trio.open_nursery() as nursery:
+                got: list[Lease] = []
+
+                async def next_job() -> None:
+                    got.append(await anext(jobs))  # waits, reading, for the next delivery
+
+                nursery.start_soon(next_job)
+                await trio.testing.wait_all_tasks_blocked()
+                assert await job.ack()  # its answer is read by whichever task reads
+                await client.push("jobs", "k2", "")
+            assert got[0].packets == [Packet(b"k2", b"")]
+
+
+async def test_work_acks_each_job_after_confirming_its_follow_ups(live: LiveServer) -> None:
+    async with connect(live.port) as client:
+        for i in range(3):
+            await client.push("jobs", f"k{i}", f"{i}")
+
+        async def handler(job: Lease) -> None:
+            await client.push("done", job.packets[0].key, job.packets[0].payload)
+
+        await client.work("jobs", handler, limit=3)
+        totals = live.broker.lease_totals()
+        assert (totals.acked, totals.redelivered, totals.leased) == (3, 0, 0)
+        assert len(live.store) == 3  # every follow-up is in
+
+
+async def test_work_keeps_a_slow_job_alive_and_releases_a_failed_one(
+    live: LiveServer, mock_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with connect(live.port) as client:
+        await client.push("jobs", "k", "v")
+        attempts: list[int] = []
+
+        async def handler(job: Lease) -> None:
+            attempts.append(job.attempt)
+            await trio.sleep(3)  # three times the lease: touches keep it
+            if len(attempts) == 1:
+                raise RuntimeError("flaky")
+
+        await client.work("jobs", handler, lease_ms=1000, limit=2, retry_delay_ms=500)
+        assert attempts == [1, 2]
+        totals = live.broker.lease_totals()
+        assert (totals.acked, totals.redelivered) == (1, 1)  # the release, not a lapse
+        assert "job b'k' (attempt 1) failed, released: flaky" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda c: c.reserve("q", lease_ms=86_400_001), "lease_ms must be in 0..86400000"),
+        (lambda c: c.reserve("q", lease_ms=1.5), "lease_ms must be an integer"),
+        (lambda c: c.subscribe("q", lease_ms=-1).__aenter__(), "lease_ms must be in"),
+    ],
+)
+async def test_bad_lease_arguments_raise_before_sending(
+    fake: FakeServer, call: Callable[[PinpriqClient], Awaitable[object]], message: str
+) -> None:
+    async with connect(fake.port) as client:
+        peer = await fake.accept()
+        with pytest.raises((ValueError, TypeError), match=message):
+            await call(client)
+    assert await read_to_eof(peer) == b""
+
+
+async def test_an_answer_about_another_lease_is_out_of_step(fake: FakeServer) -> None:
+    async with connect(fake.port) as client:
+        peer = await fake.accept()
+        await peer.send(lease_reply(5, 1, (b"k", b"")))
+        job = await client.reserve("q")
+        assert await peer.receive_exactly(len(reserve(b"q"))) == reserve(b"q")
+        await peer.send(status(6, True))
+        with pytest.raises(PinpriqConnectionError, match=r"about lease 5 .* lease 6"):
+            await job.ack()

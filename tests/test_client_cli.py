@@ -215,6 +215,10 @@ def test_refused_connection_is_one_line_and_exit_1() -> None:
         (["pop", "q", "--timeout", "0"], "argument --timeout: 0 is not a positive number"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["--port", "0", "pop", "q"], "argument --port: invalid port 0: must be 1..65535"),
+        (["work", "q"], "work needs a command to run: pinpriq work QUEUE -- COMMAND"),
+        (["work", "q", "--"], "work needs a command to run"),
+        (["work", "q", "--", "no-such-command-x"], "cannot run 'no-such-command-x': not found"),
+        (["work", "q", "--lease", "0", "--", "true"], "argument --lease: 0 is not in 1..86400000"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(args: list[str], message: str) -> None:
@@ -396,3 +400,65 @@ def test_bad_tokens_and_tls_options_are_one_line(args: list[str], url: str, mess
     assert done.stderr.count("\n") == 1
     assert message in done.stderr
     assert "pw" not in done.stderr
+
+
+# -- work: jobs on a lease ------------------------------------------------------------------------
+
+JOB_SCRIPT = """
+import os, sys
+data = sys.stdin.buffer.read()
+print(os.environ["PINPRIQ_KEY"], os.environ["PINPRIQ_ATTEMPT"], os.environ["PINPRIQ_PACKETS"],
+      data.decode(), flush=True)
+sys.exit(1 if data == b"fails once" and os.environ["PINPRIQ_ATTEMPT"] == "1" else 0)
+"""
+
+
+def test_work_runs_the_command_per_job_acks_on_0_and_releases_otherwise(port: int) -> None:
+    ok(port, "push", "work", "a", "fails once", "--prio", "1")
+    ok(port, "push", "work", "b", "fine", "--prio", "2")
+    done = pinpriq(port, "work", "work", "--count", "3", "--", sys.executable, "-c", JOB_SCRIPT)
+    assert done.returncode == 0, done
+    # The failed job came back, with its place in push order and its priority, before "b".
+    assert done.stdout.splitlines() == ["a 1 1 fails once", "a 2 1 fails once", "b 1 1 fine"]
+    [line] = done.stderr.splitlines()  # one line per failure, no traceback
+    assert line.startswith(f"pinpriq: 127.0.0.1:{port}: job b'a' (attempt 1) failed, released: ")
+    assert line.endswith("exited with status 1")
+    assert ok(port, "pop", "work") == ""  # all acked
+
+
+def test_work_gives_a_key_group_to_one_command_run(port: int) -> None:
+    ok(port, "push", "work-group", "k", "one ", "--prio", "1")
+    ok(port, "push", "work-group", "k", "two", "--prio", "0")
+    assert ok(port, "work", "work-group", "--count", "1", "--", "cat") == "one two"
+    ok(port, "push", "work-group", "k", "x")
+    lines = ok(port, "--json", "work", "work-group", "--count", "1", "--", "cat").splitlines()
+    assert [json.loads(line) for line in lines] == [{"key": "k", "payload": "x"}]
+
+
+def test_a_worker_interrupted_mid_job_gives_the_job_back(port: int) -> None:
+    with subprocess.Popen(
+        [
+            PINPRIQ,
+            "--port",
+            str(port),
+            "work",
+            "work-int",
+            "--",
+            "sh",
+            "-c",
+            "echo started; sleep 60",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env(),
+        start_new_session=True,  # Ctrl-C reaches the worker and its command, as from a terminal
+    ) as worker:
+        assert worker.stdout is not None
+        ok(port, "push", "work-int", "k", "v")
+        assert read_line(worker.stdout, time.monotonic() + TIMEOUT) == b"started\n"
+        os.killpg(worker.pid, signal.SIGINT)
+        assert worker.wait(TIMEOUT) == 130
+    deadline = time.monotonic() + TIMEOUT
+    while not (popped := ok(port, "pop", "work-int")):  # the server has seen the close
+        assert time.monotonic() < deadline, "the job never came back"
+    assert popped == "k\tv\n"

@@ -21,13 +21,17 @@ from pinpriq._client_core import (
     Credits,
     Exchange,
     Expect,
+    LeasedStream,
     check_address,
     check_timeout,
     push_frame,
+    release_frame,
+    reserve_frame,
     subscribe_frames,
+    touch_frame,
 )
-from pinpriq.wire import Packet
-from tests.rawpeer import READY, push, reply, subscribe
+from pinpriq.wire import LeaseReply, Packet
+from tests.rawpeer import READY, lease_reply, leased_subscribe, push, reply, status, subscribe
 
 
 def exchange(opened_at: float = 100.0) -> Exchange:
@@ -229,3 +233,70 @@ def test_the_trio_client_is_exported_lazily() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (0, "True\n"), done.stderr
+
+
+# -- leases -----------------------------------------------------------------------------------
+
+
+def test_replies_with_both_headers_fill_their_slots_in_order() -> None:
+    ex = exchange()
+    popped, reserved, answered = (
+        ex.expect(Expect.PACKETS),
+        ex.expect(Expect.LEASE),
+        ex.expect(Expect.STATUS, 4),
+    )
+    data = reply((b"k", b"v")) + lease_reply(4, 2, (b"j", b"w")) + status(4, True)
+    for byte in data:  # one byte at a time: no header is mistaken for the other
+        ex.feed(bytes([byte]))
+    assert popped.reply == [Packet(b"k", b"v")]
+    assert reserved.reply == LeaseReply(4, 2, [Packet(b"j", b"w")])
+    assert answered.reply == LeaseReply(4, 1, [])
+
+
+def test_an_answer_about_another_lease_is_out_of_step() -> None:
+    ex = exchange()
+    ex.expect(Expect.STATUS, 4)
+    with pytest.raises(PinpriqConnectionError, match="about lease 4 with a message about lease 5"):
+        ex.feed(status(5, True))
+
+
+def test_a_leased_stream_sorts_deliveries_from_answers() -> None:
+    stream = LeasedStream(exchange())
+    first = stream.expect(1)
+    data = lease_reply(2, 1, (b"a", b"")) + status(1, False) + lease_reply(3, 7, (b"b", b""))
+    stream.feed(data[:5])
+    stream.feed(data[5:])
+    assert list(stream.deliveries) == [
+        LeaseReply(2, 1, [Packet(b"a", b"")]),
+        LeaseReply(3, 7, [Packet(b"b", b"")]),
+    ]
+    assert first.reply == LeaseReply(1, 0, [])
+    with pytest.raises(PinpriqConnectionError, match="that nobody asked for"):
+        stream.feed(status(9, True))
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "message"),
+    [
+        ({"lease_ms": -1}, ArgumentError, "lease_ms must be in 0..86400000, not -1"),
+        ({"lease_ms": 86_400_001}, ArgumentError, "lease_ms must be in 0..86400000"),
+        ({"lease_ms": "1"}, ArgumentTypeError, "lease_ms must be an integer"),
+    ],
+)
+def test_lease_times_are_checked_before_sending(
+    args: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        reserve_frame("q", args["lease_ms"])
+    with pytest.raises(error, match=message):
+        touch_frame(1, args["lease_ms"])
+    with pytest.raises(error, match=message):
+        subscribe_frames("q", 1, None, args["lease_ms"])
+    with pytest.raises(error, match=message.replace("lease_ms", "delay_ms")):
+        release_frame(1, args["lease_ms"])
+
+
+def test_a_leased_subscription_opens_with_leased_subscribes_and_credits() -> None:
+    opening, credits = subscribe_frames(["a", "b"], 2, None, 500)
+    assert opening == leased_subscribe(b"a", 500) + leased_subscribe(b"b", 500) + READY * 2
+    assert credits.granted == 2

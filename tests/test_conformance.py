@@ -3,9 +3,10 @@
 Our server must pass every fixture. Each wrong variant below is our server with one fault (a
 misreading of the protocol someone could plausibly make) and must fail the fixtures named for
 it: the suite can fail, and each of those fixtures checks what it says it checks. Variants are
-built by subclassing the store or the subscriptions and handing them to ``PinpriqServer``
-(some subclasses reach into private attributes, said where they do); faults in framing are
-faked by a proxy in front of our server that rewrites the bytes, so nothing is monkeypatched.
+built by subclassing the store, the subscriptions or the leases and handing them to
+``PinpriqServer`` (some subclasses reach into private attributes, said where they do); faults
+in framing are faked by a proxy in front of our server that rewrites the bytes, so nothing is
+monkeypatched.
 
 The fixtures run on the wall clock (TTLs, "nothing within 100 ms"), but no test here asserts
 how long anything took.
@@ -18,7 +19,7 @@ import os
 import ssl
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -35,8 +36,19 @@ from pinpriq.conformance import (
     run_fixture,
     run_suite,
 )
+from pinpriq.leases import Holder, Lease, Leases
 from pinpriq.server import PinpriqServer
-from pinpriq.store import KEY, PAYLOAD, PRIO, SEQ, QueuedPacket, QueueStore
+from pinpriq.store import (
+    DEADLINE,
+    KEY,
+    LEASES,
+    PACKET_OVERHEAD,
+    PAYLOAD,
+    PRIO,
+    SEQ,
+    QueuedPacket,
+    QueueStore,
+)
 from pinpriq.subscriptions import Subscriber, Subscriptions
 
 FIXTURES = load_fixtures(DEFAULT_FIXTURES)
@@ -203,6 +215,97 @@ class CStringNames(QueueStore):
         return super().peek_rank(queue.split(b"\0")[0])
 
 
+class NewestOnReturn(QueueStore):
+    """A packet coming back from a lease is pushed again: the newest, under a new number."""
+
+    def restore(self, queue: bytes, packets: Sequence[QueuedPacket]) -> int:
+        held = sum(len(p[KEY]) + len(p[PAYLOAD]) + PACKET_OVERHEAD for p in packets)
+        self.taken_bytes -= held
+        self.bytes_held -= held
+        for packet in packets:
+            self.push(queue, packet[KEY], packet[PAYLOAD], 0, packet[PRIO])
+        return len(packets)
+
+
+class FreshTtlOnReturn(QueueStore):
+    """A packet coming back from a lease gets its whole TTL again, from now."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        super().__init__(clock)
+        self._ttls: dict[int, int] = {}
+
+    def push(self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> float:
+        deadline = super().push(queue, key, payload, ttl_ms, prio)
+        self._ttls[self.pushed] = ttl_ms
+        return deadline
+
+    def restore(self, queue: bytes, packets: Sequence[QueuedPacket]) -> int:
+        now = self.now()
+        fresh = [
+            (
+                *p[:DEADLINE],
+                now + self._ttls[p[SEQ]] / 1000 if self._ttls[p[SEQ]] else p[DEADLINE],
+                p[LEASES],
+            )
+            for p in packets
+        ]
+        return super().restore(queue, fresh)  # type: ignore[arg-type]
+
+    def _live(self, entry: tuple[float, int, bytes, bytes]) -> QueuedPacket | None:
+        # (Private.) The expiry entry filed at the push no longer stands for the packet.
+        packet = super()._live(entry)
+        return packet if packet is not None and packet[DEADLINE] == entry[0] else None
+
+
+# -- wrong variants: leases -------------------------------------------------------------------
+
+
+class ServerWideIds(Leases):
+    """Numbers leases across the whole server, as one counter, rather than per connection."""
+
+    last = 0
+
+    def reserve(self, holder: Holder, queue: bytes, lease_ms: int) -> Lease | None:
+        holder.last_id = self.last
+        lease = super().reserve(holder, queue, lease_ms)
+        if lease is not None:
+            self.last = lease.lease_id
+        return lease
+
+
+class CloseKeepsLeases(Leases):
+    def close(self, holder: Holder) -> None:
+        pass
+
+
+class ReleaseAtOnce(Leases):
+    def release(self, holder: Holder, lease_id: int, delay_ms: int) -> bool:
+        return super().release(holder, lease_id, 0)
+
+
+class AttemptOfTheLeastLeased(Leases):
+    """A group's attempt from its packet leased least: a newcomer to the key resets it."""
+
+    def reserve(self, holder: Holder, queue: bytes, lease_ms: int) -> Lease | None:
+        lease = super().reserve(holder, queue, lease_ms)
+        if lease is not None:
+            lease.attempt = 1 + min(packet[LEASES] for packet in lease.packets)
+        return lease
+
+
+class LeaseTimeZeroIsZero(Leases):
+    def _due(self, lease_ms: int) -> float:
+        return self._store.now() + lease_ms / 1000
+
+
+class ReturnsOfferedToNobody(Leases):
+    """Packets coming back wait in their queue until something else wakes the subscribers."""
+
+    def take_returned(self) -> list[bytes]:
+        super().take_returned()
+        return []
+
+
 # -- wrong variants: subscriptions ------------------------------------------------------------
 
 
@@ -331,15 +434,24 @@ class QueuesInNameOrder(Subscriptions):
 
 _PUSH_HEADER = struct.Struct(">HHBHH")  # after the opcode: queue_len, ttl, prio, key/payload_len
 _U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_FIXED_SIZES = {0x4B: 9, 0x4E: 13, 0x54: 13}  # ack, release, touch: their whole length
+_MAX_LEASE_MS = 86_400_000
 
 
 def frame_end(data: bytes | bytearray, pos: int) -> int | None:
     """Where the client frame at ``pos`` ends; ``None`` if incomplete; ``ValueError`` if the
     byte at ``pos`` is no opcode."""
     opcode = data[pos]
-    if opcode == 0x41:
+    if opcode in (0x41, 0x21):
         return pos + 1
-    if opcode in (0x50, 0x73, 0x75):
+    if opcode in _FIXED_SIZES:
+        end = pos + _FIXED_SIZES[opcode]
+    elif opcode in (0x52, 0x53):  # a u32 time, then a named frame's fields
+        if len(data) - pos < 7:
+            return None
+        end = pos + 7 + _U16.unpack_from(data, pos + 5)[0]
+    elif opcode in (0x50, 0x73, 0x75):
         if len(data) - pos < 3:
             return None
         end = pos + 3 + _U16.unpack_from(data, pos + 1)[0]
@@ -397,6 +509,54 @@ def whole_frames_only(held: bytearray, chunk: bytes) -> bytes:
     except ValueError:
         return chunk  # let the server see the bad byte
     return chunk[:pos]
+
+
+def _frames(held: bytearray, chunk: bytes) -> list[bytearray]:
+    """The whole frames of what is held and the new chunk; the rest stays held."""
+    held += chunk
+    frames, pos = [], 0
+    while pos < len(held) and (end := frame_end(held, pos)) is not None:
+        frames.append(held[pos:end])
+        pos = end
+    del held[:pos]
+    return frames
+
+
+def acks_grant_credits(held: bytearray, chunk: bytes) -> bytes:
+    """Each ack is followed by a ready, as if an ack granted a delivery credit."""
+    return b"".join(bytes(f) + (b"\x41" if f[0] == 0x4B else b"") for f in _frames(held, chunk))
+
+
+def lease_times_clamped(held: bytearray, chunk: bytes) -> bytes:
+    """Lease times and delays above 24 h are cut to 24 h: the server never sees them."""
+    frames = _frames(held, chunk)
+    for frame in frames:
+        at = {0x52: 1, 0x53: 1, 0x4E: 9, 0x54: 9}.get(frame[0])
+        if at is not None and _U32.unpack_from(frame, at)[0] > _MAX_LEASE_MS:
+            _U32.pack_into(frame, at, _MAX_LEASE_MS)
+    return b"".join(map(bytes, frames))
+
+
+class MixingTolerated:
+    """Drops, per connection, the frames decision 18 forbids, so the server never sees them:
+    a pop, subscribe or reserve after a leased subscribe, a leased subscribe after a plain
+    subscribe. A filter per proxied connection, told apart by its ``held`` buffer."""
+
+    def __init__(self) -> None:
+        self._mode: dict[int, int] = {}  # id(held) -> the kind of subscribe it made, if any
+
+    def __call__(self, held: bytearray, chunk: bytes) -> bytes:
+        kept = []
+        for frame in _frames(held, chunk):
+            mode = self._mode.get(id(held))
+            if mode == 0x53 and frame[0] in (0x50, 0x73, 0x52):
+                continue
+            if mode == 0x73 and frame[0] == 0x53:
+                continue
+            if frame[0] in (0x53, 0x73) and mode is None:
+                self._mode[id(held)] = frame[0]
+            kept.append(bytes(frame))
+        return b"".join(kept)
 
 
 def drop_empty_replies(held: bytearray, chunk: bytes) -> bytes:
@@ -460,6 +620,15 @@ def with_subscriptions(kind: type[Subscriptions]) -> Callable[[], PinpriqServer]
 
 def with_store(build_store: Callable[[], QueueStore]) -> Callable[[], PinpriqServer]:
     return lambda: PinpriqServer(build_store())
+
+
+def with_leases(kind: type[Leases]) -> Callable[[], PinpriqServer]:
+    def build() -> PinpriqServer:
+        server = PinpriqServer()
+        server.broker.leases = kind(server.broker.store)
+        return server
+
+    return build
 
 
 @attrs.frozen
@@ -569,6 +738,57 @@ VARIANTS: dict[str, Variant] = {
         PinpriqServer,
         {"split-every-byte"},
         to_server=whole_frames_only,
+    ),
+    "lease ids numbered server-wide": Variant(
+        with_leases(ServerWideIds),
+        {"lease-ids-per-connection"},
+    ),
+    "leases kept when their connection closes": Variant(
+        with_leases(CloseKeepsLeases),
+        {"lease-close-returns"},
+    ),
+    "release ignores its delay": Variant(
+        with_leases(ReleaseAtOnce),
+        {"lease-release-delay"},
+    ),
+    "a packet coming back is filed as the newest": Variant(
+        with_store(lambda: NewestOnReturn(clock)),
+        {"lease-push-order"},
+    ),
+    "a packet coming back gets a fresh TTL": Variant(
+        with_store(lambda: FreshTtlOnReturn(clock)),
+        {"lease-ttl"},
+    ),
+    "attempt from the packet leased least": Variant(
+        with_leases(AttemptOfTheLeastLeased),
+        {"lease-attempts"},
+    ),
+    "no dead letters": Variant(
+        partial(PinpriqServer, max_deliveries=0),
+        {"lease-dead-letter"},
+    ),
+    "lease time 0 taken as 0 ms": Variant(
+        with_leases(LeaseTimeZeroIsZero),
+        {"reserve-ack"},
+    ),
+    "a packet coming back waits for the next push to be delivered": Variant(
+        with_leases(ReturnsOfferedToNobody),
+        {"lease-return-offered"},
+    ),
+    "acks grant delivery credits": Variant(
+        PinpriqServer,
+        {"leased-subscribe"},
+        to_server=acks_grant_credits,
+    ),
+    "pop, subscribe or reserve tolerated on a leased connection": Variant(
+        PinpriqServer,
+        {"leased-mixing-closes"},
+        to_server=MixingTolerated(),
+    ),
+    "lease times above 24 h accepted": Variant(
+        PinpriqServer,
+        {"lease-time-malformed"},
+        to_server=lease_times_clamped,
     ),
 }
 

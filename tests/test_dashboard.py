@@ -19,7 +19,7 @@ import trio
 from pinpriq.display import escape
 from pinpriq.server import PinpriqServer
 from tests.conftest import StartServer
-from tests.rawpeer import READY, push, subscribe
+from tests.rawpeer import READY, ack, lease_reply, push, reserve, status, subscribe
 from tests.test_admin import applied, start_admin
 from tests.test_load_shapes import wait_until
 
@@ -114,12 +114,18 @@ async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     await applied(producer, b"".join(frames))
     await subscriber.send(subscribe(b"orders") + subscribe(b"empty") + READY)
     assert await subscriber.reply()  # one delivered: 7 left in orders
+    worker = await admin.live.connect()  # two packets leased, one of them acked
+    await applied(worker, push(b"jobs", b"a", b"") + push(b"jobs", b"b", b""))
+    await worker.send(reserve(b"jobs") + reserve(b"jobs") + ack(1))
+    expected = lease_reply(1, 1, (b"b", b"")) + lease_reply(2, 1, (b"a", b"")) + status(1, True)
+    assert await worker.receive_exactly(len(expected)) == expected
     await wait_until(lambda: admin.live.broker.subscriptions.subscriber_count == 1, "subscribed")
 
     page = await render(f"http://127.0.0.1:{admin.port}/")
 
     assert page.by_id["status"] == "serving"
-    assert page.by_id["connections"] == "2"
+    assert page.by_id["connections"] == "3"
+    assert page.by_id["leases"] == "1 / 1"
     assert page.by_id["subscribers"] == "1"
     assert page.by_id["packets"] == "8"
     assert page.by_id["queue-count"] == "2"

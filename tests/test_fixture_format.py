@@ -8,6 +8,7 @@ lengths, and to hold every fixture to its own queue names, so one server can run
 from __future__ import annotations
 
 import re
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,22 @@ from pinpriq.conformance import (
     parse_bytes,
     parse_fixture,
 )
-from pinpriq.wire import Auth, FrameDecoder, ProtocolError, Push, Ready, ReplyDecoder, Sync
+from pinpriq.wire import (
+    Ack,
+    Auth,
+    ClientFrame,
+    FrameDecoder,
+    LeasedSubscribe,
+    Pop,
+    ProtocolError,
+    Push,
+    Ready,
+    Release,
+    ReplyDecoder,
+    Reserve,
+    Sync,
+    Touch,
+)
 
 FIXTURES = load_fixtures(DEFAULT_FIXTURES)
 REPO = DEFAULT_FIXTURES.parent
@@ -216,7 +232,7 @@ def test_fixture_sends_whole_frames_to_its_own_queues(fixture: Fixture) -> None:
                 # A frame cut short only where the client closes the connection.
                 assert last_action(fixture, conn) is Action.CLOSE, f"{conn}: bytes left over"
         for frame in frames:
-            if isinstance(frame, Ready | Sync | Auth):
+            if isinstance(frame, Ready | Sync | Auth | Ack | Release | Touch):
                 continue
             if fixture.name == "empty-name-and-key":
                 assert frame.queue == b""
@@ -227,14 +243,63 @@ def test_fixture_sends_whole_frames_to_its_own_queues(fixture: Fixture) -> None:
                 assert 0 <= frame.ttl_ms <= 0xFFFF
 
 
+def decoded_frames(data: bytes) -> list[ClientFrame]:
+    """The whole frames of ``data``, up to a bad byte if any."""
+    decoder = FrameDecoder()
+    decoder.feed(data)
+    return decoder.decode()
+
+
+class Connection:
+    """What one connection of a fixture is owed, as far as the formats of replies go: the
+    2-byte count, or the 11-byte lease header (decisions 13, 14 and 18)."""
+
+    def __init__(self) -> None:
+        self.leased = False  # a leased subscribe was sent: every message has the lease header
+        self.owed: deque[bool] = deque()  # replies owed, in order: True for the lease header
+
+    def sent(self, data: bytes) -> None:
+        for frame in decoded_frames(data):
+            if isinstance(frame, LeasedSubscribe):
+                self.leased = True
+            elif isinstance(frame, Pop):
+                self.owed.append(False)
+            elif isinstance(frame, Sync):
+                self.owed.append(self.leased)
+            elif isinstance(frame, Reserve | Ack | Release | Touch):
+                self.owed.append(True)
+
+    def expected(self, data: bytes, line: int) -> None:
+        """``data`` is whole messages, each in the format its place calls for."""
+        decoder = ReplyDecoder()
+        decoder.feed(data)
+        count = 0
+        while decoder.pending:
+            # The oldest reply owed has the format of its request's time; a delivery, that of
+            # the connection now.
+            leased = self.owed[0] if self.owed else self.leased
+            if leased:
+                lease = decoder.next_lease_reply()
+                assert lease is not None, f"line {line}: part of a message"
+                delivery = bool(lease.packets) and self.leased
+            else:
+                assert decoder.next_reply() is not None, f"line {line}: part of a reply"
+                delivery = False
+            count += 1
+            if self.owed and not delivery:
+                self.owed.popleft()
+        assert count, f"line {line}: not one whole reply"
+
+
 @pytest.mark.parametrize("fixture", FIXTURES, ids=lambda f: f.name)
 def test_fixture_expects_whole_replies(fixture: Fixture) -> None:
+    connections: dict[str, Connection] = {}
     for step in fixture.steps:
-        if step.action is Action.EXPECT:
-            decoder = ReplyDecoder()
-            decoder.feed(step.data)
-            assert list(decoder), f"line {step.line}: not one whole reply"
-            assert decoder.pending == 0, f"line {step.line}: part of a reply"
+        conn = connections.setdefault(step.conn, Connection())
+        if step.action in (Action.SEND, Action.SEND_BYTEWISE):
+            conn.sent(step.data)
+        elif step.action is Action.EXPECT:
+            conn.expected(step.data, step.line)
 
 
 @pytest.mark.parametrize("fixture", FIXTURES, ids=lambda f: f.name)

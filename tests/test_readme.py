@@ -1,8 +1,8 @@
 """The README's examples, run as written against a live server, so they can never rot.
 
-* Each ``python`` block of "Using pinpriq from Python" runs in a fresh interpreter against a
-  fresh server, with the README's port 7000 replaced by the test server's; when a ``text``
-  block follows it, that is exactly what it must print.
+* Each ``python`` block of "Using pinpriq from Python" and "Jobs that must not be lost" runs in
+  a fresh interpreter against a fresh server, with the README's port 7000 replaced by the test
+  server's; when a ``text`` block follows it, that is exactly what it must print.
 * Each ``console`` block of "From the shell" is a transcript: ``$ `` lines are commands, the
   lines after each are its stdout. The commands run with ``PINPRIQ_URL`` naming the test server.
 """
@@ -40,7 +40,7 @@ def blocks(title: str) -> list[tuple[str, str, int]]:
 
 def python_examples() -> list[tuple[str, str | None]]:
     """Each Python example and the output shown after it, if any."""
-    found = blocks("Using pinpriq from Python")
+    found = blocks("Using pinpriq from Python") + blocks("Jobs that must not be lost")
     examples = []
     for i, (language, code, _) in enumerate(found):
         if language == "python":

@@ -4,6 +4,7 @@ queues, the checks at start, and a differential test against the built-in store.
 from __future__ import annotations
 
 import signal
+import struct
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -25,7 +26,11 @@ from tests.redis_servers import RedisServer, free_port, need_redis
 SYNC = b"\x21"
 READY = b"\x41"
 
-FIXTURES = load_fixtures(DEFAULT_FIXTURES)
+#: The Redis store does not take lease frames yet (it closes the connection, said below), so
+#: the lease fixtures are left out here: every other fixture must pass.
+FIXTURES = [
+    f for f in load_fixtures(DEFAULT_FIXTURES) if not f.name.startswith(("lease", "reserve"))
+]
 #: Seconds a fixture step may take. The runner's default, 2 s, is tight for reply-max-packets
 #: (65,537 pushes, then a 65,535-packet pop) on the Redis store, whose Lua spends ~15 us a
 #: packet, when the test, the server and Redis share a loaded 2-core machine.
@@ -60,6 +65,18 @@ async def test_every_fixture_passes_on_the_redis_store(redis_url: str) -> None:
     assert {r.name for r in results if r.skipped} == {
         f.name for f in FIXTURES if f.requires is Requires.TOKEN
     }
+
+
+async def test_a_lease_frame_closes_the_connection_after_what_came_before(
+    redis_url: str,
+) -> None:
+    async with front_end(redis_url) as (_, port):
+        peer = await connect(port)
+        reserve = b"\x52" + struct.pack(">IH", 0, 1) + b"q"
+        await peer.send(push(b"q", b"k", b"v") + SYNC + pop(b"q") + reserve + SYNC)
+        assert await peer.reply() == []  # the sync
+        assert await peer.reply() == [(b"k", b"v")]  # the pop
+        await peer.expect_closed()  # at the reserve: nothing after it is answered
 
 
 async def connect(port: int) -> Peer:

@@ -113,6 +113,9 @@ def test_admin_port_in_use_is_one_line_and_non_zero() -> None:
         (["--metrics-max-queues", "-1"], "--metrics-max-queues"),
         # No token: the admin listener stays on loopback (the server exits before listening).
         (["--port", "0", "--http-host", "0.0.0.0"], "refusing an admin listener on 0.0.0.0"),
+        (["--lease-default", "0"], "--lease-default"),
+        (["--lease-default", "86401"], "86401 is more than 86400 seconds"),
+        (["--max-deliveries", "-1"], "--max-deliveries"),
     ],
 )
 def test_bad_arguments_are_one_line_and_non_zero(args: list[str], fragment: str) -> None:
@@ -160,6 +163,24 @@ def test_limits_are_in_help() -> None:
     result = run("--help")
     assert "--max-memory" in result.stdout
     assert "--max-connections" in result.stdout
+    assert "--lease-default" in result.stdout
+    assert "--max-deliveries" in result.stdout
+
+
+def test_lease_default_and_max_deliveries_reach_the_leases() -> None:
+    process = ServerProcess("--port", "0", "--lease-default", "0.2", "--max-deliveries", "1")
+    try:
+        with socket.create_connection(("127.0.0.1", process.port), timeout=5) as sock:
+            reserve = b"\x52\x00\x00\x00\x00\x00\x01q"  # lease time 0: the default
+            sock.sendall(b"\x70" + struct.pack(">HHBHH", 1, 0, 1, 1, 0) + b"kq" + reserve)
+            assert sock.recv(16, socket.MSG_WAITALL)[:11] == bytes.fromhex(
+                "00000000000000010100 01"
+            )
+            time.sleep(0.4)  # the 0.2 s default passes; the first attempt was the last
+            sock.sendall(b"\x50\x00\x01q" + b"\x50\x00\x06q.dead")
+            assert sock.recv(9, socket.MSG_WAITALL) == b"\x00\x00" + b"\x00\x01\x00\x01\x00\x00k"
+    finally:
+        process.stop(signal.SIGTERM)
 
 
 def _owe_big_replies(port: int) -> socket.socket:

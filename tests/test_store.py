@@ -17,6 +17,7 @@ from pinpriq import wire
 from pinpriq.store import (
     DEFAULT_MAX_POP,
     KEY,
+    LEASES,
     PACKET_OVERHEAD,
     PAYLOAD,
     PRIO,
@@ -649,8 +650,16 @@ class Model:
     def next_deadline(self) -> float | None:
         return min((p.deadline for p in self.packets if p.deadline != float("inf")), default=None)
 
+    def restore(self, queue: bytes, group: list[ModelPacket]) -> int:
+        """Taken packets go back where they were in push order, to ``queue``; TTL wins."""
+        live = [p for p in group if self.now < p.deadline]
+        for p in live:
+            p.queue = queue
+        self.packets = sorted([*self.packets, *live], key=lambda p: p.seq)
+        return len(live)
 
-QUEUES = (b"", b"a", b"b")
+
+QUEUES = (b"", b"a", b"b", b"a.dead")
 KEYS = (b"", b"x", b"y")
 
 
@@ -671,6 +680,7 @@ class StoreVersusModel(RuleBasedStateMachine):
         self.store = QueueStore(self.clock, max_pop=self.MAX_POP)
         self.model = Model(max_pop=self.MAX_POP)
         self.pushes = 0
+        self.taken: list[tuple[list[QueuedPacket], list[ModelPacket]]] = []
 
     @rule(
         queue=st.sampled_from(QUEUES),
@@ -687,6 +697,29 @@ class StoreVersusModel(RuleBasedStateMachine):
     @rule(queue=st.sampled_from(QUEUES))
     def pop(self, queue: bytes) -> None:
         assert described(self.store.pop(queue)) == described_model(self.model.pop(queue))
+
+    @rule(queue=st.sampled_from(QUEUES))
+    def take(self, queue: bytes) -> None:
+        taken, expected = self.store.take(queue), self.model.pop(queue)
+        assert described(taken) == described_model(expected)
+        if taken:
+            self.taken.append((taken, expected))
+
+    @rule(data=st.data(), elsewhere=st.booleans())
+    def restore(self, data: st.DataObject, elsewhere: bool) -> None:
+        if self.taken:
+            taken, expected = self.taken.pop(data.draw(st.integers(0, len(self.taken) - 1)))
+            # Back to its own queue, or (a dead letter) to another; the lease count changed.
+            queue = expected[0].queue + b".dead" if elsewhere else expected[0].queue
+            back = [(*p[:LEASES], p[LEASES] + 1) for p in taken]
+            returned = self.store.restore(queue, back)
+            assert returned == self.model.restore(queue, expected)
+
+    @rule(data=st.data())
+    def discard(self, data: st.DataObject) -> None:
+        if self.taken:
+            taken, _ = self.taken.pop(data.draw(st.integers(0, len(self.taken) - 1)))
+            self.store.discard(taken)
 
     @rule(seconds=st.sampled_from([0.125, 0.25, 0.5]))
     def advance(self, seconds: float) -> None:
@@ -729,6 +762,11 @@ class StoreVersusModel(RuleBasedStateMachine):
     @invariant()
     def same_counts(self) -> None:
         self.store.check_invariants()
+        assert self.store.taken_bytes == sum(
+            len(p[KEY]) + len(p[PAYLOAD]) + PACKET_OVERHEAD
+            for group, _ in self.taken
+            for p in group
+        )
         assert len(self.store) == len(self.model.packets)
         assert self.store.queue_count == len({p.queue for p in self.model.packets})
         for q in QUEUES:
@@ -786,4 +824,120 @@ def test_displaced_keys_stay_bounded(store: QueueStore, clock: FakeClock) -> Non
     displaced = store._queues[b"q"].displaced
     assert displaced is not None
     assert len(displaced) <= 100 + 64 + 1
+
+
+# --- leases: take, restore, discard (decisions 13-16) --------------------------------------------
+
+
+def test_take_is_a_pop_whose_bytes_stay_held_until_discarded(store: QueueStore) -> None:
+    push(store, b"a", key=b"k")
+    push(store, b"b", key=b"k", prio=0)
+    held = store.bytes_held
+    taken = store.take(b"q")
+    assert payloads(taken) == [b"a", b"b"]
+    assert len(store) == 0
+    assert store.pop(b"q") == []
+    assert store.bytes_held == held == store.taken_bytes
+    assert store.unselectable_bytes == 0  # a taken prio-0 packet leaves with its lease
+    store.check_invariants()
+    store.discard(taken)
+    assert store.bytes_held == store.taken_bytes == 0
+    store.check_invariants()
+
+
+def test_a_packet_restored_takes_its_place_in_push_order(store: QueueStore) -> None:
+    push(store, b"old", prio=2)
+    taken = store.take(b"q")
+    push(store, b"new", prio=2)
+    push(store, b"newest", prio=2)
+    assert store.restore(b"q", taken) == 1
+    store.check_invariants()
+    # Newest first among equal priorities (decision 2): "old" is still the oldest.
+    assert [payloads(store.pop(b"q")) for _ in range(3)] == [[b"newest"], [b"new"], [b"old"]]
+
+
+def test_a_restored_group_merges_with_newer_packets_of_its_key_in_push_order(
+    store: QueueStore,
+) -> None:
+    push(store, b"1", key=b"k", prio=3)
+    push(store, b"2", key=b"k", prio=0)
+    taken = store.take(b"q")
+    push(store, b"3", key=b"k", prio=0)
+    push(store, b"4", key=b"k", prio=5)
+    store.restore(b"q", taken)
+    store.check_invariants()
+    # The best packet ("1", prio 3) first, then the rest of the key in push order (decision 3).
+    assert payloads(store.pop(b"q")) == [b"1", b"2", b"3", b"4"]
+
+
+def test_a_restored_packet_reuses_the_level_entry_it_left_behind(store: QueueStore) -> None:
+    push(store, b"a", key=b"k", prio=1)
+    push(store, b"b", key=b"k", prio=4)  # leaves with "a", its prio-4 entry stays, stale
+    taken = store.take(b"q")
+    assert store.restore(b"q", [(*p[:LEASES], 1) for p in taken]) == 2
+    store.check_invariants()  # each packet exactly once in its level, as the new tuple
+    assert [p[LEASES] for p in store.pop(b"q")] == [1, 1]
+
+
+def test_a_restored_packet_keeps_its_ttl_deadline(store: QueueStore, clock: FakeClock) -> None:
+    push(store, b"a", ttl_ms=1000)
+    taken = store.take(b"q")
+    clock.advance(0.5)
+    store.restore(b"q", taken)
+    assert store.next_deadline() == 1001.0
+    clock.advance(0.5)
+    assert store.expire() == 1
+    assert store.bytes_held == 0
+    store.check_invariants()
+
+
+def test_a_packet_whose_ttl_passed_while_taken_is_dropped_on_restore(
+    store: QueueStore, clock: FakeClock
+) -> None:
+    push(store, b"short", key=b"k", ttl_ms=250)
+    push(store, b"long", key=b"k", ttl_ms=1000, prio=2)
+    taken = store.take(b"q")
+    clock.advance(0.25)
+    assert store.restore(b"q", taken) == 1  # TTL wins (decision 15)
+    assert store.expired == 1
+    assert payloads(store.pop(b"q")) == [b"long"]
+    assert store.bytes_held == store.taken_bytes == 0
+    store.check_invariants()
+
+
+def test_restore_to_another_queue_keeps_order_and_deadline(
+    store: QueueStore, clock: FakeClock
+) -> None:
+    push(store, b"a", ttl_ms=1000)
+    taken = store.take(b"q")
+    push(store, b"b", queue=b"q.dead")
+    assert store.restore(b"q.dead", taken) == 1
+    assert store.queue_count == 1
+    assert payloads(store.pop(b"q.dead")) == [b"b"]  # "a" is older
+    assert store.next_deadline() == 1001.0
+    store.check_invariants()
+
+
+def test_two_expiry_entries_of_a_restored_packet_expire_it_once(
+    store: QueueStore, clock: FakeClock
+) -> None:
+    push(store, b"a", ttl_ms=500)
+    for _ in range(3):  # each round trip files an expiry entry; the old ones stay in the heap
+        store.restore(b"q", store.take(b"q"))
+    store.check_invariants()
+    clock.advance(0.5)
+    assert store.expire() == 1
+    assert len(store) == 0
+    assert store.next_deadline() is None
+
+
+def test_expiry_compaction_keeps_one_entry_per_packet() -> None:
+    # A packet leased and returned again and again must not grow the heap without bound.
+    store = QueueStore(FakeClock())
+    push(store, b"a", ttl_ms=60_000)
+    for i in range(1000):
+        push(store, b"x%d" % i, queue=b"other")
+        store.pop(b"other")  # pops compact the heap once it is twice the live packets
+        store.restore(b"q", store.take(b"q"))
+    assert len(store._expiry) <= 2 * len(store) + 65  # white-box: the heap's length
     store.check_invariants()

@@ -18,23 +18,33 @@ from hypothesis import strategies as st
 
 from pinpriq import wire
 from pinpriq.wire import (
+    LEASED_EMPTY,
     READY,
     SYNC,
+    Ack,
     Auth,
     ClientFrame,
     FrameDecoder,
+    LeasedSubscribe,
+    LeaseReply,
+    MalformedFrame,
     Packet,
     Pop,
     ProtocolError,
     Push,
+    Release,
     ReplyDecoder,
+    Reserve,
     Subscribe,
+    Touch,
     Unsubscribe,
     encode,
+    encode_lease_reply,
+    encode_lease_status,
     encode_reply,
 )
 
-OPCODES = {0x70, 0x50, 0x73, 0x75, 0x41, 0x21, 0x61}
+OPCODES = {0x70, 0x50, 0x73, 0x75, 0x41, 0x21, 0x61, 0x52, 0x4B, 0x4E, 0x54, 0x53}
 
 # (frame, its bytes as written from the layout table). Spaces separate the fields.
 PINNED_FRAMES: list[tuple[ClientFrame, str]] = [
@@ -63,6 +73,21 @@ PINNED_FRAMES: list[tuple[ClientFrame, str]] = [
     # 61 | token_len | token
     (Auth(b"s3cret"), "61 0006 733363726574"),
     (Auth(b""), "61 0000"),
+    # 52 | lease_ms u32 | queue_len | queue: the time before the name
+    (Reserve(b"jobs", 30_000), "52 00007530 0004 6a6f6273"),
+    (Reserve(b""), "52 00000000 0000"),
+    (Reserve(b"q", 86_400_000), "52 05265c00 0001 71"),
+    # 4B | lease_id u64
+    (Ack(1), "4b 0000000000000001"),
+    (Ack(0xFFFF_FFFF_FFFF_FFFF), "4b ffffffffffffffff"),
+    # 4E | lease_id u64 | delay_ms u32
+    (Release(2, 1500), "4e 0000000000000002 000005dc"),
+    (Release(258), "4e 0000000000000102 00000000"),
+    # 54 | lease_id u64 | lease_ms u32
+    (Touch(3, 60_000), "54 0000000000000003 0000ea60"),
+    # 53 | lease_ms u32 | queue_len | queue
+    (LeasedSubscribe(b"jobs", 100), "53 00000064 0004 6a6f6273"),
+    (LeasedSubscribe(b""), "53 00000000 0000"),
 ]
 
 MAX_PUSH = Push(queue=b"q" * 65535, key=b"k" * 65535, payload=b"p" * 65535, ttl_ms=65535, prio=255)
@@ -268,6 +293,11 @@ client_frames: st.SearchStrategy[ClientFrame] = st.one_of(
     st.just(READY),
     st.just(SYNC),
     st.builds(Auth, fields),
+    st.builds(Reserve, fields, st.integers(0, wire.MAX_LEASE_MS)),
+    st.builds(LeasedSubscribe, fields, st.integers(0, wire.MAX_LEASE_MS)),
+    st.builds(Ack, st.integers(0, wire.MAX_LEASE_ID)),
+    st.builds(Release, st.integers(0, wire.MAX_LEASE_ID), st.integers(0, wire.MAX_LEASE_MS)),
+    st.builds(Touch, st.integers(0, wire.MAX_LEASE_ID), st.integers(0, wire.MAX_LEASE_MS)),
 )
 packets = st.builds(Packet, fields, fields)
 replies = st.lists(packets, max_size=5)
@@ -315,8 +345,14 @@ streams = st.one_of(
 def _expected_length(prefix: bytes) -> int | None:
     """The full length of a valid frame starting with prefix, if its header is complete."""
     opcode = prefix[0]
-    if opcode == 0x41:
+    if opcode in (0x41, 0x21):
         return 1
+    if opcode == 0x4B:
+        return 9
+    if opcode in (0x4E, 0x54):
+        return 13
+    if opcode in (0x52, 0x53):
+        return 7 + int.from_bytes(prefix[5:7], "big") if len(prefix) >= 7 else None
     if opcode == 0x70:
         if len(prefix) < 10:
             return None
@@ -343,7 +379,15 @@ def test_any_bytes_give_frames_then_at_most_a_protocol_error(
             error = exc
             break
     decoded = b"".join(encode(frame) for frame in frames)
-    if error is not None:
+    if isinstance(error, MalformedFrame):
+        # A known opcode whose time field (the last field of release and touch, the first of
+        # reserve and leased subscribe) is above 24 h.
+        assert stream[error.offset] == error.byte
+        assert decoded == stream[: error.offset]
+        frame = stream[error.offset :]
+        at = 9 if error.byte in (0x4E, 0x54) else 1
+        assert int.from_bytes(frame[at : at + 4], "big") > wire.MAX_LEASE_MS
+    elif error is not None:
         # Every frame before the bad byte was yielded, and the error names that very byte.
         assert stream[error.offset] == error.byte
         assert error.byte not in OPCODES
@@ -447,3 +491,113 @@ def test_encode_reply_accepts_65535_packets() -> None:
     assert data[:2] == b"\xff\xff"
     assert len(data) == 2 + 4 * 65535
     assert decode_replies([data]) == [list(packets)]
+
+
+# --- leases (protocol 1.1, decisions 13-18) ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("hex_bytes", "message"),
+    [
+        (
+            "52 05265c01 0001 71",
+            "malformed reserve frame (0x52) at stream offset 0: lease time "
+            "86,400,001 ms is above the most, 86,400,000 ms (24 h)",
+        ),
+        (
+            "53 ffffffff 0000",
+            "malformed leased subscribe frame (0x53) at stream offset 0: lease time",
+        ),
+        (
+            "4e 0000000000000001 05265c01",
+            "malformed release frame (0x4e) at stream offset 0: release delay 86,400,001 ms",
+        ),
+        ("54 0000000000000001 ffffffff", "malformed touch frame (0x54) at stream offset 0: lease"),
+    ],
+)
+def test_a_time_above_24_hours_makes_the_frame_malformed(hex_bytes: str, message: str) -> None:
+    for chunks in ([bytes.fromhex(hex_bytes)], one_byte_at_a_time(bytes.fromhex(hex_bytes))):
+        decoder = FrameDecoder()
+        decoder.feed(bytes.fromhex("41"))
+        frames = decoder.decode()
+        for chunk in chunks:
+            decoder.feed(chunk)
+            frames += decoder.decode()
+        assert frames == [READY]  # the frame before it, and nothing after
+        assert isinstance(decoder.error, MalformedFrame)
+        assert str(decoder.error).startswith(message.replace("offset 0", "offset 1"))
+        with pytest.raises(ProtocolError):  # iterating raises it, as any protocol error
+            decoder.next_frame()
+
+
+def test_a_malformed_reserve_is_refused_from_its_header_without_waiting_for_the_name() -> None:
+    decoder = FrameDecoder()
+    decoder.feed(bytes.fromhex("52 ffffffff ffff"))  # a 65,535-byte name announced, none sent
+    assert decoder.decode() == []
+    assert isinstance(decoder.error, MalformedFrame)
+
+
+@pytest.mark.parametrize(
+    ("frame", "field"),
+    [
+        (Reserve(b"q", 86_400_001), "lease_ms"),
+        (Reserve(b"q", -1), "lease_ms"),
+        (Reserve(TOO_LONG), "queue"),
+        (LeasedSubscribe(b"q", 86_400_001), "lease_ms"),
+        (Ack(-1), "lease_id"),
+        (Ack(1 << 64), "lease_id"),
+        (Release(1, 86_400_001), "delay_ms"),
+        (Touch(1, 86_400_001), "lease_ms"),
+    ],
+)
+def test_encode_rejects_lease_fields_out_of_range(frame: ClientFrame, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        encode(frame)
+
+
+def test_lease_replies_have_an_11_byte_header() -> None:
+    # lease id u64 | attempt u8 | count u16 | packets
+    data = bytes.fromhex("0000000000000007 02 0002 0001 0001 6b 61 0001 0000 6b")
+    packets = [Packet(b"k", b"a"), Packet(b"k", b"")]
+    assert encode_lease_reply(7, 2, packets) == data
+    assert encode_lease_reply(7, 300, packets)[8] == 0xFF  # the byte saturates at 255
+    assert encode_lease_status(7, True) == bytes.fromhex("0000000000000007 01 0000")
+    assert encode_lease_status(9, False) == bytes.fromhex("0000000000000009 00 0000")
+    assert bytes.fromhex("0000000000000000 00 0000") == LEASED_EMPTY
+
+
+def test_reply_decoder_reads_lease_messages_in_any_chunking() -> None:
+    data = (
+        encode_lease_reply(7, 2, [Packet(b"k", b"a"), Packet(b"k", b"")])
+        + encode_lease_status(7, True)
+        + LEASED_EMPTY
+    )
+    expected = [
+        LeaseReply(7, 2, [Packet(b"k", b"a"), Packet(b"k", b"")]),
+        LeaseReply(7, 1, []),
+        LeaseReply(0, 0, []),
+    ]
+    for chunks in ([data], one_byte_at_a_time(data)):
+        decoder = ReplyDecoder()
+        got = []
+        for chunk in chunks:
+            decoder.feed(chunk)
+            while (reply := decoder.next_lease_reply()) is not None:
+                got.append(reply)
+        assert got == expected
+    assert expected[1].live
+    assert not LeaseReply(7, 0, []).live
+
+
+def test_reply_decoder_mixes_both_headers_as_the_caller_says() -> None:
+    # A plain connection: a reserve reply, then a pop reply, then an ack's answer.
+    decoder = ReplyDecoder()
+    decoder.feed(
+        encode_lease_reply(1, 1, [Packet(b"a", b"")])
+        + encode_reply([Packet(b"b", b"")])
+        + encode_lease_status(1, False)
+    )
+    assert decoder.next_lease_reply() == LeaseReply(1, 1, [Packet(b"a", b"")])
+    assert decoder.next_reply() == [Packet(b"b", b"")]
+    assert decoder.next_lease_reply() == LeaseReply(1, 0, [])
+    assert decoder.next_reply() is None

@@ -28,6 +28,7 @@ from pinpriq import __version__
 from pinpriq.admin.stats import listed_queues
 from pinpriq.broker import Broker, Totals
 from pinpriq.display import escape
+from pinpriq.leases import LeaseTotals
 
 __all__ = ["CONTENT_TYPE_LATEST", "BrokerCollector", "registry_for"]
 
@@ -39,6 +40,27 @@ _COUNTER_HELP = {
     "purged": "Packets removed by purges",
 }
 assert set(_COUNTER_HELP) == set(Totals._fields), "a total without a counter"
+#: The lease table's counters (``LeaseTotals``), all but ``leased``, which is a gauge.
+_LEASE_COUNTERS = {
+    "acked": ("pinpriq_packets_acked_total", "Leased packets acked: gone for good"),
+    "redelivered": (
+        "pinpriq_packets_redelivered_total",
+        "Leased packets back in their queue after a release, a lease's deadline or a close",
+    ),
+    "dead_lettered": (
+        "pinpriq_packets_dead_lettered_total",
+        "Leased packets moved to a dead-letter queue after --max-deliveries attempts",
+    ),
+    "dropped": (
+        "pinpriq_packets_dead_letter_dropped_total",
+        "Packets due for a dead-letter queue whose name would be too long, dropped",
+    ),
+    "unknown": (
+        "pinpriq_lease_frames_unknown_total",
+        "Ack, release and touch frames naming no live lease (answered status 0)",
+    ),
+}
+assert set(_LEASE_COUNTERS) | {"leased"} == set(LeaseTotals._fields), "a lease total unexported"
 
 
 class BrokerCollector(Collector):
@@ -53,6 +75,12 @@ class BrokerCollector(Collector):
         broker, store = self.broker, self.broker.store
         for field, value in zip(Totals._fields, broker.totals(), strict=True):
             yield CounterMetricFamily(f"pinpriq_packets_{field}", _COUNTER_HELP[field], value=value)
+        leases = broker.lease_totals()
+        for field, (name, documentation) in _LEASE_COUNTERS.items():
+            # The name without _total: prometheus_client adds it to a counter.
+            yield CounterMetricFamily(
+                name.removesuffix("_total"), documentation, value=getattr(leases, field)
+            )
         yield from _gauges(
             ("pinpriq_connections", "Client connections open", self.connections()),
             (
@@ -61,6 +89,11 @@ class BrokerCollector(Collector):
                 broker.subscriptions.subscriber_count,
             ),
             ("pinpriq_packets", "Packets queued, in all queues", len(store)),
+            (
+                "pinpriq_packets_leased",
+                "Packets on a lease or waiting out a release delay, in no queue",
+                leases.leased,
+            ),
             ("pinpriq_queues", "Queues holding at least one packet", store.queue_count),
             (
                 "pinpriq_memory_held_bytes",
@@ -94,13 +127,17 @@ class BrokerCollector(Collector):
         subscribers = GaugeMetricFamily(
             "pinpriq_queue_subscribers", "Subscribers of a queue", labels=["queue"]
         )
-        counts = self.broker.subscriptions.subscribers
+        leased = GaugeMetricFamily(
+            "pinpriq_queue_leased", "Packets of a queue on a lease, in no queue", labels=["queue"]
+        )
+        counts, leases = self.broker.subscriptions.subscribers, self.broker.leases
         for queue, queue_packets, queue_bytes in listed_queues(self.broker, self.max_queues):
             label = [escape(queue)]
             packets.add_metric(label, queue_packets)
             size.add_metric(label, queue_bytes)
             subscribers.add_metric(label, counts.get(queue, 0))
-        yield from (packets, size, subscribers)
+            leased.add_metric(label, leases.leased(queue))
+        yield from (packets, size, subscribers, leased)
 
 
 def _gauges(*gauges: tuple[str, str, float]) -> Iterator[Metric]:

@@ -129,6 +129,7 @@ def queue_stats(broker: Broker, queue: bytes) -> dict[str, Any]:
         "bytes": info.bytes,
         "by_priority": info.by_priority,  # JSON makes the keys strings
         "subscribers": broker.subscriptions.subscribers.get(queue, 0),
+        "leased": broker.leases.leased(queue),  # on a lease: in no queue, not in "packets"
         "oldest_age_ms": _ms(info.oldest_age),
         "next_expiry_ms": _ms(info.next_expiry),
     }
@@ -162,6 +163,7 @@ def server_stats(
         "packets": now.packets,
         "queues_total": store.queue_count,
         "totals": now.totals._asdict(),
+        "leases": broker.lease_totals()._asdict(),
         "rates_per_s": sampler.rates(now),
         "queues": [queue_stats(broker, queue) for queue, _, _ in queues],
     }

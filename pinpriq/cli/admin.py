@@ -277,6 +277,7 @@ def _print_server(stats: dict[str, Any], as_json: bool, out: TextIO) -> None:
             "  ".join(f"{name} {rate:,.1f}" for name, rate in rates.items()) + " (last 10 s)",
         ),
         ("in all", "  ".join(f"{name} {count:,}" for name, count in totals.items())),
+        ("leases", "  ".join(f"{name} {count:,}" for name, count in stats["leases"].items())),
     ]
     out.write(_table(rows) + "\n")
     _print_queues(stats["queues"], False, out)

@@ -20,6 +20,7 @@ __all__ = [
     "port_number",
     "positive",
     "seconds",
+    "seconds_at_most",
 ]
 
 
@@ -124,3 +125,15 @@ seconds = positive("seconds")
 def http_port(text: str) -> int | None:
     """An argparse type: a port to listen on, or ``off`` (``None``) for no listener."""
     return None if text.strip().lower() == "off" else _port(text, 0)
+
+
+def seconds_at_most(most: float) -> Callable[[str], float]:
+    """An argparse type: a positive number of seconds, at most ``most``."""
+
+    def parse(text: str) -> float:
+        value = seconds(text)
+        if value > most:
+            raise argparse.ArgumentTypeError(f"{text} is more than {most:g} seconds")
+        return value
+
+    return parse

@@ -1,4 +1,4 @@
-"""``pinpriq``: push, pop, subscribe and ping from the shell.
+"""``pinpriq``: push, pop, subscribe, ping and work from the shell.
 
 A thin shell over ``BlockingPinpriqClient``: it parses, calls the library, and prints; it knows
 no byte layout. Argument errors and connection errors print one line and exit non-zero; no
@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import shlex
+import shutil
+import signal
 import ssl
+import subprocess
 import sys
 import time
 from collections.abc import Iterable
@@ -18,14 +23,20 @@ from typing import NamedTuple, TextIO
 from urllib.parse import unquote, urlsplit
 
 from pinpriq import __version__
-from pinpriq._client_core import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TIMEOUT, MAX_PREFETCH
+from pinpriq._client_core import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    DEFAULT_TIMEOUT,
+    DEFAULT_WORK_LEASE_MS,
+    MAX_PREFETCH,
+)
 from pinpriq.auth import TOKEN_VARIABLE
-from pinpriq.blocking import BlockingPinpriqClient
+from pinpriq.blocking import BlockingLease, BlockingPinpriqClient
 from pinpriq.cli.admin import ADMIN_COMMANDS, AdminError, add_admin_commands, run_admin
 from pinpriq.cli.args import OneLineParser, client_port, int_in, seconds
 from pinpriq.display import escape, json_value
 from pinpriq.errors import ArgumentError, ArgumentTypeError, PinpriqError
-from pinpriq.wire import MAX_PRIO, MAX_TTL_MS, Packet
+from pinpriq.wire import MAX_LEASE_MS, MAX_PRIO, MAX_TTL_MS, Packet
 
 __all__ = ["client_parser", "main"]
 
@@ -46,6 +57,13 @@ escapes for bytes that are not printable text. With --json, each line is a JSON 
 {{"base64": "..."}}. Popping an empty queue prints nothing and exits 0. Exit status: 0 done,
 1 server unreachable, connection lost, or no answer within --timeout, 2 bad arguments,
 {INTERRUPTED} interrupted (Ctrl-C).
+
+`work QUEUE -- COMMAND [ARG...]` takes jobs on a lease, one at a time, and runs COMMAND for
+each with the job's payload on stdin (the payloads of every packet of its key group, one after
+the other; with --json, one JSON object per packet per line) and PINPRIQ_QUEUE, PINPRIQ_KEY,
+PINPRIQ_ATTEMPT and PINPRIQ_PACKETS in its environment. Exit status 0 acks the job; anything
+else releases it, to be tried again (after the server's --max-deliveries attempts it goes to
+QUEUE.dead). The lease is touched while COMMAND runs; a job whose worker dies comes back.
 
 `stats`, `queues`, `peek`, `purge` and `health` ask the server's admin listener over HTTP
 instead: --admin URL, else the PINPRIQ_ADMIN_URL environment variable, else
@@ -186,6 +204,33 @@ def client_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="check that the server answers (a sync): prints the round trip, exits 0 if it does",
     )
+
+    work = commands.add_parser(
+        "work",
+        parents=[common],
+        help="run a command for each job of a queue, taken on a lease: ack if it exits 0",
+        usage="pinpriq work [options] QUEUE -- COMMAND [ARG ...]",
+    )
+    work.add_argument("queue", metavar="QUEUE")
+    work.add_argument("program", nargs="*", metavar="-- COMMAND [ARG ...]")
+    work.add_argument(
+        "--count", type=int_in(1), metavar="N", help="exit after N jobs (default: run until Ctrl-C)"
+    )
+    work.add_argument(
+        "--lease",
+        type=int_in(1, MAX_LEASE_MS),
+        default=DEFAULT_WORK_LEASE_MS,
+        metavar="MS",
+        help="lease time in milliseconds, renewed at half of it while COMMAND runs "
+        "(default: %(default)s)",
+    )
+    work.add_argument(
+        "--retry-delay",
+        type=int_in(0, MAX_LEASE_MS),
+        default=0,
+        metavar="MS",
+        help="milliseconds before a failed job comes back (default: %(default)s)",
+    )
     add_admin_commands(parser, commands, common)
     return parser
 
@@ -219,12 +264,14 @@ def tls_context(args: argparse.Namespace) -> ssl.SSLContext:
     return context
 
 
+def packet_json(packet: Packet) -> dict[str, str | dict[str, str]]:
+    return {"key": json_value(packet.key), "payload": json_value(packet.payload)}
+
+
 def print_packets(packets: Iterable[Packet], as_json: bool, out: TextIO) -> None:
     for packet in packets:
         if as_json:
-            line = json.dumps(
-                {"key": json_value(packet.key), "payload": json_value(packet.payload)}
-            )
+            line = json.dumps(packet_json(packet))
         else:
             line = f"{escape(packet.key)}\t{escape(packet.payload)}"
         out.write(line + "\n")
@@ -244,6 +291,8 @@ def run_client(
             client.push(queue, key, payload, ttl_ms=args.ttl, prio=args.prio, confirm=True)
         elif args.command == "pop":
             print_packets(client.pop(os.fsencode(args.queue)), as_json, out)
+        elif args.command == "work":
+            run_worker(client, args, as_json)
         elif args.command == "ping":
             started = time.perf_counter()
             client.sync()
@@ -258,11 +307,80 @@ def run_client(
                     print_packets(packets, as_json, out)
 
 
+class JobFailed(Exception):
+    """COMMAND exited with a status other than 0: the job is released."""
+
+
+def _without_traceback(record: logging.LogRecord) -> bool:
+    """A failed COMMAND is one line on stderr, not a traceback."""
+    record.exc_info = record.exc_text = None
+    return True
+
+
+def run_worker(client: BlockingPinpriqClient, args: argparse.Namespace, as_json: bool) -> None:
+    """``pinpriq work``: COMMAND for each job, on a lease kept alive while it runs."""
+    command = args.program
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("pinpriq: %(message)s"))
+    handler.addFilter(_without_traceback)
+    log = logging.getLogger("pinpriq.client")
+    log.addHandler(handler)
+    log.propagate = False
+
+    def run(job: BlockingLease) -> None:
+        if as_json:
+            lines = (json.dumps(packet_json(packet)) + "\n" for packet in job.packets)
+            stdin = "".join(lines).encode()
+        else:
+            stdin = b"".join(packet.payload for packet in job.packets)
+        environment = os.environ | {
+            "PINPRIQ_QUEUE": args.queue,
+            "PINPRIQ_KEY": os.fsdecode(job.packets[0].key),
+            "PINPRIQ_ATTEMPT": str(job.attempt),
+            "PINPRIQ_PACKETS": str(len(job.packets)),
+        }
+        status = subprocess.run(command, input=stdin, env=environment, check=False).returncode
+        if status < 0:
+            raise JobFailed(f"{shlex.quote(command[0])} was killed by {signal.strsignal(-status)}")
+        if status:
+            raise JobFailed(f"{shlex.quote(command[0])} exited with status {status}")
+
+    client.work(
+        os.fsencode(args.queue),
+        run,
+        lease_ms=args.lease,
+        limit=args.count,
+        retry_delay_ms=args.retry_delay,
+    )
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The arguments; for ``work``, everything after the first ``--`` is COMMAND and its
+    arguments, whatever options come before (argparse alone cannot take options after QUEUE
+    and a command line after them)."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    if "work" in argv[:cut]:
+        args = parser.parse_args(argv[:cut])
+        if args.command == "work":
+            args.program += argv[cut + 1 :]
+            return args
+    return parser.parse_args(argv)
+
+
+def check_work_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``-- COMMAND`` is there and can be run: a worker that cannot start its command would
+    only burn its jobs' attempts."""
+    if not args.program:
+        parser.error("work needs a command to run: pinpriq work QUEUE -- COMMAND [ARG ...]")
+    if shutil.which(args.program[0]) is None:
+        parser.error(f"work: cannot run {args.program[0]!r}: not found, or not executable")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``pinpriq``."""
     parser = client_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parse(parser, sys.argv[1:] if argv is None else argv)
         try:
             url = server_url(args)
             tls = tls_context(args) if url.tls else None
@@ -270,8 +388,10 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(str(error))
         if args.command in ADMIN_COMMANDS:  # HTTP to the admin listener, not the data port
             run_admin(args, sys.stdout, tls)
-        else:
-            run_client(args, url, tls, sys.stdout)
+            return
+        if args.command == "work":
+            check_work_command(parser, args)
+        run_client(args, url, tls, sys.stdout)
     except (ArgumentError, ArgumentTypeError) as error:  # a field longer than the protocol allows
         parser.exit(2, f"pinpriq: error: {error}\n")
     except PinpriqError as error:  # unreachable, lost, timed out, not a pinpriq 1.1 server

@@ -31,14 +31,16 @@ from pinpriq.cli.args import (
     int_in,
     port_number,
     seconds,
+    seconds_at_most,
 )
 from pinpriq.cli.logs import LOG_FORMATS, configure_logging
 from pinpriq.client_memory import MIN_DEFAULT_BUDGET
+from pinpriq.leases import DEAD_SUFFIX, DEFAULT_LEASE_MS, DEFAULT_MAX_DELIVERIES
 from pinpriq.redis.spec import StoreError, StoreSpec, parse_store
 from pinpriq.server import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_CONNECTIONS, PinpriqServer
 from pinpriq.store import PACKET_OVERHEAD
 from pinpriq.tls import TlsError, server_context
-from pinpriq.wire import DEFAULT_PORT
+from pinpriq.wire import DEFAULT_PORT, MAX_LEASE_MS
 
 __all__ = ["main", "server_parser"]
 
@@ -109,6 +111,23 @@ def server_parser() -> argparse.ArgumentParser:
         "and unsent replies; past it, the connections holding the largest incomplete frames "
         "are closed, and those owed replies stop being read. 0 for no cap (default: a quarter "
         f"of --max-memory, at least {MIN_DEFAULT_BUDGET // 1024**2}MiB)",
+    )
+    parser.add_argument(
+        "--lease-default",
+        type=seconds_at_most(MAX_LEASE_MS / 1000),
+        default=DEFAULT_LEASE_MS / 1000,
+        metavar="SECONDS",
+        help="lease time of a reserve or leased subscribe that asks for 0, at most 86400 "
+        "(default: %(default)g)",
+    )
+    parser.add_argument(
+        "--max-deliveries",
+        type=int_in(0),
+        default=DEFAULT_MAX_DELIVERIES,
+        metavar="N",
+        help=f"attempts after which a leased group that comes back goes to its queue's "
+        f"dead-letter queue, the name plus {DEAD_SUFFIX.decode()}; 0 for no limit "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--auth-token-file",
@@ -327,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
         "protected_mode": args.protected_mode,
         "tls": tls,
         "max_client_memory": args.max_client_memory,
+        "lease_default_ms": max(1, round(args.lease_default * 1000)),
+        "max_deliveries": args.max_deliveries,
     }
 
     def make_server(**store: Any) -> PinpriqServer:

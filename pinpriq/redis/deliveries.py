@@ -125,7 +125,7 @@ class RedisSubscriptions(Subscriptions):
             queue = await self._ranked_best(sub)
             if queue is None:
                 return False
-            packets = await self.redis.take(queue)
+            packets = await self.redis.pop_for_delivery(queue)
             if packets:
                 return await self._hand_over(sub, queue, packets)
         return False
@@ -141,7 +141,7 @@ class RedisSubscriptions(Subscriptions):
     async def _hand_over(self, sub: Subscriber, queue: bytes, packets: list[Popped]) -> bool:
         if not (sub.credits and queue in sub.queues and not sub.paused):
             # It stopped waiting while the pop ran: put the group back as it was.
-            await self.redis.restore(queue, packets)
+            await self.redis.put_back(queue, packets)
             self._due_queues[queue] = None
             return False
         sub.credits -= 1

@@ -40,15 +40,21 @@ from coredis.exceptions import ConnectionError as RedisConnectionError
 
 from pinpriq.redis import lua
 from pinpriq.redis.keys import PREFIX, QueueKeys, name_of, queue_keys
+from pinpriq.store import QueuedPacket
 from pinpriq.store_contract import PeekedPacket, QueueInfo, Rank
 from pinpriq.wire import ClientFrame, KeyedPayload, Pop, Push
 
-__all__ = ["DEFAULT_MAX_POP", "Popped", "RedisStore"]
+__all__ = ["DEFAULT_MAX_POP", "LEASES_UNSUPPORTED", "Popped", "RedisStore"]
 
 log = logging.getLogger("pinpriq.redis")
 
 #: Most packets one pop returns (decision 3).
 DEFAULT_MAX_POP = 0xFFFF
+#: Why a lease frame closes a connection on this store.
+LEASES_UNSUPPORTED = (
+    "leases (reserve, ack, release, touch, leased subscribe) are not available on the Redis "
+    "store yet; use --store memory for leases"
+)
 #: Seconds between refreshes of the queue-size snapshot the admin listener reads.
 SNAPSHOT_INTERVAL = 5.0
 #: Backoff while Redis is unreachable or full: from the first to the last, doubling.
@@ -110,6 +116,8 @@ class RedisStore:
     #: it waits in ``run``. These stay 0 so the broker never blocks on them.
     bytes_held = 0
     unselectable_bytes = 0
+    taken_bytes = 0
+    leases_unsupported: str | None = LEASES_UNSUPPORTED
 
     def __init__(self, client: Any, *, cluster: bool, max_pop: int = DEFAULT_MAX_POP) -> None:
         self.client = client
@@ -193,6 +201,21 @@ class RedisStore:
     def note_time(self) -> None:
         """Nothing to note: ages are not kept."""
 
+    # Leases (decisions 13-19) are not implemented on this store yet: the server closes a
+    # connection that sends a lease frame before any of these could be called.
+
+    def now(self) -> float:
+        return trio.current_time()
+
+    def take(self, queue: bytes) -> Sequence[QueuedPacket]:
+        raise NotImplementedError(LEASES_UNSUPPORTED)
+
+    def discard(self, packets: Sequence[QueuedPacket]) -> None:
+        raise NotImplementedError(LEASES_UNSUPPORTED)
+
+    def restore(self, queue: bytes, packets: Sequence[QueuedPacket]) -> int:
+        raise NotImplementedError(LEASES_UNSUPPORTED)
+
     # -- what the reader and the subscriptions await -----------------------------------------
 
     def keys(self, queue: bytes) -> QueueKeys:
@@ -243,12 +266,12 @@ class RedisStore:
                 self.schedule_sweep(queue, float(reply))
         return results
 
-    async def take(self, queue: bytes) -> list[Popped]:
+    async def pop_for_delivery(self, queue: bytes) -> list[Popped]:
         """Pop ``queue`` now, for a delivery."""
         (reply,) = await self.call_all([("pop", self.keys(queue)[:5], (self.max_pop, 1, 1))])
         return _popped(reply[0])
 
-    async def restore(self, queue: bytes, packets: Sequence[Popped]) -> int:
+    async def put_back(self, queue: bytes, packets: Sequence[Popped]) -> int:
         """Put popped packets back as they were (a delivery nobody could take)."""
         k = self.keys(queue)
         args: list[bytes | int | str] = [k.channel]

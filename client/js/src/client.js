@@ -12,16 +12,24 @@
 // Subscriptions get a connection of their own, because a delivery and a pop reply are the same
 // bytes. They keep `prefetch` delivery credits outstanding: `prefetch` up front, then one more
 // each time the consumer takes a delivery, but never more than `limit` in all.
+//
+// Leases (protocol 1.1): a reserve, ack, release or touch is answered with the 11-byte lease
+// header, which the reply decoder reads when the FIFO says that request's answer is next. A
+// Lease acks, releases and touches on the connection that holds it: the client's own for
+// reserve(), the subscription's for a leased subscribe(), where deliveries (count > 0) and
+// answers (count 0) share the stream and are told apart by their count.
 
 import net from 'node:net';
 import tls from 'node:tls';
 import {
-  ReplyDecoder, checkInteger, encodeAuth, encodePop, encodePush, encodeReady, encodeSubscribe,
-  encodeSync, toBytes,
+  MAX_LEASE_MS, ReplyDecoder, checkInteger, encodeAck, encodeAuth, encodeLeasedSubscribe,
+  encodePop, encodePush, encodeReady, encodeRelease, encodeReserve, encodeSubscribe, encodeSync,
+  encodeTouch, toBytes,
 } from './wire.js';
 
 /** @typedef {import('./wire.js').Data} Data */
 /** @typedef {import('./wire.js').Packet} Packet */
+/** @typedef {import('./wire.js').LeaseMessage} LeaseMessage */
 
 export const DEFAULT_HOST = '127.0.0.1';
 export const DEFAULT_PORT = 7000;
@@ -29,6 +37,8 @@ export const DEFAULT_PORT = 7000;
 export const DEFAULT_TIMEOUT = 10_000;
 /** Most credits a subscription keeps outstanding (each is one byte the server must count). */
 export const MAX_PREFETCH = 0xffff;
+/** The lease time `work` asks for, in milliseconds: it touches the lease at half of it. */
+export const DEFAULT_WORK_LEASE_MS = 30_000;
 // setTimeout fires at once for delays above this, so longer timeouts mean "no limit".
 const MAX_TIMER_MS = 2 ** 31 - 1;
 // A server beyond its connection limit accepts a connection and closes (or resets) it before
@@ -394,11 +404,16 @@ function writeFrame(socket, frame) {
 export class PinpriqClient {
   #endpoint;
   #socket;
-  #decoder = new ReplyDecoder();
+  /** replies taken from the decoder so far: where `#pending[0]` stands in its count */
+  #answered = 0;
+  #decoder = new ReplyDecoder({
+    leased: (position) => this.#pending[position - this.#answered]?.lease ?? false,
+  });
   /**
-   * Pops and syncs awaiting their replies, oldest first.
-   * @type {{ resolve: (reply: Packet[]) => void, reject: (e: Error) => void, abandoned: boolean,
-   *   sync: boolean }[]}
+   * Requests awaiting their replies, oldest first: pops and syncs, and (read with the lease
+   * header) reserves and the acks, releases and touches of leases held on this connection.
+   * @type {{ resolve: (reply: Packet[] | LeaseMessage) => void, reject: (e: Error) => void,
+   *   abandoned: boolean, sync: boolean, lease: boolean, leaseId: number | null }[]}
    */
   #pending = [];
   /** @type {Set<Subscription>} */
@@ -462,7 +477,7 @@ export class PinpriqClient {
     this.#checkOpen();
     if (confirm) {
       // One write: the sync's answer comes once the push before it is applied.
-      await this.#request(Buffer.concat([frame, encodeSync()]), 'push to', true);
+      await this.#request(Buffer.concat([frame, encodeSync()]), 'push to', { sync: true });
       return;
     }
     try {
@@ -481,7 +496,30 @@ export class PinpriqClient {
   async pop(queue) {
     const frame = encodePop(queue);
     this.#checkOpen();
-    return this.#request(frame, 'pop from', false);
+    return this.#request(frame, 'pop from', {});
+  }
+
+  /**
+   * Take what `pop` would, on a lease (protocol 1.1): the packets come back to their queue
+   * unless acked within `leaseMs`. Resolves to a `Lease`, empty if nothing could be taken. The
+   * lease belongs to this connection: if it closes, the packets go back.
+   * @param {Data} queue
+   * @param {{ leaseMs?: number }} [options] 0..86400000 ms; 0 (the default): the server's
+   *   default lease time (30 s unless it was started otherwise)
+   * @returns {Promise<Lease>}
+   */
+  async reserve(queue, { leaseMs = 0 } = {}) {
+    const frame = encodeReserve(queue, { leaseMs });
+    this.#checkOpen();
+    const message = await this.#request(frame, 'reserve from', { lease: true });
+    return new Lease(message, (answer, leaseId) => this.#answer(answer, leaseId));
+  }
+
+  /** Sends an ack, release or touch of a lease held here; whether the lease was live. */
+  async #answer(frame, leaseId) {
+    this.#checkOpen();
+    const message = await this.#request(frame, 'lease at', { lease: true, leaseId });
+    return message.attempt === 1;
   }
 
   /**
@@ -492,26 +530,32 @@ export class PinpriqClient {
    */
   async sync() {
     this.#checkOpen();
-    await this.#request(encodeSync(), 'sync with', true);
+    await this.#request(encodeSync(), 'sync with', { sync: true });
   }
 
   /**
    * Receive packets from `queues` as they arrive, on a connection of its own.
    * @param {Data | Data[]} queues one queue or several; the best packet across them comes first
-   * @param {{ prefetch?: number, limit?: number }} [options] `prefetch` (1..65535, default 1):
-   *   deliveries the server may send ahead of the one you are handling; `limit` (an integer
-   *   >= 1, default none): the iteration ends after that many deliveries, and no more are ever
-   *   asked of the server
+   * @param {{ prefetch?: number, limit?: number, leaseMs?: number }} [options] `prefetch`
+   *   (1..65535, default 1): deliveries the server may send ahead of the one you are handling;
+   *   `limit` (an integer >= 1, default none): the iteration ends after that many deliveries,
+   *   and no more are ever asked of the server; `leaseMs` (protocol 1.1; 0..86400000, 0 for the
+   *   server's default): every delivery is a `Lease` instead, and a `LeasedSubscription` is
+   *   returned
    * @returns {Promise<Subscription>}
    */
-  async subscribe(queues, { prefetch = 1, limit } = {}) {
+  async subscribe(queues, { prefetch = 1, limit, leaseMs } = {}) {
     const list = Array.isArray(queues) ? queues : [queues];
     if (list.length === 0) throw new RangeError('queues must name at least one queue');
     checkInteger('prefetch', prefetch, 1, MAX_PREFETCH);
     if (limit !== undefined) checkInteger('limit', limit, 1, Infinity);
+    const leased = leaseMs !== undefined;
+    const encode = leased
+      ? (queue) => encodeLeasedSubscribe(queue, { leaseMs })
+      : encodeSubscribe;
     // As the Python client does: never a credit for a delivery beyond the limit.
     const credits = Math.min(prefetch, limit ?? Infinity);
-    const opening = Buffer.concat([...list.map(encodeSubscribe), encodeReady(credits)]);
+    const opening = Buffer.concat([...list.map(encode), encodeReady(credits)]);
     this.#checkOpen();
     const socket = await this.#endpoint.open();
     const openedAt = performance.now();
@@ -519,7 +563,7 @@ export class PinpriqClient {
       socket.destroy();
       throw closeError(this.#endpoint, this.#state);
     }
-    const subscription = new Subscription(
+    const subscription = new (leased ? LeasedSubscription : Subscription)(
       this.#endpoint, socket, () => this.#subscriptions.delete(subscription),
       { granted: credits, limit: limit ?? Infinity },
     );
@@ -539,6 +583,65 @@ export class PinpriqClient {
       throw failure;
     }
     return subscription;
+  }
+
+  /**
+   * Run `handler(job)` for each job of `queues`, taken on a lease, until `limit` jobs (for
+   * ever without one): the worker loop of at-least-once delivery. Jobs come from a leased
+   * subscription, on a connection of its own. While the handler runs the lease is touched every
+   * `leaseMs / 2`, so a slow job is not handed to another worker. When the handler resolves, a
+   * sync on this client confirms whatever it pushed with this client (follow-up jobs), and then
+   * the job is acked. When it rejects, `onError(error, job)` is called (by default it writes a
+   * line to stderr) and the job is released, to come back after `retryDelayMs`. Push follow-ups
+   * with this client, never on a lease's connection: on a full server a push waits for room,
+   * and acks and touches behind it would wait too.
+   * @param {Data | Data[]} queues
+   * @param {(job: Lease) => Promise<unknown> | unknown} handler
+   * @param {{ leaseMs?: number, prefetch?: number, limit?: number, retryDelayMs?: number,
+   *   onError?: (error: unknown, job: Lease) => void }} [options]
+   * @returns {Promise<void>} resolves after `limit` jobs
+   */
+  async work(queues, handler, {
+    leaseMs = DEFAULT_WORK_LEASE_MS, prefetch = 1, limit, retryDelayMs = 0,
+    onError = reportFailure,
+  } = {}) {
+    if (typeof handler !== 'function') throw new TypeError('handler must be a function');
+    checkInteger('leaseMs', leaseMs, 1, MAX_LEASE_MS);
+    checkInteger('retryDelayMs', retryDelayMs, 0, MAX_LEASE_MS);
+    const jobs = await this.subscribe(queues, { prefetch, limit, leaseMs });
+    try {
+      for await (const job of jobs) {
+        await this.#workOn(job, handler, { leaseMs, retryDelayMs, onError });
+      }
+    } finally {
+      await jobs.close();
+    }
+  }
+
+  async #workOn(job, handler, { leaseMs, retryDelayMs, onError }) {
+    const keeper = setInterval(() => {
+      job.touch({ leaseMs }).then((live) => {
+        if (!live) clearInterval(keeper); // gone: the job may run again elsewhere
+      }, () => clearInterval(keeper));
+    }, leaseMs / 2);
+    let failure;
+    let failed = false;
+    try {
+      await handler(job);
+    } catch (error) {
+      failure = error;
+      failed = true;
+    } finally {
+      clearInterval(keeper);
+    }
+    if (job.settled) return; // the handler acked or released it itself
+    if (!failed) {
+      await this.sync();
+      await job.ack();
+      return;
+    }
+    onError(failure, job);
+    await job.release({ delayMs: retryDelayMs });
   }
 
   /**
@@ -567,14 +670,17 @@ export class PinpriqClient {
   }
 
   /**
-   * Writes `frame`, whose last frame is a pop or a sync, and waits for that one's reply.
+   * Writes `frame`, whose last frame is a pop, a sync or a lease frame, and waits for that
+   * one's reply.
    * @param {Buffer} frame
    * @param {string} what the start of a timeout's message, such as `pop from`
-   * @param {boolean} sync whether the reply must be a sync's `00 00`
-   * @returns {Promise<Packet[]>}
+   * @param {{ sync?: boolean, lease?: boolean, leaseId?: number }} kind `sync`: the reply
+   *   must be a sync's `00 00`; `lease`: it has the lease header; `leaseId`: it answers an
+   *   ack, release or touch of that lease
+   * @returns {Promise<Packet[] | LeaseMessage>}
    */
-  #request(frame, what, sync) {
-    const waiter = { resolve: null, reject: null, abandoned: false, sync };
+  #request(frame, what, { sync = false, lease = false, leaseId = null }) {
+    const waiter = { resolve: null, reject: null, abandoned: false, sync, lease, leaseId };
     const reply = new Promise((resolve, reject) => Object.assign(waiter, { resolve, reject }));
     // Same synchronous step as the write: the FIFO order is the order frames go out.
     this.#pending.push(waiter);
@@ -596,7 +702,12 @@ export class PinpriqClient {
         this.#notPinpriq(reply.length);
         return;
       }
+      if (waiter.leaseId !== null && !answers(reply, waiter.leaseId)) {
+        this.#outOfStep(reply, waiter.leaseId);
+        return;
+      }
       this.#pending.shift();
+      this.#answered += 1;
       if (!waiter.abandoned) waiter.resolve(reply);
     }
     // A sync's answer is 00 00: judge it by its first two bytes, because another kind of
@@ -619,6 +730,13 @@ export class PinpriqClient {
     this.#state.ended = true; // calls fail from now on, before the socket has closed
     this.#socket.destroy();
     for (const subscription of this.#subscriptions) subscription.close();
+  }
+
+  /** An answer about another lease: the connection is out of step, and is closed. */
+  #outOfStep(message, leaseId) {
+    this.#state.error ??= outOfStepError(this.#endpoint, message, leaseId);
+    this.#state.ended = true;
+    this.#socket.destroy();
   }
 
   #onClose() {
@@ -645,6 +763,95 @@ if (Symbol.asyncDispose) {
   PinpriqClient.prototype[Symbol.asyncDispose] = function dispose() { return this.close(); };
 }
 
+/** The default `onError` of `work`: one line on stderr. */
+function reportFailure(error, job) {
+  const key = job.packets[0]?.key.toString() ?? '';
+  console.error(`pinpriq: job ${JSON.stringify(key)} (attempt ${job.attempt}) failed, released: `
+    + `${error instanceof Error ? error.message : String(error)}`);
+}
+
+/** Whether `message` is the answer to an ack, release or touch of lease `leaseId`. */
+function answers(message, leaseId) {
+  return message.leaseId === leaseId && message.packets.length === 0;
+}
+
+/** @param {Endpoint} endpoint @param {LeaseMessage} message @param {number} leaseId */
+function outOfStepError(endpoint, message, leaseId) {
+  return new PinpriqProtocolError(
+    `${endpoint.address} answered a request about lease ${leaseId} with a message about lease `
+      + `${message.leaseId} (${message.packets.length} packets): out of step`,
+    endpoint,
+  );
+}
+
+/**
+ * A group of packets on a lease (protocol 1.1), from `PinpriqClient.reserve` or a leased
+ * subscription. `packets` is the group as a pop gives it; `attempt` is 1 the first time it is
+ * leased and counts up each time it comes back (saturating at 255); `leaseId` names the lease
+ * on its connection. A reserve that found nothing gives an empty lease (`empty`, no packets,
+ * id 0) whose ack, release and touch send nothing and resolve to false.
+ *
+ * Acks, releases and touches go on the connection that holds the lease, and resolve to whether
+ * it was still live: false means its deadline had passed (or it was ended already), so its
+ * packets went back and may be, or have been, delivered again.
+ */
+export class Lease {
+  #answer;
+  #settled = false;
+
+  /**
+   * @private Made by `reserve` and leased subscriptions.
+   * @param {LeaseMessage} message
+   * @param {(frame: Buffer, leaseId: number) => Promise<boolean>} answer
+   */
+  constructor({ leaseId, attempt, packets }, answer) {
+    this.leaseId = leaseId;
+    this.attempt = attempt;
+    this.packets = packets;
+    this.#answer = answer;
+  }
+
+  /** True when nothing was taken. */
+  get empty() {
+    return this.packets.length === 0;
+  }
+
+  /** True once `ack` or `release` was called. */
+  get settled() {
+    return this.#settled;
+  }
+
+  /** The job is done: its packets are gone for good. @returns {Promise<boolean>} */
+  async ack() {
+    if (this.empty) return false;
+    this.#settled = true;
+    return this.#answer(encodeAck(this.leaseId), this.leaseId);
+  }
+
+  /**
+   * Give the job up: its packets go back to their queue after `delayMs` (0, the default: at
+   * once), with their priority and their place in push order.
+   * @param {{ delayMs?: number }} [options]
+   * @returns {Promise<boolean>}
+   */
+  async release({ delayMs = 0 } = {}) {
+    if (this.empty) return false;
+    const frame = encodeRelease(this.leaseId, { delayMs });
+    this.#settled = true;
+    return this.#answer(frame, this.leaseId);
+  }
+
+  /**
+   * The lease now ends `leaseMs` from now (0, the default: the server's default lease time).
+   * @param {{ leaseMs?: number }} [options]
+   * @returns {Promise<boolean>}
+   */
+  async touch({ leaseMs = 0 } = {}) {
+    if (this.empty) return false;
+    return this.#answer(encodeTouch(this.leaseId, { leaseMs }), this.leaseId);
+  }
+}
+
 /**
  * The deliveries of one subscription, an async iterator of `Packet[]` (each like a pop's
  * reply: the selected packet, then the rest of its key group). Made by
@@ -656,8 +863,15 @@ if (Symbol.asyncDispose) {
 export class Subscription {
   #endpoint;
   #socket;
-  #decoder = new ReplyDecoder();
-  /** @type {Packet[][]} deliveries received and not yet taken */
+  #decoder;
+  /** whether deliveries are leases (a `LeasedSubscription`) */
+  #leased;
+  /**
+   * Acks, releases and touches sent on a leased subscription, awaiting their answers.
+   * @type {{ resolve: (m: LeaseMessage) => void, reject: (e: Error) => void, leaseId: number }[]}
+   */
+  #answers = [];
+  /** @type {(Packet[] | Lease)[]} deliveries received and not yet taken */
   #buffered = [];
   /** @type {{ resolve: (r: IteratorResult<Packet[]>) => void, reject: (e: Error) => void }[]} */
   #waiting = [];
@@ -679,15 +893,18 @@ export class Subscription {
    * @param {Endpoint} endpoint
    * @param {net.Socket} socket
    * @param {() => void} onClose
-   * @param {{ granted: number, limit: number }} credits the credits the opening granted, and
-   *   the most deliveries to hand out
+   * @param {{ granted: number, limit: number, leased?: boolean }} credits the credits the
+   *   opening granted, and the most deliveries to hand out; `leased`: the deliveries are leases
    */
-  constructor(endpoint, socket, onClose, { granted, limit }) {
+  constructor(endpoint, socket, onClose, { granted, limit, leased = false }) {
     if (!(endpoint instanceof Endpoint)) {
       throw new TypeError('use PinpriqClient.subscribe() to make a subscription');
     }
     this.#endpoint = endpoint;
     this.#socket = socket;
+    this.#leased = leased;
+    // A leased connection gets nothing but lease messages (decision 18).
+    this.#decoder = new ReplyDecoder({ leased: () => leased });
     this.#granted = granted;
     this.#limit = limit;
     this.#ended = watchSocket(socket, this.#state, (chunk) => this.#onData(chunk), () => {
@@ -724,7 +941,11 @@ export class Subscription {
    */
   next() {
     this.#returnCredits();
-    if (this.#taken === this.#limit) return Promise.resolve({ value: undefined, done: true });
+    if (this.#taken === this.#limit) {
+      // A leased subscription stays open until here: the last lease is acked on it.
+      const closed = this.#leased ? this.close() : Promise.resolve();
+      return closed.then(() => ({ value: undefined, done: true }));
+    }
     if (this.#buffered.length > 0) return Promise.resolve(this.#take(this.#buffered.shift()));
     if (this.#state.ended) {
       if (!this.#state.closedByUs && !this.#errorReported) {
@@ -744,7 +965,8 @@ export class Subscription {
 
   /**
    * Close the subscription's connection. Deliveries received and not yet taken are lost
-   * (delivery is at most once); a waiting `next()` resolves as done.
+   * (delivery is at most once), or, on a leased subscription, go back to their queues with
+   * every lease not yet acked; a waiting `next()` resolves as done.
    * @returns {Promise<void>}
    */
   async close() {
@@ -779,14 +1001,53 @@ export class Subscription {
     this.#owed += 1;
     this.#taken += 1;
     // The last delivery of the limit: nothing more can come, so the connection can go now,
-    // even if the consumer never asks for the next one.
-    if (this.#taken === this.#limit) this.close();
+    // even if the consumer never asks for the next one; unless the delivery is a lease, which
+    // is acked on this connection.
+    if (this.#taken === this.#limit && !this.#leased) this.close();
     return { value: delivery, done: false };
   }
 
+  /**
+   * Sends an ack, release or touch of a lease delivered here; whether the lease was live.
+   * @param {Buffer} frame
+   * @param {number} leaseId
+   * @returns {Promise<boolean>}
+   */
+  async #answer(frame, leaseId) {
+    if (this.#state.ended) throw this.error();
+    const answer = new Promise((resolve, reject) => {
+      this.#answers.push({ resolve, reject, leaseId });
+    });
+    this.#socket.write(frame);
+    const message = await this.#endpoint.limit(answer, 'lease at');
+    return message.attempt === 1;
+  }
+
+  /** A lease message: an answer (count 0) for the oldest ack, release or touch, or a delivery. */
+  #onLeaseMessage(message) {
+    if (message.packets.length > 0) {
+      return new Lease(message, (frame, leaseId) => this.#answer(frame, leaseId));
+    }
+    const waiter = this.#answers.shift();
+    if (waiter === undefined || !answers(message, waiter.leaseId)) {
+      this.#state.error ??= waiter === undefined
+        ? new Error(`the server sent an answer about lease ${message.leaseId} nobody asked for`)
+        : outOfStepError(this.#endpoint, message, waiter.leaseId);
+      this.#socket.destroy();
+      return null;
+    }
+    waiter.resolve(message);
+    return undefined;
+  }
+
   #onData(chunk) {
-    for (const delivery of this.#decoder.feed(chunk)) {
-      if (delivery.length === 0) {
+    for (const message of this.#decoder.feed(chunk)) {
+      let delivery = message;
+      if (this.#leased) {
+        delivery = this.#onLeaseMessage(message);
+        if (delivery === null) return; // out of step: the connection is closing
+        if (delivery === undefined) continue; // an answer, not a delivery
+      } else if (delivery.length === 0) {
         // Only a pop is answered 00 00, and this connection never pops.
         this.#state.error ??= new Error('the server sent an empty delivery');
         this.#socket.destroy();
@@ -800,6 +1061,11 @@ export class Subscription {
 
   #onClose() {
     this.#state.ended = true;
+    const unanswered = this.#answers.splice(0);
+    if (unanswered.length > 0) {
+      const error = this.error();
+      for (const waiter of unanswered) waiter.reject(error);
+    }
     const waiting = this.#waiting.splice(0);
     if (waiting.length === 0) return;
     if (this.#state.closedByUs) {
@@ -815,4 +1081,18 @@ export class Subscription {
 
 if (Symbol.asyncDispose) {
   Subscription.prototype[Symbol.asyncDispose] = function dispose() { return this.close(); };
+}
+
+/**
+ * The deliveries of a leased subscription (protocol 1.1): an async iterator of `Lease`, made
+ * by `PinpriqClient.subscribe(queues, { leaseMs })`. Ack each lease when its job is done (or
+ * release it); leases not acked when the subscription closes go back to their queues. Acks
+ * grant no credit: a credit goes back when you ask for the next delivery, as for any
+ * subscription.
+ */
+export class LeasedSubscription extends Subscription {
+  /** @private Use `PinpriqClient.subscribe(queues, { leaseMs })`. */
+  constructor(endpoint, socket, onClose, credits) {
+    super(endpoint, socket, onClose, { ...credits, leased: true });
+  }
 }

@@ -1,10 +1,11 @@
-// The pinpriq wire format (protocol 1.0 and the sync and auth frames of 1.1, docs/protocol.md),
-// sans I/O:
-// functions from arguments to frame bytes, and a decoder from received bytes to replies.
+// The pinpriq wire format (protocol 1.0, and the sync, auth and lease frames of 1.1,
+// docs/protocol.md), sans I/O: functions from arguments to frame bytes, and a decoder from
+// received bytes to replies.
 // Nothing here touches a socket, so every byte layout lives in this one file and can be tested
 // without a server.
 
-/** Opcodes of the client frames: the five of protocol 1.0, and sync and auth from 1.1. */
+/** Opcodes of the client frames: the five of protocol 1.0, and sync, auth and the leases from
+ * 1.1. */
 export const OPCODE = Object.freeze({
   PUSH: 0x70,
   POP: 0x50,
@@ -13,6 +14,11 @@ export const OPCODE = Object.freeze({
   READY: 0x41,
   SYNC: 0x21,
   AUTH: 0x61,
+  RESERVE: 0x52,
+  ACK: 0x4b,
+  RELEASE: 0x4e,
+  TOUCH: 0x54,
+  LEASED_SUBSCRIBE: 0x53,
 });
 
 /** Largest queue name, key or payload, in bytes (a u16 length). */
@@ -21,6 +27,10 @@ export const MAX_FIELD_BYTES = 0xffff;
 export const MAX_TTL_MS = 0xffff;
 /** Lowest priority (a u8); 1 is the highest, 0 is never selected on its own. */
 export const MAX_PRIO = 0xff;
+/** Longest lease time or release delay in milliseconds (24 h); 0 means the server's default. */
+export const MAX_LEASE_MS = 86_400_000;
+/** Bytes of the header of every message about a lease: lease id u64, attempt u8, count u16. */
+export const LEASE_HEADER_BYTES = 11;
 
 /**
  * A queue name, key or payload: a string (sent as UTF-8) or bytes.
@@ -30,6 +40,13 @@ export const MAX_PRIO = 0xff;
 /**
  * One packet of a reply.
  * @typedef {{ key: Buffer, payload: Buffer }} Packet
+ */
+
+/**
+ * A message with the 11-byte lease header (protocol 1.1): a reserve reply or leased delivery
+ * (the lease's id, its attempt, its packets), or the answer to an ack, release or touch (the
+ * lease id, `attempt` holding the status, 1 if the lease was live, and no packets).
+ * @typedef {{ leaseId: number, attempt: number, packets: Packet[] }} LeaseMessage
  */
 
 /**
@@ -170,14 +187,107 @@ export const encodeAuth = (token) => {
 };
 
 /**
+ * A frame of an opcode, a u32 lease time and a queue name: reserve and leased subscribe.
+ * @param {number} opcode
+ * @param {Data} queue
+ * @param {number} leaseMs
+ * @returns {Buffer}
+ */
+function timedQueueFrame(opcode, queue, leaseMs) {
+  const q = toBytes('queue', queue);
+  checkInteger('leaseMs', leaseMs, 0, MAX_LEASE_MS);
+  const frame = Buffer.allocUnsafe(7 + q.length);
+  frame[0] = opcode;
+  frame.writeUInt32BE(leaseMs, 1);
+  frame.writeUInt16BE(q.length, 5);
+  q.copy(frame, 7);
+  return frame;
+}
+
+/**
+ * A reserve frame (protocol 1.1): lease what a pop would take. The lease time comes before the
+ * queue name's length.
+ * @param {Data} queue
+ * @param {{ leaseMs?: number }} [options] 0..86400000 ms; 0 (the default): the server's default
+ * @returns {Buffer}
+ */
+export function encodeReserve(queue, { leaseMs = 0 } = {}) {
+  return timedQueueFrame(OPCODE.RESERVE, queue, leaseMs);
+}
+
+/**
+ * A leased subscribe frame (protocol 1.1): a subscribe whose deliveries are leases.
+ * @param {Data} queue
+ * @param {{ leaseMs?: number }} [options] as for `encodeReserve`
+ * @returns {Buffer}
+ */
+export function encodeLeasedSubscribe(queue, { leaseMs = 0 } = {}) {
+  return timedQueueFrame(OPCODE.LEASED_SUBSCRIBE, queue, leaseMs);
+}
+
+/**
+ * A lease id as the u64 it is on the wire. Ids count from 1 per connection, so a safe integer
+ * holds any a server will send.
+ * @param {unknown} leaseId
+ * @returns {bigint}
+ */
+function leaseIdBits(leaseId) {
+  return BigInt(checkInteger('leaseId', leaseId, 0, Number.MAX_SAFE_INTEGER));
+}
+
+/** A frame of an opcode, a lease id and (if `ms` is given) a u32 time. */
+function leaseFrame(opcode, leaseId, field, ms) {
+  const frame = Buffer.allocUnsafe(field === null ? 9 : 13);
+  frame[0] = opcode;
+  frame.writeBigUInt64BE(leaseIdBits(leaseId), 1);
+  if (field !== null) frame.writeUInt32BE(checkInteger(field, ms, 0, MAX_LEASE_MS), 9);
+  return frame;
+}
+
+/** @param {number} leaseId @returns {Buffer} an ack: the lease's packets are gone for good */
+export const encodeAck = (leaseId) => leaseFrame(OPCODE.ACK, leaseId, null);
+
+/**
+ * A release: the lease ends now, its packets go back after `delayMs` (0: at once).
+ * @param {number} leaseId
+ * @param {{ delayMs?: number }} [options]
+ * @returns {Buffer}
+ */
+export function encodeRelease(leaseId, { delayMs = 0 } = {}) {
+  return leaseFrame(OPCODE.RELEASE, leaseId, 'delayMs', delayMs);
+}
+
+/**
+ * A touch: the lease now ends `leaseMs` from now (0: the server's default).
+ * @param {number} leaseId
+ * @param {{ leaseMs?: number }} [options]
+ * @returns {Buffer}
+ */
+export function encodeTouch(leaseId, { leaseMs = 0 } = {}) {
+  return leaseFrame(OPCODE.TOUCH, leaseId, 'leaseMs', leaseMs);
+}
+
+/**
  * Turns the bytes a server sends into replies (a pop's answer or a subscription's delivery:
  * the same format). Bytes may arrive split anywhere; a reply is returned once it is whole.
  *
  * The decoder never concatenates its whole input on each call: it queues the chunks it is
  * given and only copies out the few bytes the next field needs, so feeding a large reply one
  * byte at a time stays linear.
+ *
+ * Messages about leases (protocol 1.1) have an 11-byte header instead of the 2-byte count. The
+ * bytes do not say which comes next; the requests do. `leased(position)`, if given, is asked
+ * at the start of each message, `position` counting the messages this decoder has completed
+ * before it (0 for the first); when it says true the message is read with the lease header and
+ * returned as a `LeaseMessage`.
  */
 export class ReplyDecoder {
+  /** @type {(position: number) => boolean} */
+  #leased;
+  /** messages completed so far */
+  #position = 0;
+  /** the header of the message being read, when it is a lease message */
+  #lease = null;
   /** @type {Buffer[]} chunks received and not yet consumed */
   #chunks = [];
   /** index of the first unconsumed chunk in #chunks */
@@ -198,6 +308,11 @@ export class ReplyDecoder {
   #packets = [];
   /** bytes already taken for the reply being read */
   #partial = 0;
+
+  /** @param {{ leased?: (position: number) => boolean }} [options] */
+  constructor({ leased = () => false } = {}) {
+    this.#leased = leased;
+  }
 
   /**
    * Bytes received but not yet part of a returned reply: 0 when the stream ended on a reply
@@ -223,7 +338,8 @@ export class ReplyDecoder {
    * Give the decoder some received bytes; the decoder keeps them, so do not modify the chunk
    * afterwards.
    * @param {Uint8Array} chunk
-   * @returns {Packet[][]} every reply completed by these bytes, in order (often none)
+   * @returns {(Packet[] | LeaseMessage)[]} every reply completed by these bytes, in order
+   *   (often none)
    */
   feed(chunk) {
     if (chunk.length > 0) {
@@ -248,8 +364,19 @@ export class ReplyDecoder {
    */
   #step() {
     if (this.#state === 'count') {
-      if (this.#buffered < 2) return null;
-      this.#count = this.#take(2).readUInt16BE(0);
+      if (this.#leased(this.#position)) {
+        if (this.#buffered < LEASE_HEADER_BYTES) return null;
+        const header = this.#take(LEASE_HEADER_BYTES);
+        this.#lease = {
+          leaseId: Number(header.readBigUInt64BE(0)),
+          attempt: header[8],
+        };
+        this.#count = header.readUInt16BE(9);
+      } else {
+        if (this.#buffered < 2) return null;
+        this.#count = this.#take(2).readUInt16BE(0);
+        this.#lease = null;
+      }
       this.#remaining = this.#count;
       this.#packets = [];
       this.#state = 'header';
@@ -274,9 +401,10 @@ export class ReplyDecoder {
     if (this.#state === 'header' && this.#remaining === 0) {
       this.#state = 'count';
       this.#partial = 0;
+      this.#position += 1;
       const reply = this.#packets;
       this.#packets = [];
-      return reply;
+      return this.#lease === null ? reply : { ...this.#lease, packets: reply };
     }
     return undefined;
   }

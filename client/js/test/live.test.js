@@ -9,7 +9,7 @@ import { readFileSync } from 'node:fs';
 import { promisify } from 'node:util';
 
 import {
-  PinpriqClient, PinpriqConnectionError, Subscription,
+  Lease, LeasedSubscription, PinpriqClient, PinpriqConnectionError, Subscription,
 } from '../index.js';
 import { startServer } from '../test-support/server.js';
 import { closedPort, sleep, waitFor } from '../test-support/helpers.js';
@@ -374,6 +374,93 @@ describe('subscriptions', () => {
     await own.close();
     assert.equal(other.closed, true);
     await assert.rejects(own.subscribe(fresh('late')), PinpriqConnectionError);
+  });
+});
+
+describe('leases (protocol 1.1)', () => {
+  test('reserve leases the group; ack is for good and answers once; an empty reserve is empty', async () => {
+    const q = fresh('reserve');
+    await client.push(q, 'K', 'a', { prio: 2 });
+    await client.push(q, 'K', 'b', { prio: 0 });
+    const job = await client.reserve(q, { leaseMs: 60_000 });
+    assert.ok(job instanceof Lease);
+    assert.equal(job.attempt, 1);
+    assert.deepEqual(text(job.packets), [['K', 'a'], ['K', 'b']]);
+    assert.deepEqual(await client.pop(q), []); // leased: out of its queue
+    assert.equal(await job.touch({ leaseMs: 60_000 }), true);
+    assert.equal(await job.ack(), true);
+    assert.equal(await job.ack(), false); // over: the server answers status 0
+    const none = await client.reserve(q);
+    assert.equal(none.empty, true);
+    assert.equal(none.leaseId, 0);
+    assert.equal(await none.ack(), false);
+  });
+
+  test('a released job comes back in its place, on its next attempt, after its delay', async () => {
+    const q = fresh('release');
+    await client.push(q, 'old', '', { prio: 2 });
+    const job = await client.reserve(q);
+    await client.push(q, 'new', '', { prio: 2 });
+    assert.equal(await job.release({ delayMs: 150 }), true);
+    assert.equal(await job.touch(), false); // the lease ended with the release
+    assert.deepEqual(text(await client.pop(q)), [['new', '']]);
+    assert.equal((await client.reserve(q)).empty, true); // not back yet
+    await sleep(300);
+    const again = await client.reserve(q);
+    assert.deepEqual([again.attempt, text(again.packets)], [2, [['old', '']]]);
+    assert.equal(await again.ack(), true);
+  });
+
+  test('a lease left to lapse comes back, and its ack says so', async () => {
+    const q = fresh('lapse');
+    await client.push(q, 'k', 'v');
+    const job = await client.reserve(q, { leaseMs: 100 });
+    await sleep(250);
+    assert.equal(await job.ack(), false);
+    assert.deepEqual(text(await client.pop(q)), [['k', 'v']]);
+  });
+
+  test('a leased subscription delivers Leases; those not acked go back when it closes', async () => {
+    const q = fresh('leased-sub');
+    for (const key of ['a', 'b', 'c']) await client.push(q, key, '');
+    const jobs = await client.subscribe(q, { leaseMs: 60_000, prefetch: 2 });
+    assert.ok(jobs instanceof LeasedSubscription);
+    const first = (await jobs.next()).value;
+    assert.deepEqual([first.leaseId, text(first.packets)], [1, [['c', '']]]);
+    assert.equal(await first.ack(), true);
+    const second = (await jobs.next()).value;
+    assert.equal(await second.touch(), true);
+    await jobs.close(); // "b" in hand and "a" delivered ahead: neither acked
+    const back = [];
+    for (let i = 0; i < 100 && back.length < 2; i += 1) { // the server sees the close soon
+      back.push(...text(await client.pop(q)));
+      if (back.length < 2) await sleep(10);
+    }
+    assert.deepEqual(back.map(([key]) => key).sort(), ['a', 'b']);
+  });
+
+  test('work keeps a slow job alive, releases a failed one, and acks after a sync', async () => {
+    const q = fresh('work');
+    const done = fresh('work-done');
+    await client.push(q, 'job', 'x');
+    const attempts = [];
+    const errors = [];
+    await client.work(q, async (job) => {
+      attempts.push(job.attempt);
+      if (attempts.length === 1) throw new Error('flaky');
+      await sleep(500); // five times the lease: touches keep it
+      await client.push(done, 'follow-up', '');
+    }, { leaseMs: 100, limit: 2, onError: (error) => errors.push(error.message) });
+    assert.deepEqual(attempts, [1, 2]);
+    assert.deepEqual(errors, ['flaky']);
+    assert.deepEqual(text(await client.pop(done)), [['follow-up', '']]);
+    assert.deepEqual(await client.pop(q), []); // acked, not lapsed and back
+  });
+
+  test('lease arguments out of range are refused before anything is sent', async () => {
+    await assert.rejects(client.reserve('q', { leaseMs: 86_400_001 }), RangeError);
+    await assert.rejects(client.subscribe('q', { leaseMs: -1 }), RangeError);
+    await assert.rejects(client.work('q', async () => {}, { leaseMs: 0 }), RangeError);
   });
 });
 

@@ -8,7 +8,8 @@ import net from 'node:net';
 
 import {
   PinpriqClient, PinpriqConnectionError, PinpriqError, PinpriqProtocolError, PinpriqTimeoutError,
-  encodePop, encodePush, encodeReady, encodeSubscribe, encodeSync,
+  encodeAck, encodeLeasedSubscribe, encodePop, encodePush, encodeReady, encodeReserve,
+  encodeSubscribe, encodeSync, encodeTouch,
 } from '../index.js';
 import { FakeServer, replyBytes, sleep, waitFor } from '../test-support/helpers.js';
 
@@ -396,5 +397,69 @@ test('limit and prefetch are checked before anything is sent', async () => {
   }
   await sleep(50); // room for a connection to arrive, if one had been opened
   assert.equal(fake.connections.length, 1, 'only the client connection');
+  await client.close();
+});
+
+
+/** A lease message in wire form: lease id u64, attempt (or status) u8, then a reply's body. */
+function leaseBytes(leaseId, attempt, ...packets) {
+  const header = Buffer.alloc(9);
+  header.writeBigUInt64BE(BigInt(leaseId));
+  header[8] = attempt;
+  return Buffer.concat([header, replyBytes(...packets)]);
+}
+
+test('reserve replies and lease answers are read with the 11-byte header, pop replies without', async () => {
+  const client = await connect();
+  const { socket } = await fake.connection(0);
+  const reserved = client.reserve('q', { leaseMs: 500 });
+  const popped = client.pop('q');
+  const expected = Buffer.concat([encodeReserve('q', { leaseMs: 500 }), encodePop('q')]);
+  assert.deepEqual(await fake.received(0, expected.length), expected);
+  socket.write(Buffer.concat([leaseBytes(9, 3, ['k', 'v']), replyBytes(['p', ''])]));
+  const job = await reserved;
+  assert.deepEqual([job.leaseId, job.attempt, job.packets[0].key.toString()], [9, 3, 'k']);
+  assert.equal((await popped)[0].key.toString(), 'p');
+  const acked = job.ack();
+  await fake.received(0, expected.length + 9);
+  socket.write(leaseBytes(9, 1)); // status 1, count 0
+  assert.equal(await acked, true);
+  await client.close();
+});
+
+test('an answer about another lease is out of step: the client closes and says so', async () => {
+  const client = await connect();
+  const { socket } = await fake.connection(0);
+  const reserved = client.reserve('q');
+  await fake.received(0, 8);
+  socket.write(leaseBytes(5, 1, ['k', '']));
+  const job = await reserved;
+  const acked = job.ack();
+  await fake.received(0, 8 + 9);
+  socket.write(leaseBytes(6, 1));
+  await assert.rejects(acked, /about lease 5 with a message about lease 6/);
+  await client.close();
+});
+
+test('a leased subscription sorts deliveries from answers, and acks grant no credit', async () => {
+  const client = await connect();
+  const jobs = await client.subscribe('q', { leaseMs: 100, prefetch: 2 });
+  const opening = Buffer.concat([encodeLeasedSubscribe('q', { leaseMs: 100 }), encodeReady(2)]);
+  assert.deepEqual(await fake.received(1, opening.length), opening);
+  const { socket } = await fake.connection(1);
+  socket.write(leaseBytes(1, 1, ['a', '']));
+  const first = (await jobs.next()).value;
+  const touched = first.touch({ leaseMs: 200 });
+  const acked = first.ack();
+  const sent = Buffer.concat([opening, encodeTouch(1, { leaseMs: 200 }), encodeAck(1)]);
+  assert.deepEqual(await fake.received(1, sent.length), sent);
+  // A delivery between the two answers goes to the iterator, not to the ack.
+  socket.write(Buffer.concat([leaseBytes(1, 1), leaseBytes(2, 1, ['b', '']), leaseBytes(1, 0)]));
+  assert.deepEqual([await touched, await acked], [true, false]);
+  await sleep(20);
+  assert.equal(countReady(fake.connections[1].received), 2, 'the ack returned no credit');
+  const second = (await jobs.next()).value; // asking for it returns the first one's credit
+  assert.equal(second.packets[0].key.toString(), 'b');
+  await waitFor(() => countReady(fake.connections[1].received) === 3, 'the returned credit');
   await client.close();
 });

@@ -4,8 +4,9 @@ import { describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 
 import {
-  MAX_FIELD_BYTES, ReplyDecoder, encodePop, encodePush, encodeReady, encodeSubscribe,
-  encodeSync, encodeUnsubscribe,
+  MAX_FIELD_BYTES, ReplyDecoder, encodeAck, encodeLeasedSubscribe, encodePop, encodePush,
+  encodeReady, encodeRelease, encodeReserve, encodeSubscribe, encodeSync, encodeTouch,
+  encodeUnsubscribe,
 } from '../src/wire.js';
 import * as pinpriq from '../index.js';
 
@@ -156,5 +157,52 @@ describe('reply decoder', () => {
     const [[got]] = new ReplyDecoder().feed(chunk);
     chunk.fill(0);
     assert.deepEqual(got, packet('k', 'v'));
+  });
+});
+
+describe('leases (protocol 1.1)', () => {
+  const hex = (buffer) => buffer.toString('hex');
+
+  test('the five lease frames, byte for byte as the protocol lays them out', () => {
+    // 52 | lease ms u32 | queue_len u16 | queue: the time before the name
+    assert.equal(hex(encodeReserve('jobs', { leaseMs: 30_000 })), `52000075300004${hex(Buffer.from('jobs'))}`);
+    assert.equal(hex(encodeReserve('')), '52000000000000');
+    assert.equal(hex(encodeLeasedSubscribe('q', { leaseMs: 100 })), `53000000640001${hex(Buffer.from('q'))}`);
+    assert.equal(hex(encodeAck(1)), '4b0000000000000001');
+    assert.equal(hex(encodeRelease(258, { delayMs: 1500 })), '4e0000000000000102000005dc');
+    assert.equal(hex(encodeTouch(3)), '54000000000000000300000000');
+  });
+
+  test('lease times, delays and ids out of range are RangeErrors naming them', () => {
+    assertRangeError(() => encodeReserve('q', { leaseMs: 86_400_001 }), 'leaseMs');
+    assertRangeError(() => encodeLeasedSubscribe('q', { leaseMs: -1 }), 'leaseMs');
+    assertRangeError(() => encodeRelease(1, { delayMs: 86_400_001 }), 'delayMs');
+    assertRangeError(() => encodeTouch(1, { leaseMs: 1.5 }), 'leaseMs');
+    assertRangeError(() => encodeAck(-1), 'leaseId');
+    assert.equal(encodeReserve('q', { leaseMs: 86_400_000 }).readUInt32BE(1), 86_400_000);
+  });
+
+  test('the decoder reads the 11-byte lease header where it is told to, in any chunking', () => {
+    const stream = Buffer.concat([
+      Buffer.from('0000000000000007 02 0002 0001 0001 6b 61 0001 0000 6b'.replaceAll(' ', ''), 'hex'),
+      Buffer.from('0001 0001 0000 6a'.replaceAll(' ', ''), 'hex'), // a pop reply between
+      Buffer.from('0000000000000007 01 0000'.replaceAll(' ', ''), 'hex'),
+    ]);
+    for (const size of [stream.length, 1, 3]) {
+      const decoder = new ReplyDecoder({ leased: (position) => position !== 1 });
+      const messages = [];
+      for (let at = 0; at < stream.length; at += size) {
+        messages.push(...decoder.feed(stream.subarray(at, at + size)));
+      }
+      assert.deepEqual(messages, [
+        { leaseId: 7, attempt: 2, packets: [
+          { key: Buffer.from('k'), payload: Buffer.from('a') },
+          { key: Buffer.from('k'), payload: Buffer.alloc(0) },
+        ] },
+        [{ key: Buffer.from('j'), payload: Buffer.alloc(0) }],
+        { leaseId: 7, attempt: 1, packets: [] },
+      ]);
+      assert.equal(decoder.pendingBytes, 0);
+    }
   });
 });
