@@ -29,6 +29,7 @@ from pinpriq.admin.stats import DEFAULT_MAX_QUEUES, Sampler, queue_stats, server
 from pinpriq.auth import tokens_match
 from pinpriq.broker import Broker
 from pinpriq.display import escape, json_value
+from pinpriq.store_contract import BatchedStore
 from pinpriq.wire import MAX_FIELD
 
 __all__ = ["DEFAULT_PEEK", "MAX_PEEK", "AdminApp", "Observed"]
@@ -130,6 +131,12 @@ class AdminApp:
             challenge = (("www-authenticate", 'Bearer realm="pinpriq"'),)
             raise HTTPError(401, "this server needs Authorization: Bearer TOKEN", challenge)
 
+    def _synchronous_store(self, what: str) -> None:
+        """A store in another process (Redis) cannot answer within a request's synchronous
+        handler yet: say so rather than fail."""
+        if isinstance(self.broker.store, BatchedStore):
+            raise HTTPError(501, f"{what} is not available on the Redis store yet")
+
     def _readyz(self, _: dict[str, list[str]]) -> Response:
         ready = self.server.ready
         return _json({"ready": ready}, 200 if ready else 503)
@@ -153,6 +160,7 @@ class AdminApp:
 
     def _peek(self, queue: bytes) -> Callable[[dict[str, list[str]]], Response]:
         _check_name(queue)
+        self._synchronous_store("peek")
 
         def peek(query: dict[str, list[str]]) -> Response:
             count = _number(query, "n", DEFAULT_PEEK, 1, MAX_PEEK)
@@ -166,6 +174,7 @@ class AdminApp:
 
     def _purge(self, queue: bytes) -> Callable[[dict[str, list[str]]], Response]:
         _check_name(queue)
+        self._synchronous_store("purge")
         return lambda _: _json({"queue": escape(queue), "purged": self.broker.purge(queue)})
 
 

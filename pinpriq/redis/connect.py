@@ -65,6 +65,8 @@ async def open_store(spec: StoreSpec) -> AsyncIterator[tuple[RedisStore, RedisSu
         cause = _startup_failure(error)
         if ready or cause is None:
             raise
+        if isinstance(cause, StoreError):
+            raise cause from None  # already says what is wrong with this Redis
         raise StoreError(f"cannot use Redis at {spec.text}: {_why(cause)}") from None
 
 
@@ -83,8 +85,6 @@ def _startup_failure(error: BaseException) -> BaseException | None:
 
 
 def _why(error: BaseException) -> str:
-    if isinstance(error, StoreError):
-        return str(error).partition(": ")[2] or str(error)
     if isinstance(error, trio.TooSlowError):
         return f"no answer within {CONNECT_TIMEOUT:g} s"
     return str(error) or type(error).__name__

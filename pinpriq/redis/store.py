@@ -216,6 +216,22 @@ class RedisStore:
     def restore(self, queue: bytes, packets: Sequence[QueuedPacket]) -> int:
         raise NotImplementedError(LEASES_UNSUPPORTED)
 
+    def describe(self) -> dict[str, Any]:
+        """What ``/stats`` says about this store, and which of its figures it cannot give."""
+        return {
+            "kind": "redis-cluster" if self.cluster else "redis",
+            "snapshot_age_s": round(trio.current_time() - self._snapshot.taken_at, 3),
+            "not_given": [
+                "memory.held_bytes and prio_0_bytes (Redis's maxmemory is the cap: 0 here)",
+                "queues[].bytes, by_priority and oldest_age_ms (not kept in Redis)",
+            ],
+            "notes": [
+                "packets and queue depths: a scan of Redis every "
+                f"{SNAPSHOT_INTERVAL:g} s (snapshot_age_s)",
+                "totals and rates: this front end's own traffic",
+            ],
+        }
+
     # -- what the reader and the subscriptions await -----------------------------------------
 
     def keys(self, queue: bytes) -> QueueKeys:
