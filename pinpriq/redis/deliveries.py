@@ -118,16 +118,19 @@ class RedisSubscriptions(Subscriptions):
 
     async def _serve_one(self, sub: Subscriber) -> bool:
         """One delivery to ``sub`` if it waits and its queues hold something; returns whether
-        one was made."""
-        for _ in range(3):  # a rank read, then another front end's pop: rank again, briefly
+        another might follow (one was made, and the queue it came from holds more)."""
+        for _ in range(3):  # ranks read, then another front end's pop: rank again, briefly
             if not (sub.credits and sub.queues and not sub.paused):
                 return False
             queue = await self._ranked_best(sub)
             if queue is None:
                 return False
-            packets = await self.redis.pop_for_delivery(queue)
+            packets, more = await self.redis.pop_for_delivery(queue)
             if packets:
-                return await self._hand_over(sub, queue, packets)
+                handed = await self._hand_over(sub, queue, packets)
+                return handed and (more or len(sub.queues) > 1)
+            if len(sub.queues) == 1:
+                return False  # nothing there: no point asking again
         return False
 
     async def _ranked_best(self, sub: Subscriber) -> bytes | None:

@@ -149,8 +149,8 @@ return earliest
 #: KEYS d s g x q; ARGV max_pop, pops, full. Sweeps what is due, then ``pops`` times removes
 #: the best packet and its key group (decisions 2-4). Returns one flat list a pop: two fields a
 #: packet (key, payload), or with ``full`` = 1 five (key, payload, prio, seq, deadline: enough
-#: for a delivery nobody could take to go back unchanged). ``allow-oom``: a pop only frees
-#: memory, and a full Redis must still drain.
+#: for a delivery nobody could take to go back unchanged); then the selectable packets left.
+#: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
 POP = (
     "#!lua flags=allow-oom\n"
     + _HELPERS
@@ -177,6 +177,8 @@ sweep(now_ms())
 local replies = {}
 for i = 1, pops do replies[i] = pop_one() end
 forget_if_empty()
+-- Last, how many selectable packets are left: a subscriber's front end stops there.
+replies[pops + 1] = redis.call('ZCARD', KEYS[2])
 return replies
 """
 )

@@ -276,16 +276,16 @@ class RedisStore:
         replies = await self.call_all(calls)
         for (name, _, _), reply, queue in zip(calls, replies, queues, strict=True):
             if name == "pop":
-                for one in reply:
+                for one in reply[:-1]:  # the last is how many selectable packets are left
                     results.append(list(zip(one[::2], one[1::2], strict=True)))
             elif reply:  # the earliest deadline of its pushes: sweep the queue then
                 self.schedule_sweep(queue, float(reply))
         return results
 
-    async def pop_for_delivery(self, queue: bytes) -> list[Popped]:
-        """Pop ``queue`` now, for a delivery."""
+    async def pop_for_delivery(self, queue: bytes) -> tuple[list[Popped], bool]:
+        """Pop ``queue`` now, for a delivery; and whether it holds more selectable packets."""
         (reply,) = await self.call_all([("pop", self.keys(queue)[:5], (self.max_pop, 1, 1))])
-        return _popped(reply[0])
+        return _popped(reply[0]), bool(reply[1])
 
     async def put_back(self, queue: bytes, packets: Sequence[Popped]) -> int:
         """Put popped packets back as they were (a delivery nobody could take)."""
