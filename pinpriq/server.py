@@ -235,20 +235,6 @@ class _Connection:
                 self.checkpoint_owed = False
                 await trio.lowlevel.checkpoint()
 
-    async def _apply(self, frames: list[ClientFrame], done: int) -> bool:
-        """Finish applying a batch ``receive`` stopped in after ``done`` frames: wait as the
-        session asks, then go on. Returns ``False`` if the connection was rejected."""
-        session, server = self.session, self.server
-        server.after_batch()  # before any await: no socket can close in between
-        while done < len(frames) and session.error is None:
-            if session.blocked is Blocked.REJECTED:
-                await self._reject(session.rejected or "")
-                return False
-            await self._wait(session.blocked)
-            done = session.receive(frames, done)
-            server.after_batch()
-        return True
-
     async def _apply_batched(self, frames: list[ClientFrame]) -> bool:
         """Apply a batch on a store that runs operations elsewhere (``BatchedStore``): in
         segments, each ending where a frame may cause a delivery here (a subscribe, a credit, a
@@ -271,8 +257,16 @@ class _Connection:
             segment = frames[start:end]
             results = await store.run(segment)
             store.current = results
-            if not await self._apply(segment, session.receive(segment)):
-                return False
+            done = session.receive(segment)
+            self.server.after_batch()
+            while done < len(segment) and session.error is None:
+                if session.blocked is Blocked.REJECTED:
+                    await self._reject(session.rejected or "")
+                    return False
+                await self._wait(session.blocked)
+                store.current = results  # other connections ran batches meanwhile
+                done = session.receive(segment, done)
+                self.server.after_batch()
             if subscriptions.due:
                 await subscriptions.serve()
             start = end

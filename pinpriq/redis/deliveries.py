@@ -67,6 +67,9 @@ class RedisSubscriptions(Subscriptions):
         self._file(sub)
         if sub.stamp:
             self._due_subs[sub] = None
+            # Served by the reader right after its frame, or, when the call came from
+            # elsewhere (a paused subscriber resumed as its output drained), by the dispatcher.
+            self._wake.set()
         return False
 
     def offer(self, queue: bytes) -> None:
