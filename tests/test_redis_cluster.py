@@ -11,6 +11,7 @@ import pytest
 
 from pinpriq.conformance import run_suite
 from pinpriq.redis.keys import queue_keys
+from pinpriq.redis.store import RedisStore
 from tests.redis_servers import RedisServer, need_redis, start_cluster
 from tests.test_redis_store import FIXTURES, HOST, STEP_TIMEOUT, SYNC, connect, front_end, pop, push
 
@@ -36,12 +37,19 @@ async def test_every_fixture_passes_on_a_cluster(cluster: list[RedisServer]) -> 
 
 async def test_queues_spread_over_the_nodes(cluster: list[RedisServer]) -> None:
     names = [b"queue-%d" % n for n in range(60)] + [b"", b"{", b"}{x}", b"\xff\x00"]
-    async with front_end(cluster_url(cluster)) as (_, a), front_end(cluster_url(cluster)) as (_, b):
+    url = cluster_url(cluster)
+    async with front_end(url) as (server, a), front_end(url) as (_, b):
         pusher, popper = await connect(a), await connect(b)
         await pusher.send(b"".join(push(name, b"k", name) for name in names))
         await pusher.request(SYNC)
         held = [len(queues_on(node)) for node in cluster]
         assert all(held), f"queues per node: {held}"
+        # The admin listener's figures come from a scan of every node.
+        store = server.batched
+        assert isinstance(store, RedisStore)
+        await store.refresh_snapshot()
+        assert sorted(name for name, _, _ in store.sizes()) == sorted(names)
+        assert len(store) == len(names)
         for name in names:
             assert await popper.request(pop(name)) == [(b"k", name)]
     assert [queues_on(node) for node in cluster] == [[], [], []]  # queues are forgotten
