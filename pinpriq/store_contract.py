@@ -188,6 +188,14 @@ class BatchedStore(Store, Protocol):
         """Apply the pushes and pops of ``frames``, in order; returns the pops' results."""
         ...
 
+    async def peek_async(self, queue: bytes, count: int) -> Sequence[PeekedPacket]:
+        """``peek``, for a store that must wait for the answer."""
+        ...
+
+    async def purge_async(self, queue: bytes) -> int:
+        """``purge``, likewise."""
+        ...
+
 
 class Deliveries(Protocol):
     """The subscriptions of a ``BatchedStore``: ``subscriptions.Subscriptions``' methods, whose

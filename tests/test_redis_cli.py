@@ -3,9 +3,11 @@ store: bad values and unusable Redis servers are one line and a non-zero exit.""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -14,8 +16,9 @@ from pinpriq.admin.app import AdminApp
 from pinpriq.admin.http import Request
 from pinpriq.admin.stats import Sampler, server_stats
 from pinpriq.redis.spec import StoreError, parse_store
+from tests.rawpeer import pop, push
 from tests.redis_servers import RedisServer, free_port, need_redis
-from tests.test_redis_store import front_end
+from tests.test_redis_store import SYNC, connect, front_end
 
 SERVER = [sys.executable, "-m", "pinpriq.cli.server", "--http-port", "off"]
 
@@ -78,14 +81,26 @@ def test_a_redis_that_may_evict_is_refused(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
-async def test_stats_say_what_the_redis_store_cannot_give(redis_url: str) -> None:
-    async with front_end(redis_url) as (server, _):
+async def test_the_admin_listener_reads_and_purges_a_redis_store(redis_url: str) -> None:
+    async with front_end(redis_url) as (server, port):
+        pusher = await connect(port)
+        await pusher.send(push(b"q", b"k", b"old", prio=2) + push(b"q", b"k", b"rider", prio=0))
+        await pusher.send(push(b"q", b"n", b"new", prio=2) + SYNC)
+        assert await pusher.reply() == []
         sampler = Sampler(server.broker, trio.current_time)
         stats = server_stats(server.broker, sampler, connections=0, ready=True)
         assert stats["store"]["kind"] == "redis"
-        assert stats["store"]["not_given"]
+        assert stats["store"]["not_given"]  # says which figures it cannot give
         app = AdminApp(server, sampler)
-        for method, path in (("GET", b"/queues/q/peek"), ("POST", b"/queues/q/purge")):
+
+        async def ask(method: str, path: bytes) -> Any:
             response = app.handle(Request(method, path, {}, b""))
-            assert response.status == 501, response.body
-            assert b"Redis store" in response.body
+            assert response.later is not None  # answered after a wait on Redis
+            answered = await response.later()
+            assert answered.status == 200, answered.body
+            return json.loads(answered.body)
+
+        peeked = await ask("GET", b"/queues/q/peek?n=3")
+        assert [p["payload"] for p in peeked["packets"]] == ["new", "old", "rider"]
+        assert (await ask("POST", b"/queues/q/purge"))["purged"] == 3
+        assert await pusher.request(pop(b"q")) == []

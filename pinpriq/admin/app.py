@@ -18,9 +18,9 @@ page holds no data and asks for the token itself, so a browser can open it.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from importlib.resources import files
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 from urllib.parse import parse_qs, unquote_to_bytes
 
 from pinpriq.admin.http import Request, Response
@@ -29,7 +29,7 @@ from pinpriq.admin.stats import DEFAULT_MAX_QUEUES, Sampler, queue_stats, server
 from pinpriq.auth import tokens_match
 from pinpriq.broker import Broker
 from pinpriq.display import escape, json_value
-from pinpriq.store_contract import BatchedStore
+from pinpriq.store_contract import BatchedStore, PeekedPacket
 from pinpriq.wire import MAX_FIELD
 
 __all__ = ["DEFAULT_PEEK", "MAX_PEEK", "AdminApp", "Observed"]
@@ -131,12 +131,6 @@ class AdminApp:
             challenge = (("www-authenticate", 'Bearer realm="pinpriq"'),)
             raise HTTPError(401, "this server needs Authorization: Bearer TOKEN", challenge)
 
-    def _synchronous_store(self, what: str) -> None:
-        """A store in another process (Redis) cannot answer within a request's synchronous
-        handler yet: say so rather than fail."""
-        if isinstance(self.broker.store, BatchedStore):
-            raise HTTPError(501, f"{what} is not available on the Redis store yet")
-
     def _readyz(self, _: dict[str, list[str]]) -> Response:
         ready = self.server.ready
         return _json({"ready": ready}, 200 if ready else 503)
@@ -160,22 +154,45 @@ class AdminApp:
 
     def _peek(self, queue: bytes) -> Callable[[dict[str, list[str]]], Response]:
         _check_name(queue)
-        self._synchronous_store("peek")
+
+        def answer(found: Sequence[PeekedPacket]) -> Response:
+            packets = [
+                {"key": json_value(key), "payload": json_value(payload), "prio": prio}
+                for key, payload, prio, *_ in found
+            ]
+            return _json({"queue": escape(queue), "packets": packets})
 
         def peek(query: dict[str, list[str]]) -> Response:
             count = _number(query, "n", DEFAULT_PEEK, 1, MAX_PEEK)
-            packets = [
-                {"key": json_value(key), "payload": json_value(payload), "prio": prio}
-                for key, payload, prio, *_ in self.broker.store.peek(queue, count)
-            ]
-            return _json({"queue": escape(queue), "packets": packets})
+            store = self.broker.store
+            if isinstance(store, BatchedStore):  # in another process: answered after a wait
+                return _later(lambda: store.peek_async(queue, count), answer)
+            return answer(store.peek(queue, count))
 
         return peek
 
     def _purge(self, queue: bytes) -> Callable[[dict[str, list[str]]], Response]:
         _check_name(queue)
-        self._synchronous_store("purge")
-        return lambda _: _json({"queue": escape(queue), "purged": self.broker.purge(queue)})
+
+        def answer(purged: int) -> Response:
+            return _json({"queue": escape(queue), "purged": purged})
+
+        store = self.broker.store
+        if isinstance(store, BatchedStore):
+            return lambda _: _later(lambda: store.purge_async(queue), answer)
+        return lambda _: answer(self.broker.purge(queue))
+
+
+_T = TypeVar("_T")
+
+
+def _later(work: Callable[[], Awaitable[_T]], answer: Callable[[_T], Response]) -> Response:
+    """A response the listener sends once ``work`` is done: ``answer`` of its result."""
+
+    async def run() -> Response:
+        return answer(await work())
+
+    return Response(200, later=run)
 
 
 def _check_name(queue: bytes) -> None:
