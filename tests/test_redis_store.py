@@ -269,3 +269,22 @@ async def test_redis_restarted_under_load_loses_nothing_synced(tmp_path: Path) -
         assert set(acknowledged) <= set(left)
     finally:
         redis.stop()
+
+
+async def test_a_batch_held_for_its_output_keeps_its_own_replies(redis_url: str) -> None:
+    # 80 pops of 100 KB packets in one batch pass the output bound (4 MiB): the server holds
+    # the batch until the client reads, while another connection's batches run in between.
+    async with front_end(redis_url) as (_, port):
+        loader, reader, other = await connect(port), await connect(port), await connect(port)
+        big = b"x" * 60_000
+        for n in range(80):
+            await loader.send(push(b"big", b"%02d" % n, big + b"%02d" % n, prio=1))
+        await loader.request(SYNC)
+        await reader.send(pop(b"big") * 80 + SYNC)
+        await trio.sleep(0.2)  # the reader's batch is held now, its client not reading
+        for n in range(20):
+            await other.send(push(b"side", b"s%d" % n, b"") + pop(b"side"))
+            assert await other.reply() == [(b"s%d" % n, b"")]
+        got = [await reader.reply() for _ in range(80)]
+        assert [packets[0][0] for packets in got] == [b"%02d" % n for n in range(79, -1, -1)]
+        assert await reader.reply() == []  # the sync
