@@ -18,7 +18,10 @@ behind the same broker in two parts, with no copy of the broker:
   which pops asynchronously and hands each result to ``Session.deliver`` when it arrives, as the
   in-memory one does at once.
 
-Both halves leave ``broker.py`` as it is; they are the Redis store's work, not this module's.
+Both halves leave ``broker.py`` as it is. ``BatchedStore`` and ``Deliveries`` below state them;
+``server._Connection._apply_batched`` is the driver's side (it cuts a batch where a frame may
+cause a delivery here, so replies and deliveries land where the built-in store puts them), and
+``pinpriq/redis/`` the store's.
 
 Leases (decisions 13-16) are ``leases.Leases``, built on three operations every store has:
 ``take`` (a pop whose packets stay counted), ``discard`` (an ack) and ``restore`` (a group going
