@@ -1,11 +1,13 @@
 # pinpriq-server in a slim image, listening on every interface of the container, as an
-# unprivileged user. Options given to `docker run IMAGE ...` replace CMD and go to the server,
-# after the ENTRYPOINT's --host, so `docker run pinpriq --max-memory 2GiB` keeps listening on
-# every interface.
+# unprivileged user, keeping its packets in the volume /data. Options given to
+# `docker run IMAGE ...` replace CMD and go to the server, after the ENTRYPOINT's --host and
+# --data-dir, so `docker run pinpriq --max-memory 2GiB` keeps listening on every interface and
+# keeps its log.
 FROM python:3.11-slim
 
 # A numeric user (hadolint DL3066), so orchestrators can tell it is not root without a passwd.
-RUN useradd --create-home --uid 10001 pinpriq
+# /data belongs to that user: the server creates its log there.
+RUN useradd --create-home --uid 10001 pinpriq && mkdir /data && chown 10001 /data
 WORKDIR /opt/pinpriq
 COPY pyproject.toml README.md ./
 COPY pinpriq ./pinpriq
@@ -17,12 +19,17 @@ USER 10001
 # 7000: the data port. 7001: the admin listener (dashboard, /metrics, /stats, /healthz), which
 # listens on the container's loopback only unless given --http-host 0.0.0.0 and a token.
 EXPOSE 7000 7001
+# The log: mount a named volume or a host directory here (docker run -v pinpriq-data:/data) so
+# packets outlive the container.
+VOLUME ["/data"]
 # The admin listener's /healthz on the container's loopback: it needs no token, and it answers
-# only while the server's Trio run is alive. Without a token the server refuses clients from
-# Docker's network and its start-up log says to run the image with -e PINPRIQ_AUTH_TOKEN=...
-# (see the README, "Running pinpriq safely"). With --tls-cert the admin listener speaks HTTPS:
-# set PINPRIQ_ADMIN_URL=https://127.0.0.1:7001 and SSL_CERT_FILE to the CA's file.
-HEALTHCHECK --interval=10s --timeout=5s --start-period=5s --retries=3 \
+# only while the server's Trio run is alive (its /readyz says 503 while the log is read back;
+# the minute's start period covers millions of packets). Without a token the server refuses
+# clients from Docker's network and its start-up log says to run the image with
+# -e PINPRIQ_AUTH_TOKEN=... (see the README, "Running pinpriq safely"). With --tls-cert the
+# admin listener speaks HTTPS: set PINPRIQ_ADMIN_URL=https://127.0.0.1:7001 and SSL_CERT_FILE to
+# the CA's file.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
     CMD ["pinpriq", "--timeout", "3", "health"]
-ENTRYPOINT ["pinpriq-server", "--host", "0.0.0.0"]
+ENTRYPOINT ["pinpriq-server", "--host", "0.0.0.0", "--data-dir", "/data"]
 CMD ["--port", "7000"]

@@ -4,12 +4,17 @@ depend on what else the machine is doing.
     python benchmarks/server_instructions.py                        # this checkout: push, pop
     python benchmarks/server_instructions.py --compare ../baseline  # and another, side by side
     python benchmarks/server_instructions.py -t push -n 64000 --runs 3
+    python benchmarks/server_instructions.py --fsync everysec      # with --data-dir (a log)
 
 Each measurement starts ``pinpriq-server`` under ``valgrind --tool=callgrind``, drives it with
 ``pinpriq-bench`` (4 client processes, pipeline 64, 8-byte keys, 16-byte payloads, prio 1..255,
 as ``compare_redis.py``), stops it with SIGTERM and reads the instruction total valgrind prints.
 It does so for N and for 2N operations and divides the difference by N, so start-up, imports
 and shutdown cancel out. Pop scenarios push their packets first, so "pop" is a push and a pop.
+
+With ``--fsync POLICY`` each server runs with ``--data-dir`` on a fresh temporary directory and
+that policy, so the figure includes logging every push and pop (fsyncs themselves are the
+kernel's, and not counted).
 
 Valgrind runs the server about 50 times slower than usual, so a run of the default 64,000
 operations takes about a minute. The figure moves by about 1% from run to run (the garbage
@@ -39,11 +44,14 @@ TOTAL = re.compile(rb"Collected : (\d+)")
 LISTENING = re.compile(rb"listening on \S+ port (\d+)")
 
 
-def server_instructions(checkout: Path, scenario: str, ops: int) -> int:
-    """Instructions of one server process serving ``ops`` operations of ``scenario``."""
+def server_instructions(checkout: Path, scenario: str, ops: int, fsync: str | None = None) -> int:
+    """Instructions of one server process serving ``ops`` operations of ``scenario``; with a
+    log on a fresh directory if ``fsync`` names a policy."""
     valgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
-    with tempfile.TemporaryFile() as log:
+    with tempfile.TemporaryFile() as log, tempfile.TemporaryDirectory() as data:
         command = [str(checkout / ".venv" / "bin" / "pinpriq-server"), "--port", "0"]
+        if fsync:
+            command += ["--data-dir", data, "--fsync", fsync]
         server = subprocess.Popen(
             [*valgrind, *command, *_admin_options(command[0])],
             stderr=log,
@@ -90,11 +98,11 @@ def _port(log: IO[bytes], server: subprocess.Popen[bytes]) -> int:
     raise SystemExit("the server did not listen within 120 s under valgrind")
 
 
-def per_op(checkout: Path, scenario: str, ops: int) -> float:
+def per_op(checkout: Path, scenario: str, ops: int, fsync: str | None = None) -> float:
     """Instructions per operation: the difference between 2N and N operations, over N."""
     return (
-        server_instructions(checkout, scenario, 2 * ops)
-        - server_instructions(checkout, scenario, ops)
+        server_instructions(checkout, scenario, 2 * ops, fsync)
+        - server_instructions(checkout, scenario, ops, fsync)
     ) / ops
 
 
@@ -104,6 +112,11 @@ def main() -> None:
     parser.add_argument("-n", dest="ops", type=int, default=64_000, help="N (default: 64000)")
     parser.add_argument("--runs", type=int, default=1, help="repeat, report the median")
     parser.add_argument("--compare", type=Path, help="another checkout, with its own .venv")
+    parser.add_argument(
+        "--fsync",
+        choices=["always", "everysec", "no"],
+        help="run the servers with --data-dir (fresh) and this policy (default: memory only)",
+    )
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind)")
@@ -111,7 +124,7 @@ def main() -> None:
     for scenario in args.scenarios.split(","):
         figures = []
         for checkout in checkouts:
-            runs = [per_op(checkout, scenario, args.ops) for _ in range(args.runs)]
+            runs = [per_op(checkout, scenario, args.ops, args.fsync) for _ in range(args.runs)]
             figures.append(statistics.median(runs))
             print(f"{scenario:5} {checkout}: {figures[-1]:,.0f} instructions per op", flush=True)
         if len(figures) == 2:

@@ -178,8 +178,12 @@ class Broker:
         self.leases = Leases(store, default_ms=lease_default_ms, max_deliveries=max_deliveries)
         self.max_memory: float = max_memory or math.inf
         self.low_water = self.max_memory * LOW_WATER_FRACTION
-        #: Whether pushes wait: set at the cap, cleared below the low-water mark.
+        #: Whether pushes wait: set at the cap, cleared below the low-water mark; also set
+        #: while ``disk_full``.
         self.memory_full = False
+        #: Whether the store's disk is full (a log-backed store's reserve in use): pushes wait
+        #: as at the memory cap, pops go on. Set by ``set_disk_full``.
+        self.disk_full = False
         #: Called once when pushes may go on after the cap was reached; the driver sets it.
         self.on_room: Callable[[], None] = _nothing
         #: Packets sent to subscribers so far.
@@ -283,9 +287,24 @@ class Broker:
                 self.low_water,
                 self.store.unselectable_bytes,
             )
-        elif self.memory_full and held < self.low_water:
+        elif self.memory_full and held < self.low_water and not self.disk_full:
             self.memory_full = False
             log.warning("memory below the low-water mark (%d bytes held); pushes resume", held)
+            self.on_room()
+
+    def set_disk_full(self, full: bool) -> None:
+        """The store's disk is full, or has room again: pushes wait while it is full, exactly
+        as at the memory cap (``on_room`` is called when they may go on); pops go on."""
+        if full == self.disk_full:
+            return
+        self.disk_full = full
+        if full:
+            self.memory_full = True
+            return
+        self.memory_full = False
+        if self.store.bytes_held >= self.max_memory:
+            self.check_memory()  # over the memory cap as well: full again, for that reason
+        else:
             self.on_room()
 
 

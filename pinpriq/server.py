@@ -30,6 +30,13 @@ object. It owns only what needs an event loop or a limit:
   socket's file descriptor directly, which is the fast path; it pays nothing for TLS.
 * the client memory budget (``client_memory.ClientMemory``): the incomplete frames and unsent
   output of all connections, counted where they linger, never per frame.
+* with a log-backed store (``--data-dir``), the log's ordering rule: after each batch the
+  driver has the store seal and write what the batch logged (``LoggedStore.flush``), and no
+  byte of output (a reply or a delivery) is written to a socket before the journal says it is
+  ``released``, that is, until every record sealed before it is stored as the fsync policy
+  promises; output that must wait goes to the connection's writer task, which waits for the
+  journal's keeper (fsyncs run in a worker thread, so other connections are served meanwhile).
+  Without a log none of this runs: ``journal`` is ``None``.
 
 Memory held per connection is bounded: the decoder holds at most one frame plus one read, since
 the reader decodes everything it has before reading again, and stops reading while it waits.
@@ -42,6 +49,7 @@ import math
 import os
 import socket
 import ssl
+import time
 from collections.abc import Container
 from typing import cast
 
@@ -51,6 +59,9 @@ from pinpriq.auth import TOKEN_VARIABLE, is_loopback
 from pinpriq.broker import DEFAULT_MAX_MEMORY, REJECT_DELAY, Blocked, Broker, Session
 from pinpriq.client_memory import ClientMemory, default_budget
 from pinpriq.leases import DEFAULT_LEASE_MS, DEFAULT_MAX_DELIVERIES
+from pinpriq.persistence.journal import Journal
+from pinpriq.persistence.keeper import Keeper
+from pinpriq.persistence.store import LoggedStore
 from pinpriq.store import QueueStore
 from pinpriq.store_contract import BatchedStore, Deliveries, Store
 from pinpriq.tls import describe_tls_error
@@ -357,6 +368,10 @@ class _Connection:
         if self.sending:  # deliveries pile up behind a slow write: they count, and may pause
             self.server.hold_output(self, len(session.output) + session.unsent)
             return
+        journal = self.server.journal
+        if journal is not None and not journal.released:
+            self._output_ready.set()  # the writer task waits for the log, then writes
+            return
         try:
             sent = self._send_now(session.output)
         except trio.BrokenResourceError:
@@ -386,10 +401,14 @@ class _Connection:
     async def _send_output(self) -> None:
         """Send everything pending, including what is added while sending."""
         session = self.session
+        journal = self.server.journal
         self.sending = True
         try:
             while session.output:
-                data, session.output = session.output, bytearray()
+                if journal is None:
+                    data, session.output = session.output, bytearray()
+                else:
+                    data = await self._released_output(journal)
                 sent = self._send_now(data)
                 if sent < len(data):
                     session.unsent = len(data) - sent
@@ -403,6 +422,23 @@ class _Connection:
                 self.server.hold_output(self, 0)
         self._output_drained.set()
         self._output_drained = trio.Event()
+
+    async def _released_output(self, journal: Journal) -> bytearray:
+        """Take the output the log lets out: what is pending now, once every record sealed
+        before it is stored as the fsync policy promises (what arrives meanwhile waits for
+        the next round)."""
+        self.server.flush_log()  # a resumed subscriber's deliveries may have logged pops
+        session = self.session
+        if not journal.released:
+            count = len(session.output)
+            assert self.server.keeper is not None
+            await self.server.keeper.wait_released()
+            if count < len(session.output):
+                data = session.output[:count]
+                del session.output[:count]
+                return data
+        data, session.output = session.output, bytearray()
+        return data
 
     def _send_now(self, data: bytearray) -> int:
         """Write what the kernel takes at once, without a trip through the event loop (the
@@ -565,6 +601,18 @@ class PinpriqServer:
             self.deliveries = deliveries
             self.broker.subscriptions = deliveries  # type: ignore[assignment]
             deliveries.flush = self.after_batch
+        store = self.broker.store
+        #: The log of a server that keeps packets on disk, and what waits on it; ``None``
+        #: for a memory-only server.
+        self.journal: Journal | None = None
+        self.keeper: Keeper | None = None
+        self._logged: LoggedStore | None = None
+        if isinstance(store, LoggedStore):
+            self._logged = store
+            self.journal = store.journal
+            self.keeper = Keeper(store.journal)
+            store.journal.on_disk_full = self.broker.set_disk_full
+            store.journal.recovering = True  # until ``serve`` has recovered the log
         self.max_connections = max_connections
         self.frame_timeout = frame_timeout
         self.token = token
@@ -581,6 +629,16 @@ class PinpriqServer:
         self._listening = False
 
     @property
+    def recovering(self) -> bool:
+        """Whether the server is still reading its log back (``/readyz`` says not ready)."""
+        return self.journal is not None and self.journal.recovering
+
+    def flush_log(self) -> None:
+        """Seal and write what the store logged since the last call; nothing without a log."""
+        if self._logged is not None:
+            self._logged.flush()
+
+    @property
     def connections(self) -> int:
         """Connections being served now."""
         return len(self._connections)
@@ -592,12 +650,17 @@ class PinpriqServer:
         before the pusher's next frame is read and no connection in the list can have closed
         meanwhile."""
         broker = self.broker
+        logged = self._logged
+        if logged is not None:
+            logged.flush()
         if broker.timer < self._expiry_scope.deadline:
             self._expiry_scope.deadline = broker.timer
         while broker.dirty:
             for session in broker.take_dirty():
                 # Writing may resume a paused subscriber, which may deliver again.
                 self._connections[session].write_pending()
+            if logged is not None:
+                logged.flush()  # what those deliveries popped, before they are written
 
     def hold_input(self, conn: _Connection, size: int) -> None:
         """``conn``'s decoder now holds ``size`` bytes of an incomplete frame; past the client
@@ -667,9 +730,31 @@ class PinpriqServer:
         Reports the listeners through ``task_status``, so ``await nursery.start(server.serve,
         0)`` returns once connections are accepted.
         """
+        try:
+            if self._logged is not None:
+                await self._recover()
+            await self._serve(port, host, task_status)
+        finally:
+            if self._logged is not None:
+                self._logged.close()
+
+    async def _recover(self) -> None:
+        """Read the log back before listening, in a worker thread, so that other tasks (an
+        admin listener saying "recovering") keep running meanwhile."""
+        assert self._logged is not None
+        now, now_ms = trio.current_time(), time.time_ns() // 1_000_000
+        await trio.to_thread.run_sync(self._logged.recover, now, now_ms)
+        self.broker.expire()  # sets the expiry timer for the restored packets
+        self.broker.check_memory()
+
+    async def _serve(
+        self, port: int, host: str, task_status: trio.TaskStatus[list[trio.SocketListener]]
+    ) -> None:
         listeners = await trio.open_tcp_listeners(port, host=host)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._expire_loop)
+            if self.keeper is not None:
+                nursery.start_soon(self.keeper.run)
             for listener in listeners:
                 address = listener.socket.getsockname()
                 log.info(

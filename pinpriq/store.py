@@ -59,7 +59,7 @@ import heapq
 import math
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import chain, islice
 from operator import itemgetter
 from typing import Final
@@ -77,6 +77,7 @@ __all__ = [
     "PRIO",
     "SEQ",
     "Clock",
+    "LoadedPacket",
     "QueueInfo",
     "QueueStore",
     "QueuedPacket",
@@ -103,6 +104,9 @@ _MAX_TIME_NOTES = 4096
 # (deadline, seq, queue, key): ordered by deadline, then push order; names the packet it stands for.
 _ExpiryEntry = tuple[float, int, bytes, bytes]
 
+
+#: A packet to ``load``: ``(queue, key, payload, prio, seq)``.
+LoadedPacket = tuple[bytes, bytes, bytes, int, int]
 
 #: A packet held by the store: ``(key, payload, prio, seq, deadline, leases)``, where ``seq`` is
 #: store-wide push order, ``deadline`` its TTL deadline on the store's clock (inf for TTL 0), and
@@ -315,18 +319,22 @@ class QueueStore:
         #: ``bytes``.
         self._popped = 0
         self._restored = 0
+        #: Seqs that ``load`` skipped: used, before a restart, by packets no longer held.
+        self._skipped = 0
         self._expiry: list[_ExpiryEntry] = []
         #: ``(seq, time)``: by ``time``, packets up to ``seq`` had been pushed (``note_time``).
         self._time_notes: list[tuple[int, float]] = []
 
     def __len__(self) -> int:
         """Packets held, in all queues."""
-        return self._seq - self._popped + self._restored - self.expired - self.purged
+        return (
+            self._seq - self._skipped - self._popped + self._restored - self.expired - self.purged
+        )
 
     @property
     def pushed(self) -> int:
-        """Packets pushed since the store was made: the push sequence counter."""
-        return self._seq
+        """Packets pushed since the store was made, and those ``load`` put back."""
+        return self._seq - self._skipped
 
     @property
     def queue_count(self) -> int:
@@ -464,7 +472,9 @@ class QueueStore:
     def take(self, queue: bytes) -> list[QueuedPacket]:
         """``pop``, for a lease: the packets leave their queue but stay counted in
         ``bytes_held`` (and ``taken_bytes``) until ``restore`` or ``discard``. O(pop + g)."""
-        packets = self.pop(queue)
+        # QueueStore's pop, not an override's: a take is no removal (decision 19: a log-backed
+        # store does not log it; an ack is logged, through ``discard``).
+        packets = QueueStore.pop(self, queue)
         if packets:
             held = _group_held(packets)
             self.bytes_held += held
@@ -573,7 +583,92 @@ class QueueStore:
         self.bytes_held -= _held(removed)
         self.unselectable_bytes -= _unselectable(removed)
         self.expired += len(removed)
+        if removed:
+            self._removed_by_expiry(removed)
         return len(removed)
+
+    def _removed_by_expiry(self, packets: list[QueuedPacket]) -> None:
+        """Called by ``expire`` with the packets it removed. A store that records removals
+        (the log-backed store) overrides it; here there is nothing to do."""
+
+    def load(
+        self, packets: Iterable[LoadedPacket], deadlines: Mapping[int, float], last_seq: int
+    ) -> None:
+        """Put back packets queued before a restart, each ``(queue, key, payload, prio, seq)``
+        with its own seq, in increasing seq, into a store no push has touched; ``deadlines``
+        maps the seqs of those with a TTL to their deadline on this store's clock. Pushes then
+        go on after ``last_seq``, the last seq the log used. Levels and key groups are in push
+        order, so this rebuilds exactly the order pops had. (Not ``restore``, which puts back
+        packets a lease took.)
+
+        It files each packet as ``push`` does (keep the two in step: a test compares a loaded
+        store with the one that pushed), in one loop that keeps the queue it is filling in
+        locals (packets of one queue tend to come in runs), and one heapify: recovery loads
+        millions. Their ages are unknown (``queue_info``): packets carry no time. O(n).
+        """
+        queues, first = self._queues, self._seq
+        last = first
+        expiry: list[_ExpiryEntry] = []
+        count = held = unselectable = riders = 0
+        name: bytes | None = None
+        q = _Queue(b"")  # replaced by the first packet's queue
+        for queue, key, payload, prio, seq in packets:
+            if seq <= last:
+                raise ValueError(f"loading seq {seq} after seq {last}: not in push order")
+            last = seq
+            if queue != name:
+                q = queues.get(queue) or queues.setdefault(queue, _Queue(queue))
+                name = queue
+            deadline = deadlines.get(seq, _NEVER) if deadlines else _NEVER
+            packet = (key, payload, prio, seq, deadline, 0)
+            groups = q.groups
+            group = groups.get(key)
+            if group is None:
+                groups[key] = packet
+            elif isinstance(group, dict):
+                group[seq] = packet
+            else:
+                groups[key] = {group[SEQ]: group, seq: packet}
+            size = len(key) + len(payload)
+            if prio:
+                level = q.levels.get(prio)
+                if level is None:
+                    q.levels[prio] = [packet]
+                    q.mask |= 1 << prio
+                else:
+                    level.append(packet)
+                q.entries += 1
+            else:
+                unselectable += size
+                riders += 1
+            if deadline != _NEVER:
+                entry = (deadline, seq, q.name, key)
+                expiry.append(entry)
+                if q.expiry is None:
+                    q.expiry = [entry]
+                else:
+                    q.expiry.append(entry)
+            q.size += 1
+            q.bytes += size + PACKET_OVERHEAD
+            count += 1
+            held += size
+        if last_seq < last:
+            raise ValueError(f"last_seq {last_seq} is before the last packet's seq {last}")
+        # Seqs the log used for packets that are gone: held packets are derived (__len__).
+        self._skipped += last_seq - first - count
+        self._seq = last_seq
+        self.bytes_held += held + count * PACKET_OVERHEAD
+        self.unselectable_bytes += unselectable + riders * PACKET_OVERHEAD
+        self._expiry += expiry
+        heapq.heapify(self._expiry)
+        for q in queues.values():
+            if q.expiry:
+                heapq.heapify(q.expiry)
+        self._time_notes.clear()  # notes taken while loading would date these packets to now
+
+    def holds(self, queue: bytes, key: bytes, seq: int) -> bool:
+        """Whether packet ``seq``, pushed to ``queue`` with ``key``, is still queued. O(1)."""
+        return self._live((0.0, seq, queue, key)) is not None
 
     @staticmethod
     def _ungroup(q: _Queue, packet: QueuedPacket) -> None:

@@ -153,7 +153,7 @@ async def test_metrics_and_stats_count_leases(admin: Admin) -> None:
     assert value(samples, "pinpriq_packets_acked_total") == 1
     assert value(samples, "pinpriq_packets_redelivered_total") == 1
     assert value(samples, "pinpriq_packets_dead_lettered_total") == 0
-    assert value(samples, "pinpriq_lease_frames_unknown_total") == 1
+    assert value(samples, "pinpriq_acks_unknown_total") == 1
     assert value(samples, "pinpriq_packets_popped_total") == 0  # leases are not pops
     # Held packets count against the cap whether queued or leased.
     assert value(samples, "pinpriq_memory_held_bytes") == 2 * (2 + 1 + PACKET_OVERHEAD)

@@ -172,9 +172,20 @@ def test_the_dockerfile_passes_hadolint() -> None:
 
 
 def test_options_given_to_docker_run_keep_the_host() -> None:
-    """``docker run pinpriq --max-memory 2GiB`` replaces CMD, so the host lives in ENTRYPOINT."""
-    assert dockerfile_instruction("ENTRYPOINT") == ["pinpriq-server", "--host", "0.0.0.0"]
+    """``docker run pinpriq --max-memory 2GiB`` replaces CMD, so the host lives in ENTRYPOINT,
+    and so does the data directory."""
+    entrypoint = dockerfile_instruction("ENTRYPOINT")
+    assert entrypoint[:3] == ["pinpriq-server", "--host", "0.0.0.0"]
     assert "--host" not in dockerfile_instruction("CMD")
+    assert "--data-dir" not in dockerfile_instruction("CMD")
+
+
+def test_the_log_lives_in_the_declared_volume() -> None:
+    entrypoint = dockerfile_instruction("ENTRYPOINT")
+    data_dir = entrypoint[entrypoint.index("--data-dir") + 1]
+    assert dockerfile_instruction("VOLUME") == [data_dir]
+    text = (REPO / "Dockerfile").read_text()
+    assert f"chown 10001 {data_dir}" in text  # the unprivileged user can write its log there
 
 
 async def test_the_health_check_asks_the_admin_listener_and_fails_without_one(

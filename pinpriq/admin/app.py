@@ -29,6 +29,7 @@ from pinpriq.admin.stats import DEFAULT_MAX_QUEUES, Sampler, queue_stats, server
 from pinpriq.auth import tokens_match
 from pinpriq.broker import Broker
 from pinpriq.display import escape, json_value
+from pinpriq.persistence.journal import Journal
 from pinpriq.store_contract import BatchedStore, PeekedPacket
 from pinpriq.wire import MAX_FIELD
 
@@ -47,12 +48,16 @@ class Observed(Protocol):
 
     broker: Broker
     token: bytes | None
+    journal: Journal | None  # the log of a server with --data-dir
 
     @property
     def connections(self) -> int: ...
 
     @property
     def ready(self) -> bool: ...
+
+    @property
+    def recovering(self) -> bool: ...
 
 
 class HTTPError(Exception):
@@ -79,7 +84,7 @@ class AdminApp:
         self.sampler = sampler
         self.max_queues = max_queues
         self.registry = registry_for(
-            BrokerCollector(server.broker, lambda: server.connections, max_queues)
+            BrokerCollector(server.broker, lambda: server.connections, max_queues, server.journal)
         )
         self.dashboard = files("pinpriq.admin").joinpath("dashboard.html").read_bytes()
 
@@ -90,6 +95,10 @@ class AdminApp:
             route = self._route(request.method, path, segments)
             if path.decode("latin-1") not in PUBLIC:
                 self._authorize(request)
+                if self.server.recovering:  # the store is being filled in a worker thread
+                    raise HTTPError(
+                        503, "reading the log back (--data-dir); ready when /readyz says so"
+                    )
             return route(parse_qs(query.decode("latin-1"), keep_blank_values=True))
         except HTTPError as error:
             response = _json({"error": str(error)}, error.status)
@@ -143,6 +152,7 @@ class AdminApp:
             self.sampler,
             connections=self.server.connections,
             ready=self.server.ready,
+            journal=self.server.journal,
             limit=limit,
             history=history,
         )

@@ -29,6 +29,7 @@ from pinpriq.admin.stats import listed_queues
 from pinpriq.broker import Broker, Totals
 from pinpriq.display import escape
 from pinpriq.leases import LeaseTotals
+from pinpriq.persistence.journal import Journal, JournalStats
 
 __all__ = ["CONTENT_TYPE_LATEST", "BrokerCollector", "registry_for"]
 
@@ -56,7 +57,7 @@ _LEASE_COUNTERS = {
         "Packets due for a dead-letter queue whose name would be too long, dropped",
     ),
     "unknown": (
-        "pinpriq_lease_frames_unknown_total",
+        "pinpriq_acks_unknown_total",
         "Ack, release and touch frames naming no live lease (answered status 0)",
     ),
 }
@@ -66,10 +67,17 @@ assert set(_LEASE_COUNTERS) | {"leased"} == set(LeaseTotals._fields), "a lease t
 class BrokerCollector(Collector):
     """Reads the broker's figures whenever the registry is scraped."""
 
-    def __init__(self, broker: Broker, connections: Callable[[], int], max_queues: int) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        connections: Callable[[], int],
+        max_queues: int,
+        journal: Journal | None = None,
+    ) -> None:
         self.broker = broker
         self.connections = connections
         self.max_queues = max_queues
+        self.journal = journal
 
     def collect(self) -> Iterator[Metric]:
         broker, store = self.broker, self.broker.store
@@ -113,6 +121,8 @@ class BrokerCollector(Collector):
             ("pinpriq_memory_full", "1 while pushes wait for room", int(broker.memory_full)),
         )
         yield from self._queue_gauges()
+        if self.journal is not None:
+            yield from _log_metrics(self.journal.stats())
         info = InfoMetricFamily("pinpriq", "The server's version")
         info.add_metric([], {"version": __version__})
         yield info
@@ -138,6 +148,41 @@ class BrokerCollector(Collector):
             subscribers.add_metric(label, counts.get(queue, 0))
             leased.add_metric(label, leases.leased(queue))
         yield from (packets, size, subscribers, leased)
+
+
+def _log_metrics(log: JournalStats) -> Iterator[Metric]:
+    """The log's figures (``--data-dir``): size, segments, fsyncs, recovery."""
+    yield from _gauges(
+        ("pinpriq_log_segments", "Segment files of the log, the spare not included", log.segments),
+        (
+            "pinpriq_log_disk_bytes",
+            "Bytes the log's files take, reserved space included",
+            log.disk_bytes,
+        ),
+        ("pinpriq_log_bytes", "Bytes of records in the log's segments", log.log_bytes),
+        (
+            "pinpriq_log_live_packets",
+            "Packets the log holds live (queued and leased)",
+            log.live_packets,
+        ),
+        ("pinpriq_log_last_fsync_seconds", "How long the last fsync took", log.last_fsync_seconds),
+        (
+            "pinpriq_log_recovery_seconds",
+            "How long reading the log back at start took",
+            log.recovery_seconds,
+        ),
+        ("pinpriq_log_recovering", "1 while the log is read back at start", int(log.recovering)),
+        ("pinpriq_log_disk_full", "1 while the disk is full and pushes wait", int(log.disk_full)),
+    )
+    for name, documentation, value in (
+        ("pinpriq_log_blocks_written", "Blocks of records written", log.blocks_written),
+        ("pinpriq_log_written_bytes", "Bytes written to the log", log.bytes_written),
+        ("pinpriq_log_fsyncs", "fsyncs of the log", log.fsyncs),
+        ("pinpriq_log_fsync_seconds", "Time spent in the log's fsyncs", log.fsync_seconds),
+        ("pinpriq_log_copied_packets", "Packets compaction copied forward", log.copied),
+        ("pinpriq_log_segments_deleted", "Segment files deleted", log.segments_deleted),
+    ):
+        yield CounterMetricFamily(name, documentation, value=value)
 
 
 def _gauges(*gauges: tuple[str, str, float]) -> Iterator[Metric]:

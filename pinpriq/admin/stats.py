@@ -23,6 +23,7 @@ from typing import Any
 from pinpriq import __version__
 from pinpriq.broker import Broker, Totals
 from pinpriq.display import escape
+from pinpriq.persistence.journal import Journal
 
 __all__ = [
     "DEFAULT_MAX_QUEUES",
@@ -143,6 +144,7 @@ def server_stats(
     ready: bool,
     limit: int = DEFAULT_MAX_QUEUES,
     history: bool = False,
+    journal: Journal | None = None,
 ) -> dict[str, Any]:
     """Everything ``/stats`` answers: the server's figures, and the ``limit`` deepest queues'."""
     now = sampler.now()
@@ -164,6 +166,7 @@ def server_stats(
         "queues_total": store.queue_count,
         "totals": now.totals._asdict(),
         "leases": broker.lease_totals()._asdict(),
+        "log": None if journal is None else journal.stats()._asdict(),
         "rates_per_s": sampler.rates(now),
         "queues": [queue_stats(broker, queue) for queue, _, _ in queues],
     }

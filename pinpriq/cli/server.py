@@ -14,8 +14,10 @@ import resource
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import trio
@@ -36,6 +38,16 @@ from pinpriq.cli.args import (
 from pinpriq.cli.logs import LOG_FORMATS, configure_logging
 from pinpriq.client_memory import MIN_DEFAULT_BUDGET
 from pinpriq.leases import DEAD_SUFFIX, DEFAULT_LEASE_MS, DEFAULT_MAX_DELIVERIES
+from pinpriq.persistence.journal import (
+    DEFAULT_SEGMENT_SIZE,
+    MIN_SEGMENT_SIZE,
+    FsyncPolicy,
+    Journal,
+)
+from pinpriq.persistence.keeper import LogFailure
+from pinpriq.persistence.recovery import report, scan
+from pinpriq.persistence.segments import DataDir, DataDirError
+from pinpriq.persistence.store import LoggedStore
 from pinpriq.redis.spec import StoreError, StoreSpec, parse_store
 from pinpriq.server import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_CONNECTIONS, PinpriqServer
 from pinpriq.store import PACKET_OVERHEAD
@@ -135,6 +147,44 @@ def server_parser() -> argparse.ArgumentParser:
         help=f"the token clients must present (one trailing newline stripped); or set "
         f"{TOKEN_VARIABLE}. Never a command-line value: ps would show it",
     )
+    durability = parser.add_argument_group(
+        "durability", "Without --data-dir the server keeps packets in memory only."
+    )
+    durability.add_argument(
+        "--data-dir",
+        type=Path,
+        metavar="DIR",
+        help="keep packets in a log in DIR (created if missing) and recover them at start",
+    )
+    durability.add_argument(
+        "--fsync",
+        choices=[policy.value for policy in FsyncPolicy],
+        help="when the log is fsynced: 'always' before any reply that follows the logged "
+        "frames (a sync's reply then means on disk); 'everysec' about once a second (a power "
+        "failure may lose about the last second); 'no' only when a segment is full. A crash "
+        "of the process loses nothing acknowledged under any of them (default: everysec)",
+    )
+    durability.add_argument(
+        "--log-segment-size",
+        type=byte_size,
+        metavar="SIZE",
+        help="size of each log segment file, its space reserved when it is created "
+        f"(default: {DEFAULT_SEGMENT_SIZE // 1024**2}MiB; at least "
+        f"{MIN_SEGMENT_SIZE // 1024}KiB)",
+    )
+    durability.add_argument(
+        "--check-log",
+        action="store_true",
+        help="check the log in --data-dir and report what a start would recover, then exit "
+        "(0: a start would succeed; 1: it would refuse); changes nothing",
+    )
+    durability.add_argument(
+        "--truncate-damaged-log",
+        action="store_true",
+        help="if the log is damaged before its end, cut it at the damage (dropping the rest "
+        "of that segment and every later one, as --check-log reports) and start, instead of "
+        "refusing to start",
+    )
     parser.add_argument(
         "--http-port",
         type=http_port,
@@ -204,7 +254,21 @@ class AdminOptions(NamedTuple):
 async def run_server(
     server: PinpriqServer, host: str, port: int, admin: AdminOptions | None = None
 ) -> int | str:
-    """Serve until a signal. Returns the exit status, or why the server could not start."""
+    """Serve until a signal. Returns the exit status, or why the server could not start or
+    had to stop (its log failed)."""
+    failure = ""
+    try:
+        return await _run_server(server, host, port, admin)
+    except* LogFailure as failures:
+        failure = str(failures.exceptions[0])
+        while isinstance(failure, BaseExceptionGroup):  # pragma: no cover - nesting varies
+            failure = str(failure.exceptions[0])
+    return failure
+
+
+async def _run_server(
+    server: PinpriqServer, host: str, port: int, admin: AdminOptions | None
+) -> int | str:
     log = logging.getLogger("pinpriq.server")
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
@@ -232,6 +296,9 @@ async def run_server(
 
             try:
                 await nursery.start(serve_then_stop)
+            except DataDirError as error:
+                nursery.cancel_scope.cancel()  # the admin listener, if it started
+                return str(error)
             except OSError as error:
                 nursery.cancel_scope.cancel()  # the admin listener, if it started
                 return f"cannot listen on {host} port {port}: {error.strerror or error}"
@@ -266,10 +333,10 @@ async def run_on_store(
     if spec.scheme == "memory":
         return await run_server(make_server(), host, port, admin)
     # Imported here: the built-in store's start does not load the Redis client.
-    from pinpriq.redis.connect import open_store
+    from pinpriq.redis.connect import open_store as open_redis_store
 
     try:
-        async with open_store(spec) as (store, deliveries):
+        async with open_redis_store(spec) as (store, deliveries):
             server = make_server(store=store, deliveries=deliveries, max_memory=0)
             return await run_server(server, host, port, admin)
     except StoreError as error:
@@ -308,6 +375,50 @@ def _only_loopback(host: str) -> bool:
     return bool(infos) and all(is_loopback(str(info[4][0])) for info in infos)
 
 
+def check_log(path: Path) -> int:
+    """``--check-log``: print what a start would recover from ``path``; the exit status."""
+    try:
+        data_dir = DataDir.open(path, write=False)
+        lines, would_start = report(data_dir, scan(data_dir, now_ms=time.time_ns() // 10**6))
+    except (DataDirError, OSError) as error:
+        print(f"pinpriq-server: {error}", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0 if would_start else 1
+
+
+def open_store(args: argparse.Namespace) -> LoggedStore | None:
+    """The log-backed store ``--data-dir`` asks for, its directory checked and locked; exits
+    with one line if it cannot be used."""
+    if args.data_dir is None:
+        return None
+    try:
+        data_dir = DataDir.open(args.data_dir, write=True)
+    except DataDirError as error:
+        sys.exit(f"pinpriq-server: {error}")
+    journal = Journal(
+        data_dir,
+        policy=FsyncPolicy(args.fsync or FsyncPolicy.EVERYSEC.value),
+        segment_size=args.log_segment_size or DEFAULT_SEGMENT_SIZE,
+    )
+    return LoggedStore(trio.current_time, journal, truncate_damaged=args.truncate_damaged_log)
+
+
+def _check_durability_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.data_dir is None:
+        for option, value in (
+            ("--fsync", args.fsync),
+            ("--log-segment-size", args.log_segment_size),
+            ("--check-log", args.check_log),
+            ("--truncate-damaged-log", args.truncate_damaged_log),
+        ):
+            if value:
+                parser.error(f"{option} needs --data-dir")
+    size = args.log_segment_size
+    if size is not None and size < MIN_SEGMENT_SIZE:
+        parser.error(f"argument --log-segment-size: {size} bytes is below {MIN_SEGMENT_SIZE}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``pinpriq-server``."""
     parser = server_parser()
@@ -316,6 +427,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_ca is not None and args.tls_cert is None:
         parser.error("--tls-ca needs --tls-cert and --tls-key")
+    _check_durability_args(parser, args)
+    if args.data_dir is not None and args.store.scheme != "memory":
+        parser.error("--data-dir logs the built-in store; with --store redis, Redis persists")
+    if args.check_log:
+        sys.exit(check_log(args.data_dir))
     configure_logging(args.log_level, args.log_format)
     try:
         token = load_token(args.auth_token_file)
@@ -349,9 +465,10 @@ def main(argv: list[str] | None = None) -> None:
         "lease_default_ms": max(1, round(args.lease_default * 1000)),
         "max_deliveries": args.max_deliveries,
     }
+    logged = open_store(args)  # None without --data-dir
 
     def make_server(**store: Any) -> PinpriqServer:
-        return PinpriqServer(**{**options, **store})
+        return PinpriqServer(**{"store": logged, **options, **store})
 
     try:
         outcome = trio.run(run_on_store, args.store, make_server, args.host, args.port, admin)

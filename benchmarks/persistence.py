@@ -1,0 +1,337 @@
+"""The log's costs (issue 12): throughput with ``--data-dir`` against memory only, recovery time,
+and disk use under churn. Figures are printed; nothing is asserted.
+
+    python benchmarks/persistence.py throughput   # push and pop -P 64, 4 connections: memory,
+                                                  # everysec and always, 5 interleaved rounds
+    python benchmarks/persistence.py recovery     # 1,000,000 packets (8 B keys, 16 B payloads)
+    python benchmarks/persistence.py disk         # 10 GB of 1 KiB payloads through a queue that
+                                                  # never holds more than 100 MB (long: minutes)
+
+``throughput`` starts a fresh server for every measurement (a fresh data directory with the
+log), drives it with ``pinpriq-bench`` as ``compare_redis.py`` does, and takes each round's
+ratio to the memory-only server measured in the same round, then the median over rounds. For
+``always`` it reports the fsyncs the server made (from the line it logs when it closes its
+log): per second of the run, and operations per fsync. The pop scenario's figures include its
+prefill, which pushes as many packets as it pops.
+
+``disk`` keeps one queue at a fixed depth (pushes and pops alternating, 64 of each per round
+trip, priorities 1..255, so some packets stay queued a long time and pin old segments) and
+samples the data directory's allocated size throughout. Data directories go in ``--dir``
+(default: a temporary directory on the same disk as /tmp), which should be a real disk: fsync
+costs depend on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+BIN = Path(sys.executable).parent
+SERVER = str(BIN / "pinpriq-server")
+BENCH = str(BIN / "pinpriq-bench")
+LISTENING = re.compile(r"listening on \S+ port (\d+)")
+RECOVERED = re.compile(r"recovered (\d+) packets .* in ([\d.]+) s")
+CLOSED = re.compile(
+    r"log closed: (\d+) blocks \((\d+) bytes\) written, (\d+) fsyncs taking ([\d.]+) s"
+)
+WORKLOAD = ["-c", "4", "-P", "64", "--key-size", "8", "--payload-size", "16"]
+WORKLOAD += ["--prio-levels", "255"]
+
+
+class Server:
+    """A ``pinpriq-server`` with its stderr in a file; stopped with SIGTERM."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log = log
+        self.started = time.monotonic()
+        with open(log, "wb") as stderr:
+            self.process = subprocess.Popen(
+                [SERVER, "--port", "0", "--http-port", "off", *args], stderr=stderr
+            )
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if match := LISTENING.search(self.text()):
+                self.port = int(match.group(1))
+                self.listening_after = time.monotonic() - self.started
+                return
+            if self.process.poll() is not None:
+                raise SystemExit(f"the server exited at start: {self.text()[-2000:]}")
+            time.sleep(0.01)
+        raise SystemExit("the server did not listen within 600 s")
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> str:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+        return self.text()
+
+
+@contextmanager
+def data_dir(base: Path | None) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="pinpriq-bench-", dir=base))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def bench(port: int, pid: int, args: list[str]) -> dict[str, Any]:
+    command = [BENCH, "--port", str(port), "--json", "-q", "--server-pid", str(pid), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if done.returncode:
+        raise SystemExit(f"pinpriq-bench failed: {done.stderr.strip()}")
+    result: dict[str, Any] = json.loads(done.stdout)["results"][0]
+    return result
+
+
+# -- throughput -------------------------------------------------------------------------------
+
+MODES = {
+    "memory": [],
+    "everysec": ["--fsync", "everysec"],
+    "always": ["--fsync", "always"],
+}
+
+
+def measure(mode: str, scenario: str, ops: int, base: Path | None) -> dict[str, Any]:
+    with data_dir(base) as path:
+        args = MODES[mode] + (["--data-dir", str(path)] if mode != "memory" else [])
+        server = Server(args, path.with_suffix(".log"))
+        try:
+            result = bench(server.port, server.process.pid, ["-t", scenario, "-n", str(ops)])
+        finally:
+            text = server.stop()
+            path.with_suffix(".log").unlink()
+        if match := CLOSED.search(text):
+            fsyncs = int(match.group(3))
+            result["fsyncs"] = fsyncs
+            result["fsyncs_per_sec"] = fsyncs / result["seconds"]
+            ops_logged = ops * (2 if scenario == "pop" else 1)  # pop's prefill pushes as many
+            result["ops_per_fsync"] = ops_logged / fsyncs if fsyncs else float("inf")
+            result["fsync_ms"] = float(match.group(4)) * 1000 / fsyncs if fsyncs else 0.0
+        return result
+
+
+def throughput(args: argparse.Namespace) -> None:
+    rounds: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for round_ in range(args.rounds):
+        for scenario in ("push", "pop"):
+            memory = None
+            for mode in MODES:
+                result = measure(mode, scenario, args.ops, args.dir)
+                rounds.setdefault((mode, scenario), []).append(result)
+                if mode == "memory":
+                    memory = result["ops_per_sec"]
+                else:
+                    assert memory is not None
+                    ratios.setdefault((mode, scenario), []).append(result["ops_per_sec"] / memory)
+                print(
+                    f"round {round_ + 1} {scenario:4} {mode:8} {result['ops_per_sec']:>9,.0f} "
+                    f"ops/s, server {result.get('server_cpu_us_per_op', 0):.1f} us/op"
+                    + (
+                        f", {result['fsyncs_per_sec']:.0f} fsyncs/s, "
+                        f"{result['ops_per_fsync']:.0f} ops/fsync, "
+                        f"{result['fsync_ms']:.2f} ms/fsync"
+                        if mode == "always"
+                        else ""
+                    ),
+                    flush=True,
+                )
+    print(f"\nmedians over {args.rounds} rounds, -P 64, 4 connections, {args.ops:,} ops:")
+    for (mode, scenario), results in rounds.items():
+        median = statistics.median(r["ops_per_sec"] for r in results)
+        line = f"  {scenario:4} {mode:8} {median:>9,.0f} ops/s"
+        if (mode, scenario) in ratios:
+            values = ratios[(mode, scenario)]
+            line += (
+                f"  {statistics.median(values):.2f}x memory ({min(values):.2f}-{max(values):.2f})"
+            )
+        if mode == "always":
+            line += (
+                f"; {statistics.median(r['fsyncs_per_sec'] for r in results):.0f} fsyncs/s, "
+                f"{statistics.median(r['ops_per_fsync'] for r in results):.0f} ops per fsync, "
+                f"{statistics.median(r['fsync_ms'] for r in results):.2f} ms per fsync"
+            )
+        print(line)
+
+
+# -- recovery ---------------------------------------------------------------------------------
+
+
+def recovery(args: argparse.Namespace) -> None:
+    with data_dir(args.dir) as path:
+        log = path.with_suffix(".log")
+        server = Server(["--data-dir", str(path), "--max-memory", "0"], log)
+        fill = ["-t", "push-stream", "-n", str(args.packets)]
+        bench(server.port, server.process.pid, [*fill, *WORKLOAD])
+        server.stop()
+        size = sum(p.stat().st_size for p in path.glob("*.log"))
+        print(f"{args.packets:,} packets pushed; {size / 1e6:.0f} MB of segment files")
+        recovered, listening = [], []
+        for run in range(args.runs):
+            server = Server(["--data-dir", str(path), "--max-memory", "0"], log)
+            match = RECOVERED.search(server.text())
+            if match is None or int(match.group(1)) != args.packets:
+                raise SystemExit(f"recovery did not say it recovered them all: {server.text()}")
+            recovered.append(float(match.group(2)))
+            listening.append(server.listening_after)
+            server.stop()
+            print(
+                f"run {run + 1}: recovered in {recovered[-1]:.2f} s; listening "
+                f"{listening[-1]:.2f} s after the process started",
+                flush=True,
+            )
+        log.unlink()
+    print(
+        f"\nrecovery of {args.packets:,} packets, median of {args.runs}: "
+        f"{statistics.median(recovered):.2f} s reading the log, "
+        f"{statistics.median(listening):.2f} s from process start to listening"
+    )
+
+
+# -- disk use ---------------------------------------------------------------------------------
+
+
+def allocated(path: Path) -> int:
+    """Bytes the files in ``path`` take on disk (allocated blocks, as ``du`` counts)."""
+    return sum(entry.stat().st_blocks * 512 for entry in path.iterdir() if entry.is_file())
+
+
+class Churn:
+    """One connection keeping a queue at a fixed depth: 64 pushes and 64 pops per round trip."""
+
+    PUSH = struct.Struct(">BHHBHH")
+
+    def __init__(self, port: int, payload: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.payload = bytes(payload)
+        self.rng = random.Random(1)
+        self.next_key = 0
+        self.buffer = bytearray()
+
+    def pushes(self, count: int) -> bytes:
+        frames = []
+        for _ in range(count):
+            key = b"%08d" % (self.next_key % 10**8)
+            self.next_key += 1
+            header = self.PUSH.pack(0x70, 1, 0, self.rng.randint(1, 255), 8, len(self.payload))
+            frames.append(header + key + self.payload + b"q")
+        return b"".join(frames)
+
+    def round_trip(self, frames: bytes, replies: int) -> int:
+        """Send, then read ``replies`` pop replies; returns the packets they held."""
+        self.sock.sendall(frames)
+        packets = 0
+        for _ in range(replies):
+            (count,) = struct.unpack(">H", self.read(2))
+            packets += count
+            for _ in range(count):
+                key_len, payload_len = struct.unpack(">HH", self.read(4))
+                self.read(key_len + payload_len)
+        return packets
+
+    def read(self, size: int) -> bytes:
+        while len(self.buffer) < size:
+            data = self.sock.recv(1 << 20)
+            if not data:
+                raise SystemExit("the server closed the connection")
+            self.buffer += data
+        out = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        return out
+
+
+def disk(args: argparse.Namespace) -> None:
+    payload = 1024
+    depth = args.live_mb * 1_000_000 // (payload + 8)
+    total = int(args.gigabytes * 1e9 // payload)
+    with data_dir(args.dir) as path:
+        log = path.with_suffix(".log")
+        server = Server(["--data-dir", str(path), "--fsync", args.fsync], log)
+        churn = Churn(server.port, payload)
+        pop = b"\x50\x00\x01q"
+        for _ in range(depth // 64):  # the queue at its depth, confirmed by a pop of nothing
+            churn.round_trip(churn.pushes(64) + b"\x50\x00\x00", 1)
+        pushed = depth // 64 * 64
+        started = time.monotonic()
+        most, samples = 0, []
+        rounds = total // 64
+        for round_ in range(rounds):
+            if churn.round_trip(churn.pushes(64) + pop * 64, 64) != 64:
+                raise SystemExit("a pop came back empty or grouped: the queue ran dry")
+            pushed += 64
+            if round_ % 256 == 0:
+                used = allocated(path)
+                most = max(most, used)
+                samples.append(used)
+            if round_ % (rounds // 20 or 1) == 0:
+                print(
+                    f"{pushed * payload / 1e9:6.2f} GB pushed, disk {allocated(path) / 1e6:6.0f} "
+                    f"MB (most so far {most / 1e6:.0f} MB)",
+                    flush=True,
+                )
+        seconds = time.monotonic() - started
+        final = allocated(path)
+        text = server.stop()
+        log.unlink()
+    closed = CLOSED.search(text)
+    print(
+        f"\n{pushed * payload / 1e9:.1f} GB of {payload}-byte payloads pushed and popped in "
+        f"{seconds:.0f} s ({rounds * 128 / seconds:,.0f} ops/s) through a queue held at "
+        f"{depth:,} packets ({depth * (payload + 8) / 1e6:.0f} MB of keys and payloads), "
+        f"--fsync {args.fsync}, 32 MiB segments:\n"
+        f"  disk use: at most {most / 1e6:.0f} MB, median {statistics.median(samples) / 1e6:.0f}"
+        f" MB, at the end {final / 1e6:.0f} MB"
+    )
+    if closed:
+        print(
+            f"  log: {int(closed.group(2)) / 1e9:.1f} GB written in {closed.group(1)} blocks; "
+            + text[closed.end() :].split("\n", 1)[0].strip(", ")
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, help="where data directories go (a real disk)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    one = commands.add_parser("throughput", help="ops/s with a log against memory only")
+    one.add_argument("--rounds", type=int, default=5)
+    one.add_argument("-n", dest="ops", type=int, default=200_000)
+    two = commands.add_parser("recovery", help="time to recover a log of N packets")
+    two.add_argument("--packets", type=int, default=1_000_000)
+    two.add_argument("--runs", type=int, default=3)
+    three = commands.add_parser("disk", help="disk use while GBs go through a bounded queue")
+    three.add_argument("--gigabytes", type=float, default=10.0)
+    three.add_argument("--live-mb", type=int, default=100)
+    three.add_argument("--fsync", default="everysec", choices=["always", "everysec", "no"])
+    args = parser.parse_args()
+    if args.dir is not None:
+        os.makedirs(args.dir, exist_ok=True)
+    {"throughput": throughput, "recovery": recovery, "disk": disk}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Compaction: copying the live packets of the oldest segment forward, so it can be deleted.
+
+Segments are deleted oldest first, once no live packet's entry is in them (``journal.py``).
+Most die on their own: TTLs are at most 65.5 s, and pops remove what was pushed. A segment
+that still holds a few live packets (a prio-255 packet nobody pops, a TTL-0 packet waiting for
+a worker) would pin itself and every later segment, as one unacked message pins a RabbitMQ
+quorum queue's segments. So once the log's dead bytes exceed its live bytes, the compactor
+reads the oldest segment and writes each of its live packets again, as a
+copy entry, into the block being sealed; when it has read the whole segment, nothing live is
+left in it and the journal deletes it (once the copies are on disk).
+
+While the disk is full, compaction waits: its copies would use up the reserved segment that
+pops' remove entries need, and those pops free whole segments as they empty them.
+
+No full rewrite and no fork: each seal reads a bounded slice of the oldest segment (a few times
+the bytes the seal itself adds, and at least ``MIN_STEP``), so compaction's cost is spread over
+the writes that make it necessary, and the log cannot outgrow it.
+
+What this module must not know: the store (it asks ``Locate`` whether a packet lives, and
+where), trio.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from pinpriq.persistence.records import (
+    BLOCK_HEADER,
+    Kind,
+    LogFormatError,
+    decode_entries,
+    read_block,
+)
+from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, Segment
+
+if TYPE_CHECKING:
+    from pinpriq.persistence.journal import Journal
+
+__all__ = ["MIN_STEP", "STEP_FACTOR", "Compactor", "Locate"]
+
+#: ``locate(queue, key, seq)``: the queue a packet lives in now if it is live, else ``None``
+#: (``queue`` is the one its latest entry names: a moved packet's latest entry is the copy a
+#: move writes). The log-backed store answers from its queues; a store with leases must also
+#: answer for leased packets, which are live in the log.
+Locate = Callable[[bytes, bytes, int], bytes | None]
+
+#: Least bytes of the oldest segment one seal reads while compaction is due.
+MIN_STEP = 64 * 1024
+#: Bytes read per byte sealed, while compaction is due: above 2, so that reading the old
+#: segments outpaces writing new ones even when the copies are as large as the reads.
+STEP_FACTOR = 4
+
+_PUSH, _COPY = int(Kind.PUSH), int(Kind.COPY)
+
+
+class Compactor:
+    """Reads the oldest segment a slice at a time and copies its live packets forward."""
+
+    def __init__(self, journal: Journal, locate: Locate) -> None:
+        self._journal = journal
+        self._locate = locate
+        self._segment: Segment | None = None  # being read
+        self._fd: int | None = None
+        self._offset = 0  # of the next block to read in it
+        #: Packets copied forward since the server started.
+        self.copied = 0
+
+    def due(self) -> bool:
+        """Whether the dead bytes of the log pass its live bytes (in a log of more than a
+        couple of segments: a small log is not worth copying)."""
+        journal = self._journal
+        used = journal.used_bytes
+        if used <= 2 * journal.segment_size or len(journal.segments) < 3:
+            return False
+        live = journal.live_bytes()
+        return used - live > live
+
+    def step(self, sealed: int) -> None:
+        """Read the next slice of the oldest segment, copying its live packets into the block
+        being sealed (``sealed`` bytes so far), if compaction is due or under way."""
+        journal = self._journal
+        if journal.disk_full:
+            return  # copies would eat the reserve the pops' removals need; pops free space
+        oldest = journal.segments[0]
+        if self._segment is not oldest:
+            self.close()
+            if oldest is journal.active or oldest is journal.rotating or not self.due():
+                return
+            self._open(oldest)
+        budget = max(MIN_STEP, STEP_FACTOR * sealed)
+        while budget > 0 and self._offset < oldest.end:
+            data = self._read_block(oldest)
+            budget -= len(data)
+            self._copy_live(oldest, data)
+        if self._offset >= oldest.end:
+            self.close()  # the journal deletes it once its copies are on disk
+
+    def _open(self, segment: Segment) -> None:
+        self._segment = segment
+        self._fd = os.open(segment.path, os.O_RDONLY | os.O_CLOEXEC)
+        self._offset = SEGMENT_HEADER_SIZE
+
+    def close(self) -> None:
+        """Stop reading the segment under way, if any."""
+        if self._fd is not None:
+            os.close(self._fd)
+        self._segment = None
+        self._fd = None
+
+    def forget(self, segment: Segment) -> None:
+        """The journal deletes ``segment``: stop reading it."""
+        if self._segment is segment:
+            self.close()
+
+    def _read_block(self, segment: Segment) -> bytes:
+        """The next whole block of ``segment``, which the journal wrote and read back whole
+        at start, so anything else is damage appearing under a running server."""
+        assert self._fd is not None
+        header = os.pread(self._fd, BLOCK_HEADER.size, self._offset)
+        _, length, _ = BLOCK_HEADER.unpack(header)
+        data = header + os.pread(self._fd, length, self._offset + BLOCK_HEADER.size)
+        if len(data) != BLOCK_HEADER.size + length:
+            raise LogFormatError(f"{segment.path}: a block at {self._offset} reads short")
+        self._offset += len(data)
+        return data
+
+    def _copy_live(self, segment: Segment, data: bytes) -> None:
+        block = read_block(data, 0)
+        if block is None:
+            raise LogFormatError(f"{segment.path}: no block where one was written")
+        journal, locate = self._journal, self._locate
+        for entry in decode_entries(data, block):
+            kind = entry[0]
+            if kind != _PUSH and kind != _COPY:
+                continue
+            _, seq, deadline_ms, prio, queue, key, payload = entry
+            if journal.where(seq) is not segment:
+                continue  # copied forward already, or removed
+            current = locate(queue, key, seq)
+            if current is not None:
+                journal.add_copy(seq, deadline_ms, prio, current, key, payload)
+                self.copied += 1

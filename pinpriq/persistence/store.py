@@ -1,0 +1,270 @@
+"""The log-backed store: ``QueueStore`` with every change recorded in a ``Journal``.
+
+It keeps the store contract (``store_contract.Store``) exactly, so the broker cannot tell it
+from the memory store; only the driver knows, because it must call ``flush`` after each batch
+and hold output back until the journal has stored what the batch did (``server.py``). Without
+``--data-dir`` the server uses plain ``QueueStore`` and none of this runs.
+
+* ``push`` appends a push entry to the journal's open block, then pushes; ``pop``, expiry,
+  ``purge`` and an ack (``discard``) append a remove entry per packet that left. The cost per
+  packet is one ``struct.pack`` and a few appends to a bytearray: no call into the journal, no
+  clock read (the block's first push reads the clock once).
+* Leases (decision 19): a ``take`` (reserve, leased delivery) logs nothing, so after a restart
+  leased packets are back in their queues; a ``restore`` into another queue (a dead-letter
+  move) logs a copy entry naming that queue, with the packet's seq, so push order is kept.
+* ``flush`` seals the open block: the journal writes it with one ``pwrite``.
+* ``recover`` reads the data directory back (``recovery.py``) and loads its live packets in
+  push order, with their seqs and deadlines, so that pops come out as they would have had the
+  server never stopped.
+
+TTLs are logged as wall-clock deadlines (the store's clock is monotonic and starts anew with
+each process): a push's TTL counts from its block's ``base_ms``, taken at or before the push,
+and is turned back into the monotonic clock when replayed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from operator import itemgetter
+
+from pinpriq.persistence.compaction import Compactor
+from pinpriq.persistence.journal import Journal
+from pinpriq.persistence.records import PUSH_HEADER, REMOVE, Kind
+from pinpriq.persistence.recovery import apply, scan
+from pinpriq.persistence.segments import DataDirError
+from pinpriq.store import (
+    DEADLINE,
+    DEFAULT_MAX_POP,
+    KEY,
+    PAYLOAD,
+    PRIO,
+    SEQ,
+    Clock,
+    QueuedPacket,
+    QueueStore,
+)
+
+__all__ = ["LoggedStore"]
+
+log = logging.getLogger("pinpriq.persistence")
+
+_pack_push = PUSH_HEADER.pack
+_pack_remove = REMOVE.pack
+_PUSH, _REMOVE = int(Kind.PUSH), int(Kind.REMOVE)
+#: A log entry ``(kind, seq, deadline_ms, prio, queue, key, payload)`` as ``QueueStore.load``
+#: takes a packet, ``(queue, key, payload, prio, seq)``: picked in C, since there are millions.
+_LOADED = itemgetter(4, 5, 6, 3, 1)
+
+
+class LoggedStore(QueueStore):
+    """Queues whose every push and removal is logged to ``journal`` before anyone sees it."""
+
+    def __init__(
+        self,
+        clock: Clock,
+        journal: Journal,
+        *,
+        max_pop: int = DEFAULT_MAX_POP,
+        truncate_damaged: bool = False,
+        wall_clock: Clock = time.time,
+    ) -> None:
+        """``clock`` is the store's monotonic clock; ``wall_clock`` gives seconds since the
+        Unix epoch, read once per block to log TTLs as wall-clock deadlines."""
+        super().__init__(clock, max_pop=max_pop)
+        self.journal = journal
+        self._wall_clock = wall_clock
+        #: Cut the log at damage instead of refusing to start (``--truncate-damaged-log``).
+        self.truncate_damaged = truncate_damaged
+        # The journal's open block, kept by reference: the hot path appends to it directly.
+        self._pushes = journal.pushes
+        self._removals = journal.removals
+        self._removed = journal.removed
+        self._block_time = 0.0  # the store's clock at the open block's first push
+        #: Leased packets (``take``n, not yet acked or restored): their seq, and the queue
+        #: they were taken from. Compaction must keep them (``locate``), and a restore into
+        #: another queue is a dead-letter move, logged as one.
+        self._taken: dict[int, bytes] = {}
+        journal.compactor = Compactor(journal, self.locate)
+
+    def push(self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> float:
+        """Log, then queue a packet; returns its deadline on the store's clock."""
+        pushes = self._pushes
+        if not pushes:
+            self._block_time = self._clock()
+        pushes += _pack_push(_PUSH, ttl_ms, prio, len(queue), len(key), len(payload))
+        pushes += queue
+        pushes += key
+        pushes += payload
+        return QueueStore.push(self, queue, key, payload, ttl_ms, prio)
+
+    def pop(self, queue: bytes) -> list[QueuedPacket]:
+        """Pop as ``QueueStore.pop`` does, logging a removal for each packet returned."""
+        reply = QueueStore.pop(self, queue)
+        if reply:
+            removals, removed = self._removals, self._removed
+            for packet in reply:
+                seq = packet[SEQ]
+                removals += _pack_remove(_REMOVE, seq)
+                removed.append(seq)
+        return reply
+
+    def _removed_by_expiry(self, packets: list[QueuedPacket]) -> None:
+        self.record_removed(packets)
+
+    # Leases (decision 19): a take is not logged (after a restart, leased packets are back in
+    # their queues), an ack is a removal, a dead-letter move a copy entry naming the new queue.
+
+    def take(self, queue: bytes) -> list[QueuedPacket]:
+        """Lease what a pop would take, logging nothing."""
+        packets = QueueStore.take(self, queue)
+        taken = self._taken
+        for packet in packets:
+            taken[packet[SEQ]] = queue
+        return packets
+
+    def discard(self, packets: Sequence[QueuedPacket]) -> None:
+        """An ack: the packets are gone for good, and logged so."""
+        QueueStore.discard(self, packets)
+        self._forget_taken(packets)
+        self.record_removed(packets)
+
+    def restore(self, queue: bytes, packets: Sequence[QueuedPacket]) -> int:
+        """Put taken packets back into ``queue``: into their own, nothing to log (the log never
+        saw them leave); into another (a dead-letter queue), a copy entry each. Those past
+        their TTL deadline are dropped, and logged as removed."""
+        now = self._clock()
+        gone = [packet for packet in packets if packet[DEADLINE] <= now]
+        back = QueueStore.restore(self, queue, packets)
+        taken_from = self._forget_taken(packets)
+        if gone:
+            self.record_removed(gone)
+        if back and taken_from != queue:
+            for packet in packets:
+                if packet[DEADLINE] > now:
+                    self.record_moved(packet, queue, packet[DEADLINE])
+        return back
+
+    def _forget_taken(self, packets: Sequence[QueuedPacket]) -> bytes | None:
+        """Forget that these packets are leased; the queue they were taken from."""
+        taken, queue = self._taken, None
+        for packet in packets:
+            queue = taken.pop(packet[SEQ], None)
+        return queue
+
+    def purge(self, queue: bytes) -> int:
+        """Remove every packet of ``queue``, and log each removal."""
+        q = self._queues.get(queue)
+        packets = list(q.packets()) if q is not None else []
+        purged = QueueStore.purge(self, queue)
+        self.record_removed(packets)
+        return purged
+
+    def record_removed(self, packets: Sequence[QueuedPacket]) -> None:
+        """Log that these packets left the store for good: the removal path of anything other
+        than pop and expiry (purge; an ack, once leases exist). Call it in the same batch as
+        the removal, before ``flush``."""
+        removals, removed = self._removals, self._removed
+        for packet in packets:
+            seq = packet[SEQ]
+            removals += _pack_remove(_REMOVE, seq)
+            removed.append(seq)
+
+    def record_moved(self, packet: QueuedPacket, queue: bytes, deadline: float) -> None:
+        """Log that a live packet now lives in ``queue`` with its seq (its place in push
+        order), prio and ``deadline`` (on the store's clock; ``inf``: none) kept: a dead-letter
+        move (decision 19). It is written whole, as a copy entry naming its new queue. Call it
+        in the same batch as the move, before ``flush``."""
+        deadline_ms = 0
+        if deadline != math.inf:
+            deadline_ms = int((deadline + self._wall_clock() - self._clock()) * 1000)
+        key, payload, prio, seq = packet[KEY], packet[PAYLOAD], packet[PRIO], packet[SEQ]
+        self.journal.add_copy(seq, deadline_ms, prio, queue, key, payload)
+
+    def locate(self, queue: bytes, key: bytes, seq: int) -> bytes | None:
+        """The queue live packet ``seq`` is in now, ``None`` if it is gone (compaction asks
+        before copying it forward). A leased packet is live: the queue it was taken from."""
+        if self.holds(queue, key, seq):
+            return queue
+        return self._taken.get(seq)  # leased: it comes back after a restart, so it is kept
+
+    def flush(self) -> None:
+        """Seal what this batch logged into a block and write it (see ``Journal.seal``)."""
+        base_ms = 0
+        if self._pushes:
+            # The block's first push, on the wall clock, rounded down: a logged deadline is
+            # never later than the real one.
+            base_ms = int((self._block_time + self._wall_clock() - self._clock()) * 1000)
+        self.journal.seal(self._seq, base_ms)
+
+    def check_invariants(self) -> None:
+        """Also check the journal's counts: each segment's ``live`` is the number of queued
+        packets whose latest entry it holds. For tests; O(n log n)."""
+        super().check_invariants()
+        journal = self.journal
+        if not journal.segments:
+            return
+        counted = {id(segment): 0 for segment in journal.segments}
+        for q in self._queues.values():
+            for group in q.groups.values():
+                for packet in group.values() if isinstance(group, dict) else (group,):
+                    counted[id(journal.where(packet[SEQ]))] += 1
+        for seq in self._taken:  # leased packets are live in the log
+            counted[id(journal.where(seq))] += 1
+        for segment in journal.segments:
+            assert segment.live == counted[id(segment)], (
+                f"{segment.path.name}: live {segment.live}, but {counted[id(segment)]} "
+                "queued packets have their entry there"
+            )
+
+    def close(self) -> None:
+        """Write what is logged, fsync, close the log's files and release its directory (a
+        graceful stop; also after a failed start)."""
+        if self.journal.segments:
+            self.flush()
+        self.journal.close()
+
+    def recover(self, now: float, now_ms: int) -> None:
+        """Read the data directory, cut a torn tail, restore the live packets and open the
+        journal for writing. ``now`` is the store's clock and ``now_ms`` the wall clock (ms),
+        read together by the caller: this may run in a worker thread, where the store's clock
+        cannot be read. Raises ``segments.DataDirError`` for damage unless
+        ``truncate_damaged``."""
+        started = time.monotonic()
+        journal = self.journal
+        journal.recovering = True
+        try:
+            try:
+                result = scan(journal.data_dir, now_ms=now_ms)
+                apply(journal.data_dir, result, truncate_damaged=self.truncate_damaged)
+            except OSError as error:
+                raise DataDirError(
+                    f"cannot read the log in {journal.data_dir.path}: {error}"
+                ) from None
+            self.load(
+                map(_LOADED, result.packets.values()),
+                {seq: now + (ms - now_ms) / 1000 for seq, ms in result.deadlines.items()},
+                result.last_seq,
+            )
+            journal.open(result)
+            for seq in result.expired:  # gone for good, whatever the clock says next time
+                self._removals += _pack_remove(_REMOVE, seq)
+                self._removed.append(seq)
+            journal.seal(self._seq, 0)
+        finally:
+            journal.recovering = False
+            journal.recovery_seconds = time.monotonic() - started
+        log.info(
+            "recovered %d packets in %d queues from %s in %.2f s (%d segments, %d blocks%s)",
+            len(self),
+            self.queue_count,
+            journal.data_dir.path,
+            journal.recovery_seconds,
+            len(result.segments),
+            result.blocks,
+            f"; {len(result.expired)} packets expired while the server was down"
+            if result.expired
+            else "",
+        )

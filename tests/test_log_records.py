@@ -1,0 +1,187 @@
+"""The log's codec (``persistence/records.py``): hand-checked bytes, round trips, and the
+invariant that any bytes either read as blocks and entries or raise ``LogFormatError``."""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pinpriq.persistence.records import (
+    Block,
+    Kind,
+    LogFormatError,
+    decode_entries,
+    encode_block,
+    encode_copy,
+    encode_push,
+    encode_remove,
+    read_block,
+)
+
+
+def entries(data: bytes, offset: int = 0) -> list[tuple[object, ...]]:
+    block = read_block(data, offset)
+    assert block is not None
+    return decode_entries(data, block)
+
+
+def test_a_block_byte_by_byte() -> None:
+    push = encode_push(b"q", b"k", b"pl", 500, 3)
+    assert push == bytes.fromhex("70 01f4 03 0001 0001 0002") + b"qkpl"
+    block = encode_block(41, 1_000_000, push, encode_remove(7))
+    body = (
+        (41).to_bytes(8, "big")
+        + (1_000_000).to_bytes(8, "big")
+        + push
+        + bytes.fromhex("72 0000000000000007")
+    )
+    length = len(body).to_bytes(4, "big")
+    crc = zlib.crc32(length + body).to_bytes(4, "big")
+    assert block == b"PQLB" + length + crc + body
+
+
+def test_push_seqs_follow_the_block_and_ttls_count_from_its_base() -> None:
+    data = encode_block(
+        99,
+        5_000,
+        encode_push(b"q", b"a", b"", 0, 1),
+        encode_push(b"q", b"b", b"x", 250, 0),
+        encode_copy(3, 7_777, 2, b"r", b"c", b"y"),
+        encode_remove(100),
+    )
+    assert entries(data) == [
+        (Kind.PUSH, 100, 0, 1, b"q", b"a", b""),  # TTL 0: no deadline
+        (Kind.PUSH, 101, 5_250, 0, b"q", b"b", b"x"),
+        (Kind.COPY, 3, 7_777, 2, b"r", b"c", b"y"),  # a copy keeps its own seq and deadline
+        (Kind.REMOVE, 100),
+    ]
+
+
+def test_largest_fields_round_trip() -> None:
+    big = bytes(range(256)) * 256
+    field = big[:65535]
+    data = encode_block(0, 0, encode_push(field, field, field, 65535, 255))
+    assert entries(data) == [(Kind.PUSH, 1, 65535, 255, field, field, field)]
+
+
+def test_blocks_follow_each_other_and_zeros_end_the_data() -> None:
+    first = encode_block(0, 0, encode_remove(1))
+    second = encode_block(0, 0, encode_remove(2))
+    data = first + second + bytes(100)
+    block = read_block(data, 0)
+    assert block is not None
+    assert block.end == len(first)
+    block = read_block(data, block.end)
+    assert block is not None
+    assert block.end == len(first) + len(second)
+    assert read_block(data, block.end) is None  # the unused, zeroed rest of a segment
+    assert read_block(data, len(data)) is None
+
+
+@pytest.mark.parametrize("cut", range(1, 40))
+def test_a_block_cut_anywhere_is_an_error(cut: int) -> None:
+    data = encode_block(0, 0, encode_push(b"q", b"k", b"payload", 0, 1))
+    assert len(data) == 12 + 16 + 10 + 9
+    if cut >= len(data):
+        return
+    with pytest.raises(LogFormatError):
+        read_block(data[:cut], 0)
+    with pytest.raises(LogFormatError):  # cut short, then zeros: a torn preallocated write
+        read_block(data[:cut] + bytes(len(data)), 0)
+
+
+def test_every_flipped_bit_is_caught() -> None:
+    data = encode_block(5, 6, encode_push(b"q", b"k", b"v", 9, 1), encode_remove(3))
+    for index in range(len(data)):
+        for bit in range(8):
+            damaged = bytearray(data)
+            damaged[index] ^= 1 << bit
+            with pytest.raises(LogFormatError):
+                read_block(bytes(damaged), 0)
+
+
+def test_an_entry_of_unknown_kind_in_a_sound_block_is_an_error() -> None:
+    data = encode_block(0, 0, b"\x99")
+    with pytest.raises(LogFormatError, match="unknown entry kind 0x99"):
+        entries(data)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        encode_push(b"q", b"k", b"v", 0, 1),
+        encode_copy(1, 2, 3, b"q", b"k", b"v"),
+        encode_remove(1),
+    ],
+    ids=["push", "copy", "remove"],
+)
+def test_an_entry_cut_short_in_a_sound_block_is_an_error(entry: bytes) -> None:
+    for cut in range(1, len(entry)):
+        with pytest.raises(LogFormatError, match="cut short"):
+            entries(encode_block(0, 0, entry[:cut]))
+
+
+def test_a_damaged_length_is_an_error_and_allocates_nothing() -> None:
+    with pytest.raises(LogFormatError, match="cut short"):  # the data is sliced, not sized
+        read_block(b"PQLB" + (2**32 - 1).to_bytes(4, "big") + bytes(8), 0)
+    with pytest.raises(LogFormatError, match="impossible"):
+        read_block(b"PQLB" + (3).to_bytes(4, "big") + bytes(8), 0)
+
+
+def test_garbage_is_not_a_block() -> None:
+    with pytest.raises(LogFormatError, match="bad magic"):
+        read_block(b"\x00\x00\x00\x01", 0)
+
+
+def _read_all(data: bytes) -> list[object]:
+    """Read every block and entry, as recovery does."""
+    found: list[object] = []
+    offset = 0
+    while (block := read_block(data, offset)) is not None:
+        assert isinstance(block, Block)
+        found.extend(decode_entries(data, block))
+        offset = block.end
+    return found
+
+
+@given(st.binary(max_size=300))
+def test_any_bytes_read_or_raise_the_one_error(data: bytes) -> None:
+    with contextlib.suppress(LogFormatError):
+        _read_all(data)
+
+
+@given(st.binary(max_size=200), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1))
+def test_any_body_in_a_sound_block_reads_or_raises_the_one_error(
+    body: bytes, seq_base: int, base_ms: int
+) -> None:
+    """The checksum is right, so only the entries' layout can be wrong."""
+    with contextlib.suppress(LogFormatError):
+        _read_all(encode_block(seq_base, base_ms, body))
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.binary(max_size=20),
+            st.binary(max_size=20),
+            st.binary(max_size=20),
+            st.integers(0, 65535),
+            st.integers(0, 255),
+        ),
+        max_size=10,
+    ),
+    st.integers(0, 2**40),
+    st.integers(0, 2**50),
+)
+def test_pushes_round_trip(
+    pushes: list[tuple[bytes, bytes, bytes, int, int]], seq_base: int, base_ms: int
+) -> None:
+    data = encode_block(seq_base, base_ms, *(encode_push(*push) for push in pushes))
+    assert entries(data) == [
+        (Kind.PUSH, seq_base + i + 1, base_ms + ttl if ttl else 0, prio, queue, key, payload)
+        for i, (queue, key, payload, ttl, prio) in enumerate(pushes)
+    ]

@@ -1,0 +1,386 @@
+"""The Trio server with a log (``server.py`` with ``LoggedStore``, ``persistence/keeper.py``):
+the ordering rule (no reply or delivery before its records are stored as the policy promises),
+group commit, fsyncs off the event loop, the disk-full reserve, and the recovering state."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from pathlib import Path
+from typing import cast
+
+import pytest
+import trio
+
+from pinpriq.admin import serve_admin
+from pinpriq.persistence import keeper as keeper_module
+from pinpriq.persistence.journal import MIN_SEGMENT_SIZE, FsyncPolicy, Journal
+from pinpriq.persistence.keeper import LogFailure
+from pinpriq.persistence.records import Kind, decode_entries, read_block
+from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, DataDir
+from pinpriq.persistence.store import LoggedStore
+from pinpriq.server import PinpriqServer
+from tests.conftest import LiveServer
+from tests.rawpeer import READY, Peer, pop, push, subscribe
+from tests.test_admin import Admin
+
+SYNC = b"\x21"
+
+
+class Running:
+    """An in-process server on a data directory, which a test can stop and start again."""
+
+    def __init__(self, nursery: trio.Nursery, path: Path) -> None:
+        self.nursery = nursery
+        self.path = path
+        self.peers: list[Peer] = []
+        self.server: PinpriqServer
+        self.port = 0
+        self._done = trio.Event()
+
+    async def start(
+        self, policy: FsyncPolicy = FsyncPolicy.EVERYSEC, segment_size: int = MIN_SEGMENT_SIZE
+    ) -> None:
+        journal = Journal(
+            DataDir.open(self.path, write=True), policy=policy, segment_size=segment_size
+        )
+        self.server = PinpriqServer(LoggedStore(trio.current_time, journal))
+        self._done = trio.Event()
+        done = self._done
+
+        async def serve(task_status: trio.TaskStatus[list[trio.SocketListener]]) -> None:
+            try:
+                await self.server.serve(0, host="127.0.0.1", task_status=task_status)
+            finally:
+                done.set()
+
+        listeners = await self.nursery.start(serve)
+        self.port = listeners[0].socket.getsockname()[1]
+
+    async def connect(self) -> Peer:
+        peer = Peer(await trio.open_tcp_stream("127.0.0.1", self.port))
+        self.peers.append(peer)
+        return peer
+
+    async def stop(self) -> None:
+        for peer in self.peers:
+            await trio.aclose_forcefully(peer.stream)
+        self.peers.clear()
+        self.server.shutdown()
+        await self._done.wait()
+
+    @property
+    def journal(self) -> Journal:
+        assert self.server.journal is not None
+        return self.server.journal
+
+
+@pytest.fixture
+async def running(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Running]:
+    run = Running(nursery, tmp_path / "data")
+    yield run
+    if not run._done.is_set() and run.port:
+        await run.stop()
+
+
+class Gate:
+    """Stands in for ``os.fdatasync``: each call blocks its worker thread until opened."""
+
+    def __init__(self, real: Callable[[int], None]) -> None:
+        self.real = real
+        self.opened = threading.Event()
+        self.calls = 0
+
+    def __call__(self, fd: int) -> None:
+        self.calls += 1
+        self.opened.wait(30)
+        self.real(fd)
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Gate]:
+    gate = Gate(os.fdatasync)
+    monkeypatch.setattr(os, "fdatasync", gate)
+    yield gate
+    gate.opened.set()  # never leave a worker thread blocked
+
+
+async def eventually(predicate: Callable[[], bool], seconds: float = 5.0) -> None:
+    """Wait until ``predicate()`` holds (something a worker thread or the keeper does)."""
+    for _ in range(int(seconds / 0.01)):
+        if predicate():
+            return
+        await trio.sleep(0.01)
+    raise AssertionError(f"still not true after {seconds} s")
+
+
+def logged_removals(path: Path) -> list[int]:
+    """The seqs of every remove entry in the segment files: what the log holds now."""
+    seqs = []
+    for segment in sorted(path.glob("*.log")):
+        data = segment.read_bytes()
+        offset = SEGMENT_HEADER_SIZE
+        while (block := read_block(data, offset)) is not None:
+            seqs += [entry[1] for entry in decode_entries(data, block) if entry[0] == Kind.REMOVE]
+            offset = block.end
+    return seqs
+
+
+async def test_confirmed_pushes_survive_a_restart(running: Running) -> None:
+    await running.start()
+    peer = await running.connect()
+    await peer.send(push(b"q", b"a", b"1", prio=2) + push(b"q", b"b", b"2", prio=1))
+    assert await peer.request(SYNC) == []
+    await running.stop()
+    await running.start()
+    peer = await running.connect()
+    assert await peer.request(pop(b"q")) == [(b"b", b"2")]
+    assert await peer.request(pop(b"q")) == [(b"a", b"1")]
+
+
+async def test_a_pop_reply_is_sent_only_once_its_removal_is_in_the_log(
+    running: Running,
+) -> None:
+    await running.start()
+    peer = await running.connect()
+    await peer.send(push(b"q", b"k", b"v"))
+    assert await peer.request(SYNC) == []
+    assert logged_removals(running.path) == []
+    assert await peer.request(pop(b"q")) == [(b"k", b"v")]
+    assert logged_removals(running.path) == [1]
+
+
+async def test_a_delivery_is_sent_only_once_its_removal_is_in_the_log(running: Running) -> None:
+    await running.start()
+    subscriber, pusher = await running.connect(), await running.connect()
+    await subscriber.send(subscribe(b"q") + READY)
+    assert await subscriber.request(SYNC) == []
+    await pusher.send(push(b"q", b"k", b"v"))
+    assert await subscriber.reply() == [(b"k", b"v")]
+    assert logged_removals(running.path) == [1]
+
+
+async def test_always_waits_for_the_fsync_and_commits_many_batches_in_one(
+    running: Running, gate: Gate
+) -> None:
+    await running.start(FsyncPolicy.ALWAYS)
+    peers = [await running.connect() for _ in range(10)]
+    await peers[0].send(push(b"q", b"first", b"") + SYNC)
+    await eventually(lambda: gate.calls > 0)  # the first batch's fsync is under way, and held
+    for i, peer in enumerate(peers[1:]):
+        await peer.send(push(b"q", b"%d" % i, b"") + SYNC)
+    await trio.sleep(0.2)  # the event loop serves every connection meanwhile
+    assert len(running.server.broker.store) == 10
+    for peer in peers:
+        await peer.expect_silence(0.01)  # but no reply goes out before its fsync
+    gate.opened.set()
+    with trio.fail_after(5):
+        for peer in peers:
+            assert await peer.reply() == []
+    assert running.journal.fsyncs <= 3, "one fsync per batch: no group commit"
+
+
+async def test_always_holds_deliveries_until_the_fsync(running: Running, gate: Gate) -> None:
+    await running.start(FsyncPolicy.ALWAYS)
+    subscriber, pusher = await running.connect(), await running.connect()
+    gate.opened.set()
+    await subscriber.send(subscribe(b"q") + READY)
+    assert await subscriber.request(SYNC) == []
+    gate.opened.clear()
+    await pusher.send(push(b"q", b"k", b"v"))
+    await subscriber.expect_silence(0.2)
+    gate.opened.set()
+    with trio.fail_after(5):
+        assert await subscriber.reply() == [(b"k", b"v")]
+
+
+async def test_everysec_replies_do_not_wait_for_fsyncs(running: Running, gate: Gate) -> None:
+    await running.start(FsyncPolicy.EVERYSEC)
+    peer = await running.connect()
+    with trio.fail_after(5):
+        for i in range(3):  # across a second: an fsync starts, and blocks
+            await peer.send(push(b"q", b"%d" % i, b""))
+            assert await peer.request(SYNC) == []
+            assert await peer.request(pop(b"q")) == [(b"%d" % i, b"")]
+            await trio.sleep(0.6)
+    assert gate.calls >= 1
+    gate.opened.set()
+
+
+async def test_a_full_disk_stops_pushes_and_keeps_pops_going(
+    running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reserve: no new segment can be made, so pushes wait (as at the memory cap), while
+    the segment just rotated into takes the pops' removals."""
+    full = threading.Event()
+    real_create = keeper_module.create_segment
+
+    def create(path: Path, size: int) -> int:
+        if full.is_set():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_create(path, size)
+
+    monkeypatch.setattr(keeper_module, "create_segment", create)
+    await running.start(segment_size=MIN_SEGMENT_SIZE)
+    producer, consumer = await running.connect(), await running.connect()
+    await eventually(lambda: running.journal.spare is not None)  # made at start, before...
+    full.set()  # ...the disk fills
+    with trio.fail_after(5):
+        while len(running.journal.segments) < 2:  # rotate into the spare...
+            await producer.send(push(b"q", b"%d" % len(running.server.broker.store), bytes(4000)))
+            assert await producer.request(SYNC) == []
+    await eventually(lambda: running.server.broker.disk_full)  # ...and fail to make another
+    held = len(running.server.broker.store)
+    await producer.send(push(b"q", b"waits", b"") + SYNC)
+    await producer.expect_silence(0.2)
+    assert len(running.server.broker.store) == held, "a push went in while the disk was full"
+    with trio.fail_after(5):
+        for _ in range(held):
+            assert len(await consumer.request(pop(b"q"))) == 1
+    full.clear()  # space again: the keeper makes a spare at its next try, and pushes resume
+    with trio.fail_after(5):
+        assert await producer.reply() == []
+    assert not running.server.broker.disk_full
+    assert await consumer.request(pop(b"q")) == [(b"waits", b"")]
+
+
+async def test_when_even_the_reserve_is_full_pops_wait_too(
+    running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write meets ENOSPC (a file system without space reservation): nothing goes out,
+    pops' replies included, until the write succeeds; then in order, nothing lost."""
+    full = threading.Event()
+    real_pwrite = os.pwrite
+
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        if full.is_set():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    await running.start()
+    peer = await running.connect()
+    await peer.send(push(b"q", b"a", b"1") + push(b"q", b"b", b"2"))
+    assert await peer.request(SYNC) == []
+    full.set()
+    await peer.send(pop(b"q"))
+    await peer.expect_silence(0.3)
+    assert running.server.broker.disk_full
+    full.clear()
+    with trio.fail_after(5):
+        assert await peer.reply() == [(b"b", b"2")]
+    await running.stop()
+    await running.start()
+    peer = await running.connect()
+    assert await peer.request(pop(b"q")) == [(b"a", b"1")]
+    assert await peer.request(pop(b"q")) == []
+
+
+async def test_recovering_is_visible_while_the_log_is_read(
+    running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reading = threading.Event()
+    proceed = threading.Event()
+    real_recover = LoggedStore.recover
+
+    def recover(self: LoggedStore, now: float, now_ms: int) -> None:
+        reading.set()
+        proceed.wait(10)
+        real_recover(self, now, now_ms)
+
+    monkeypatch.setattr(LoggedStore, "recover", recover)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(running.start)
+        await eventually(reading.is_set)
+        assert running.server.recovering  # the event loop runs: an admin listener could say so
+        proceed.set()
+    assert not running.server.recovering
+    assert running.journal.stats().recovery_seconds > 0
+
+
+async def test_a_failed_write_stops_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EIO from a write: nothing more can be promised, so the server stops (LogFailure, which
+    pinpriq-server turns into one line and exit status 1), and no reply goes out first."""
+    failing = threading.Event()
+    real_pwrite = os.pwrite
+
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        if failing.is_set():
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    journal = Journal(DataDir.open(tmp_path, write=True))
+    server = PinpriqServer(LoggedStore(trio.current_time, journal))
+
+    async def serve_and_write() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(server.serve, 0)
+            port = listeners[0].socket.getsockname()[1]
+            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+                peer = Peer(stream)
+                failing.set()
+                await peer.send(push(b"q", b"k", b"v") + SYNC)
+                with pytest.raises(EOFError):  # the connection closes with no reply sent
+                    await peer.reply()
+
+    with trio.fail_after(10), pytest.raises(ExceptionGroup) as caught:
+        await serve_and_write()
+    assert caught.group_contains(LogFailure, depth=2)
+    assert "Input/output error" in str(journal.failure)
+    DataDir.open(tmp_path, write=True).close()  # the directory was released
+
+
+async def test_the_admin_listener_says_recovering_then_shows_the_log(
+    tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/readyz and every data path answer 503 while the log is read back (the store is being
+    filled in a worker thread); then /stats and /metrics show the log's figures."""
+    first = Running(nursery, tmp_path / "data")
+    await first.start()
+    peer = await first.connect()
+    await peer.send(push(b"q", b"k", b"v") + SYNC)
+    assert await peer.receive_exactly(2) == b"\x00\x00"
+    await first.stop()
+
+    proceed = threading.Event()
+    real_recover = LoggedStore.recover
+
+    def recover(self: LoggedStore, now: float, now_ms: int) -> None:
+        proceed.wait(10)
+        real_recover(self, now, now_ms)
+
+    monkeypatch.setattr(LoggedStore, "recover", recover)
+    journal = Journal(DataDir.open(tmp_path / "data", write=True), policy=FsyncPolicy.EVERYSEC)
+    server = PinpriqServer(LoggedStore(trio.current_time, journal))
+    (listener,) = await nursery.start(partial(serve_admin, server, 0))
+    admin = Admin(cast(LiveServer, None), listener.socket.getsockname()[1])
+    assert (await admin.request("GET", "/readyz"))[0] == 503
+    status, _, body = await admin.request("GET", "/stats")
+    assert (status, b"reading the log back" in body) == (503, True)
+    assert (await admin.request("GET", "/healthz"))[0] == 200
+    serving = trio.Event()
+
+    async def serve() -> None:
+        await server.serve(0, host="127.0.0.1")
+        serving.set()
+
+    nursery.start_soon(serve)
+    proceed.set()
+    await eventually(lambda: server.ready)
+    stats = await admin.json("/stats")
+    assert stats["packets"] == 1
+    assert stats["log"]["segments"] >= 1
+    assert stats["log"]["live_packets"] == 1
+    assert stats["log"]["recovering"] is False
+    samples = await admin.metrics()
+    assert samples["pinpriq_log_live_packets"][()] == 1
+    assert samples["pinpriq_log_recovering"][()] == 0
+    assert samples["pinpriq_log_written_bytes_total"][()] >= 0
+    server.shutdown()
+    await serving.wait()
