@@ -209,7 +209,11 @@ class Broker:
         pushed, expired, purged = store.pushed, store.expired, store.purged
         leased = self.leases.totals()
         taken = leased.leased + leased.acked + leased.dropped
-        popped = pushed - len(store) - expired - purged - self.delivered - taken
+        # A store shared by several servers (Redis) counts this server's pops itself: packets
+        # held there were pushed through any of them.
+        popped: int | None = getattr(store, "popped", None)
+        if popped is None:
+            popped = pushed - len(store) - expired - purged - self.delivered - taken
         return Totals(pushed, popped, self.delivered, expired, purged)
 
     def purge(self, queue: bytes) -> int:

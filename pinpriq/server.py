@@ -50,6 +50,8 @@ import os
 import socket
 import ssl
 import time
+from collections.abc import Container
+from typing import cast
 
 import trio
 
@@ -61,9 +63,21 @@ from pinpriq.persistence.journal import Journal
 from pinpriq.persistence.keeper import Keeper
 from pinpriq.persistence.store import LoggedStore
 from pinpriq.store import QueueStore
-from pinpriq.store_contract import Store
+from pinpriq.store_contract import BatchedStore, Deliveries, Store
 from pinpriq.tls import describe_tls_error
-from pinpriq.wire import FrameDecoder
+from pinpriq.wire import (
+    Ack,
+    ClientFrame,
+    FrameDecoder,
+    LeasedSubscribe,
+    Pop,
+    Push,
+    Ready,
+    Release,
+    Reserve,
+    Sync,
+    Touch,
+)
 
 __all__ = [
     "DEFAULT_FRAME_TIMEOUT",
@@ -201,16 +215,21 @@ class _Connection:
                 self.frame_budget = server.frame_timeout  # any incomplete frame is a new one
             if decoder.pending != self.held_input:
                 server.hold_input(self, decoder.pending)
-            done = session.receive(frames)
-            server.after_batch()  # before any await: no socket can close in between
-            self.frames += len(frames)
-            while done < len(frames) and session.error is None:
-                if session.blocked is Blocked.REJECTED:
-                    await self._reject(session.rejected or "")
+            if server.batched is not None:  # a store in another process: see _apply_batched
+                self.frames += len(frames)
+                if not await self._apply_batched(frames):
                     return
-                await self._wait(session.blocked)
-                done = session.receive(frames, done)
-                server.after_batch()
+            else:  # the built-in store, inline: this is the hot path
+                done = session.receive(frames)
+                server.after_batch()  # before any await: no socket can close in between
+                self.frames += len(frames)
+                while done < len(frames) and session.error is None:
+                    if session.blocked is Blocked.REJECTED:
+                        await self._reject(session.rejected or "")
+                        return
+                    await self._wait(session.blocked)
+                    done = session.receive(frames, done)
+                    server.after_batch()
             if self.sending:
                 await self._backed_up()
             elif session.output:
@@ -226,6 +245,43 @@ class _Connection:
             if self.checkpoint_owed:
                 self.checkpoint_owed = False
                 await trio.lowlevel.checkpoint()
+
+    async def _apply_batched(self, frames: list[ClientFrame]) -> bool:
+        """Apply a batch on a store that runs operations elsewhere (``BatchedStore``): in
+        segments, each ending where a frame may cause a delivery here (a subscribe, a credit, a
+        push to a queue someone here waits on) or needs the frames before it judged first
+        (auth). Each segment's pushes and pops run in the store as one pipeline, then
+        ``receive`` applies the segment with their results, then this front end's deliveries
+        are made: so replies and deliveries keep the order the built-in store gives them."""
+        store = self.server.batched
+        assert store is not None
+        subscriptions = self.server.deliveries
+        session = self.session
+        start = 0
+        while start < len(frames) and session.error is None:
+            if frames[start].__class__ in _LEASE_FRAMES and store.leases_unsupported:
+                # Closed like a frame that breaks decision 18: what came before is applied
+                # and answered, then the connection closes with a warning saying why.
+                session.error = store.leases_unsupported
+                break
+            end = _segment_end(frames, start, session, subscriptions.waiting_queues)
+            segment = frames[start:end]
+            results = await store.run(segment)
+            store.current = results
+            done = session.receive(segment)
+            self.server.after_batch()
+            while done < len(segment) and session.error is None:
+                if session.blocked is Blocked.REJECTED:
+                    await self._reject(session.rejected or "")
+                    return False
+                await self._wait(session.blocked)
+                store.current = results  # other connections ran batches meanwhile
+                done = session.receive(segment, done)
+                self.server.after_batch()
+            if subscriptions.due:
+                await subscriptions.serve()
+            start = end
+        return True
 
     def _not_tls_hint(self) -> str:
         error = self.decoder.error
@@ -401,6 +457,33 @@ class _Connection:
             await self._output_drained.wait()
 
 
+_LEASE_FRAMES = frozenset({Reserve, Ack, Release, Touch, LeasedSubscribe})
+
+
+def _segment_end(
+    frames: list[ClientFrame], start: int, session: Session, waited: Container[bytes]
+) -> int:
+    """Where the segment of ``frames`` starting at ``start`` ends (see ``_apply_batched``)."""
+    if not session.authenticated:
+        return start + 1  # nothing runs before auth is judged
+    for index in range(start, len(frames)):
+        frame = frames[index]
+        kind = frame.__class__
+        if kind is Push:
+            push = cast(Push, frame)
+            if push.prio and push.queue in waited:
+                return index + 1
+        elif kind in _LEASE_FRAMES:
+            return index  # judged at the start of the next segment
+        elif kind is Ready:
+            # Credits in a row deliver what they would one by one: one segment, one serve.
+            if index + 1 == len(frames) or frames[index + 1].__class__ is not Ready:
+                return index + 1
+        elif kind is not Pop and kind is not Sync:
+            return index + 1
+    return len(frames)
+
+
 class _TlsConnection(_Connection):
     """A connection over TLS: trio's ``SSLStream`` over the socket, read and written through
     the stream API only (the file descriptor carries ciphertext). Its replies and deliveries
@@ -486,6 +569,7 @@ class PinpriqServer:
         max_client_memory: int | None = None,
         lease_default_ms: int = DEFAULT_LEASE_MS,
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        deliveries: Deliveries | None = None,
     ) -> None:
         """``store`` defaults to an in-memory ``QueueStore`` on trio's clock. ``max_memory``
         caps ``store.bytes_held`` (0 for no cap); ``max_connections`` caps concurrent
@@ -498,7 +582,8 @@ class PinpriqServer:
         bytes of incomplete frames and unsent output of all connections together (0 for no
         cap; ``None`` for ``client_memory.default_budget(max_memory)``); ``lease_default_ms``
         is the lease time of lease frames that say 0, and a group goes to its dead-letter queue
-        after ``max_deliveries`` attempts (0: never)."""
+        after ``max_deliveries`` attempts (0: never). A ``BatchedStore`` (the Redis store) comes
+        with its ``deliveries``, the subscriptions that deliver from it."""
         self.broker = Broker(
             store if store is not None else QueueStore(trio.current_time),
             max_memory=max_memory,
@@ -507,6 +592,15 @@ class PinpriqServer:
             max_deliveries=max_deliveries,
         )
         self.broker.on_room = self._room_freed
+        #: A store that runs operations in another process (Redis), and the subscriptions that
+        #: deliver from it; ``None`` for the built-in store, whose path pays one test a batch.
+        self.batched = store if isinstance(store, BatchedStore) else None
+        if self.batched is not None:
+            if deliveries is None:
+                raise ValueError("a batched store needs its deliveries (subscriptions)")
+            self.deliveries = deliveries
+            self.broker.subscriptions = deliveries  # type: ignore[assignment]
+            deliveries.flush = self.after_batch
         store = self.broker.store
         #: The log of a server that keeps packets on disk, and what waits on it; ``None``
         #: for a memory-only server.

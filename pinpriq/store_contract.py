@@ -18,7 +18,10 @@ behind the same broker in two parts, with no copy of the broker:
   which pops asynchronously and hands each result to ``Session.deliver`` when it arrives, as the
   in-memory one does at once.
 
-Both halves leave ``broker.py`` as it is; they are the Redis store's work, not this module's.
+Both halves leave ``broker.py`` as it is. ``BatchedStore`` and ``Deliveries`` below state them;
+``server._Connection._apply_batched`` is the driver's side (it cuts a batch where a frame may
+cause a delivery here, so replies and deliveries land where the built-in store puts them), and
+``pinpriq/redis/`` the store's.
 
 Leases (decisions 13-16) are ``leases.Leases``, built on three operations every store has:
 ``take`` (a pop whose packets stay counted), ``discard`` (an ack) and ``restore`` (a group going
@@ -31,15 +34,16 @@ dead-letter move (``restore`` to another queue) as a move, and never logs a ``ta
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
-from pinpriq.wire import KeyedPayload
+from pinpriq.wire import ClientFrame, KeyedPayload
 
 if TYPE_CHECKING:  # store.py imports QueueInfo from here
     from pinpriq.store import QueuedPacket
 
-__all__ = ["PeekedPacket", "QueueInfo", "Rank", "Store"]
+__all__ = ["BatchedStore", "Deliveries", "PeekedPacket", "QueueInfo", "Rank", "Store"]
 
 #: How good the packet a pop of a queue would select is: ``(prio, -seq)``, smaller is better.
 Rank = tuple[int, int]
@@ -170,4 +174,45 @@ class Store(Protocol):
         into ``queue``, their own or another: each with its prio, its place in push order and
         its TTL deadline, as if it had never left; one whose deadline has passed is dropped and
         counted in ``expired``. Returns how many went back. O(g log n) for g packets."""
+        ...
+
+
+@runtime_checkable
+class BatchedStore(Store, Protocol):
+    """A store whose operations run elsewhere (the Redis store), in the two halves above."""
+
+    #: The results ``pop`` hands back, in order: the server sets it to what ``run`` returned
+    #: right before each ``Session.receive``.
+    current: deque[list[KeyedPayload]]
+    #: Why lease frames close the connection on this store, or ``None`` if it takes them.
+    leases_unsupported: str | None
+
+    async def run(self, frames: Sequence[ClientFrame]) -> deque[list[KeyedPayload]]:
+        """Apply the pushes and pops of ``frames``, in order; returns the pops' results."""
+        ...
+
+    async def peek_async(self, queue: bytes, count: int) -> Sequence[PeekedPacket]:
+        """``peek``, for a store that must wait for the answer."""
+        ...
+
+    async def purge_async(self, queue: bytes) -> int:
+        """``purge``, likewise."""
+        ...
+
+
+class Deliveries(Protocol):
+    """The subscriptions of a ``BatchedStore``: ``subscriptions.Subscriptions``' methods, whose
+    deliveries ``serve`` makes asynchronously."""
+
+    #: Called after deliveries were made, to write them out; the server sets it.
+    flush: Callable[[], None]
+    waiting_queues: Mapping[bytes, object]
+
+    @property
+    def due(self) -> bool:
+        """Whether ``serve`` has deliveries to attempt."""
+        ...
+
+    async def serve(self) -> None:
+        """Make the deliveries noted since the last call."""
         ...

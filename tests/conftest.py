@@ -4,7 +4,7 @@ certificate authority for TLS."""
 from __future__ import annotations
 
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from functools import partial
 
 import pytest
@@ -14,6 +14,7 @@ import trustme
 
 from pinpriq.server import PinpriqServer
 from tests.rawpeer import Peer, auth
+from tests.redis_servers import RedisServer, need_redis
 
 #: The token of the servers that have one, in tests.
 TOKEN = b"t0ken for tests only"
@@ -126,3 +127,19 @@ def mock_clock() -> trio.testing.MockClock:
     so bytes still in flight on the loopback land before the clock moves.
     """
     return trio.testing.MockClock(autojump_threshold=0.005)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One standalone redis-server for the session; tests flush it (``redis_url``)."""
+    need_redis()
+    server = RedisServer(tmp_path_factory.mktemp("redis"), "--appendonly", "no").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session's Redis, emptied for this test."""
+    redis_server.cli("FLUSHALL")
+    return redis_server.url

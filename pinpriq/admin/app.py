@@ -18,9 +18,9 @@ page holds no data and asks for the token itself, so a browser can open it.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from importlib.resources import files
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 from urllib.parse import parse_qs, unquote_to_bytes
 
 from pinpriq.admin.http import Request, Response
@@ -30,6 +30,7 @@ from pinpriq.auth import tokens_match
 from pinpriq.broker import Broker
 from pinpriq.display import escape, json_value
 from pinpriq.persistence.journal import Journal
+from pinpriq.store_contract import BatchedStore, PeekedPacket
 from pinpriq.wire import MAX_FIELD
 
 __all__ = ["DEFAULT_PEEK", "MAX_PEEK", "AdminApp", "Observed"]
@@ -164,19 +165,44 @@ class AdminApp:
     def _peek(self, queue: bytes) -> Callable[[dict[str, list[str]]], Response]:
         _check_name(queue)
 
-        def peek(query: dict[str, list[str]]) -> Response:
-            count = _number(query, "n", DEFAULT_PEEK, 1, MAX_PEEK)
+        def answer(found: Sequence[PeekedPacket]) -> Response:
             packets = [
                 {"key": json_value(key), "payload": json_value(payload), "prio": prio}
-                for key, payload, prio, *_ in self.broker.store.peek(queue, count)
+                for key, payload, prio, *_ in found
             ]
             return _json({"queue": escape(queue), "packets": packets})
+
+        def peek(query: dict[str, list[str]]) -> Response:
+            count = _number(query, "n", DEFAULT_PEEK, 1, MAX_PEEK)
+            store = self.broker.store
+            if isinstance(store, BatchedStore):  # in another process: answered after a wait
+                return _later(lambda: store.peek_async(queue, count), answer)
+            return answer(store.peek(queue, count))
 
         return peek
 
     def _purge(self, queue: bytes) -> Callable[[dict[str, list[str]]], Response]:
         _check_name(queue)
-        return lambda _: _json({"queue": escape(queue), "purged": self.broker.purge(queue)})
+
+        def answer(purged: int) -> Response:
+            return _json({"queue": escape(queue), "purged": purged})
+
+        store = self.broker.store
+        if isinstance(store, BatchedStore):
+            return lambda _: _later(lambda: store.purge_async(queue), answer)
+        return lambda _: answer(self.broker.purge(queue))
+
+
+_T = TypeVar("_T")
+
+
+def _later(work: Callable[[], Awaitable[_T]], answer: Callable[[_T], Response]) -> Response:
+    """A response the listener sends once ``work`` is done: ``answer`` of its result."""
+
+    async def run() -> Response:
+        return answer(await work())
+
+    return Response(200, later=run)
 
 
 def _check_name(queue: bytes) -> None:

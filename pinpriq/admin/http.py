@@ -15,7 +15,7 @@ what they report is one consistent moment.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from http import HTTPStatus
 
@@ -53,6 +53,9 @@ class Response:
     body: bytes = b""
     content_type: str = "application/json"
     headers: tuple[tuple[str, str], ...] = ()
+    #: For an answer that needs a wait (a store in another process): the listener awaits this
+    #: and sends what it returns instead.
+    later: Callable[[], Awaitable[Response]] | None = None
 
 
 Handler = Callable[[Request], Response]
@@ -78,6 +81,8 @@ async def _connection(handler: Handler, open_count: list[int], stream: trio.abc.
             if request is None:
                 return  # closed between requests, or too slow: nothing more to say
             response = _answer(handler, request)
+            if response.later is not None:
+                response = await _answer_later(response.later, request)
             await _respond(connection, stream, response, with_body=request.method != "HEAD")
             if connection.our_state is h11.MUST_CLOSE:
                 return
@@ -122,6 +127,14 @@ def _answer(handler: Handler, request: Request) -> Response:
         return handler(request)
     except Exception:
         # A bug answering one request must not take the listener down, nor hide.
+        log.exception("error answering %s %r", request.method, request.target)
+        return Response(500, b'{"error": "internal error; see the server log"}')
+
+
+async def _answer_later(later: Callable[[], Awaitable[Response]], request: Request) -> Response:
+    try:
+        return await later()
+    except Exception:
         log.exception("error answering %s %r", request.method, request.target)
         return Response(500, b'{"error": "internal error; see the server log"}')
 

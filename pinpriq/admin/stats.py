@@ -170,6 +170,8 @@ def server_stats(
         "rates_per_s": sampler.rates(now),
         "queues": [queue_stats(broker, queue) for queue, _, _ in queues],
     }
+    describe = getattr(store, "describe", None)  # a store in another process says what it is
+    stats["store"] = describe() if describe is not None else {"kind": "memory"}
     if history:
         stats["history"] = sampler.history()
     return stats

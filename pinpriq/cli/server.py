@@ -15,9 +15,10 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import trio
 
@@ -47,6 +48,7 @@ from pinpriq.persistence.keeper import LogFailure
 from pinpriq.persistence.recovery import report, scan
 from pinpriq.persistence.segments import DataDir, DataDirError
 from pinpriq.persistence.store import LoggedStore
+from pinpriq.redis.spec import StoreError, StoreSpec, parse_store
 from pinpriq.server import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_CONNECTIONS, PinpriqServer
 from pinpriq.store import PACKET_OVERHEAD
 from pinpriq.tls import TlsError, server_context
@@ -79,13 +81,23 @@ def server_parser() -> argparse.ArgumentParser:
         help="TCP port to listen on, 0 for any free port (default: %(default)s)",
     )
     parser.add_argument(
+        "--store",
+        type=store_spec,
+        default="memory",
+        metavar="STORE",
+        help="where queues live: memory (this process; the default), redis://HOST:PORT/DB, "
+        "rediss://HOST:PORT/DB (TLS), or redis-cluster://HOST:PORT[,HOST:PORT...]; on Redis, "
+        "any number of servers share the queues (README: Scaling out)",
+    )
+    parser.add_argument(
         "--max-memory",
         type=byte_size,
         default="1GiB",
         metavar="SIZE",
         help="cap on the memory queued packets may hold (keys, payloads and about "
         f"{PACKET_OVERHEAD} bytes of bookkeeping each), e.g. 512MiB or 2GB; when reached, "
-        "pushes wait until pops or expiry free room. 0 for no cap (default: 1GiB)",
+        "pushes wait until pops or expiry free room. 0 for no cap (default: 1GiB). With a "
+        "Redis store, Redis's maxmemory is the cap instead",
     )
     parser.add_argument(
         "--max-connections",
@@ -301,6 +313,36 @@ async def _run_server(
     return 0
 
 
+def store_spec(text: str) -> StoreSpec:
+    """``--store``'s value, or the one-line reason it is not one."""
+    try:
+        return parse_store(text)
+    except StoreError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--store ")) from None
+
+
+async def run_on_store(
+    spec: StoreSpec,
+    make_server: Callable[..., PinpriqServer],
+    host: str,
+    port: int,
+    admin: AdminOptions | None,
+) -> int | str:
+    """Open the store ``spec`` names, then serve on it until a signal (``run_server``).
+    Returns the exit status, or why the server could not start."""
+    if spec.scheme == "memory":
+        return await run_server(make_server(), host, port, admin)
+    # Imported here: the built-in store's start does not load the Redis client.
+    from pinpriq.redis.connect import open_store as open_redis_store
+
+    try:
+        async with open_redis_store(spec) as (store, deliveries):
+            server = make_server(store=store, deliveries=deliveries, max_memory=0)
+            return await run_server(server, host, port, admin)
+    except StoreError as error:
+        return str(error)
+
+
 def raise_open_file_limit(wanted: int) -> None:
     """Let the process hold ``wanted`` descriptors if the hard limit allows; soft limits are
     often 1024, below a server's connection limit."""
@@ -386,6 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.tls_ca is not None and args.tls_cert is None:
         parser.error("--tls-ca needs --tls-cert and --tls-key")
     _check_durability_args(parser, args)
+    if args.data_dir is not None and args.store.scheme != "memory":
+        parser.error("--data-dir logs the built-in store; with --store redis, Redis persists")
     if args.check_log:
         sys.exit(check_log(args.data_dir))
     configure_logging(args.log_level, args.log_format)
@@ -410,20 +454,24 @@ def main(argv: list[str] | None = None) -> None:
         admin = AdminOptions(args.http_port, args.http_host, args.metrics_max_queues)
     raise_open_file_limit(args.max_connections + 64)
     tune_garbage_collector()
-    server = PinpriqServer(
-        open_store(args),
-        max_memory=args.max_memory,
-        max_connections=args.max_connections,
-        frame_timeout=args.frame_timeout,
-        token=token,
-        protected_mode=args.protected_mode,
-        tls=tls,
-        max_client_memory=args.max_client_memory,
-        lease_default_ms=max(1, round(args.lease_default * 1000)),
-        max_deliveries=args.max_deliveries,
-    )
+    options: dict[str, Any] = {
+        "max_memory": args.max_memory,
+        "max_connections": args.max_connections,
+        "frame_timeout": args.frame_timeout,
+        "token": token,
+        "protected_mode": args.protected_mode,
+        "tls": tls,
+        "max_client_memory": args.max_client_memory,
+        "lease_default_ms": max(1, round(args.lease_default * 1000)),
+        "max_deliveries": args.max_deliveries,
+    }
+    logged = open_store(args)  # None without --data-dir
+
+    def make_server(**store: Any) -> PinpriqServer:
+        return PinpriqServer(**{"store": logged, **options, **store})
+
     try:
-        outcome = trio.run(run_server, server, args.host, args.port, admin)
+        outcome = trio.run(run_on_store, args.store, make_server, args.host, args.port, admin)
     except KeyboardInterrupt:
         outcome = 0  # Ctrl-C before the signal handler was installed
     if isinstance(outcome, str):

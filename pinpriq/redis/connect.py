@@ -1,0 +1,133 @@
+"""Opening a Redis store (``spec.StoreSpec``): connect, check the Redis, load the scripts, run
+the background tasks."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import coredis
+import trio
+
+from pinpriq.redis.deliveries import RedisSubscriptions
+from pinpriq.redis.spec import StoreError, StoreSpec
+from pinpriq.redis.store import _TRANSIENT, RedisStore
+
+__all__ = ["open_store"]
+
+log = logging.getLogger("pinpriq.redis")
+# coredis logs each retry of a connection at INFO; pinpriq says once what is wrong instead.
+logging.getLogger("coredis").setLevel(logging.WARNING)
+
+#: Seconds to reach Redis at start before giving up with one line.
+CONNECT_TIMEOUT = 5.0
+
+
+def _client(spec: StoreSpec) -> Any:
+    common: dict[str, Any] = {
+        "username": spec.username,
+        "password": spec.password,
+        "connect_timeout": CONNECT_TIMEOUT,
+        "decode_responses": False,
+    }
+    if spec.scheme == "redis-cluster":
+        return coredis.RedisCluster(
+            startup_nodes=[coredis.connection.TCPLocation(h, p) for h, p in spec.nodes], **common
+        )
+    host, port = spec.nodes[0]
+    return coredis.Redis(host, port, spec.db, ssl=spec.scheme == "rediss", **common)
+
+
+@asynccontextmanager
+async def open_store(spec: StoreSpec) -> AsyncIterator[tuple[RedisStore, RedisSubscriptions]]:
+    """Connect, check the Redis (``check``), load the scripts; yields the store and its
+    subscriptions, their background tasks running; closes the client on the way out. Raises
+    ``StoreError`` (one line) if Redis cannot be reached or used."""
+    ready = False
+    try:
+        async with _client(spec) as client:
+            store = RedisStore(client, cluster=spec.scheme == "redis-cluster")
+            with trio.fail_after(CONNECT_TIMEOUT):
+                await check_nodes(client, spec)
+                await store.load_scripts()
+                await store.sync_clock()
+            subscriptions = RedisSubscriptions(store)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(subscriptions.run)
+                nursery.start_soon(store.sweep_loop)
+                nursery.start_soon(store.snapshot_loop)
+                ready = True
+                yield store, subscriptions
+                nursery.cancel_scope.cancel()
+    except BaseException as error:  # anyio's task group may wrap it in a group
+        cause = _startup_failure(error)
+        if ready or cause is None:
+            raise
+        if isinstance(cause, StoreError):
+            raise cause from None  # already says what is wrong with this Redis
+        raise StoreError(f"cannot use Redis at {spec.text}: {_why(cause)}") from None
+
+
+def _startup_failure(error: BaseException) -> BaseException | None:
+    """The error that kept Redis from being used at start, found in any exception groups."""
+    if isinstance(error, StoreError):
+        return error
+    if isinstance(error, (trio.TooSlowError, *_TRANSIENT, coredis.exceptions.RedisError)):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            found = _startup_failure(inner)
+            if found is not None:
+                return found
+    return None
+
+
+def _why(error: BaseException) -> str:
+    if isinstance(error, trio.TooSlowError):
+        return f"no answer within {CONNECT_TIMEOUT:g} s"
+    return str(error) or type(error).__name__
+
+
+async def check_nodes(client: Any, spec: StoreSpec) -> None:
+    """``check`` the Redis, or each primary of a Cluster."""
+    if spec.scheme != "redis-cluster":
+        await check(client, spec)
+    else:
+        for node in client.primaries:
+            async with node:
+                await check(node, spec)
+    log.warning(
+        "Redis replicates asynchronously: a failover to a replica can lose the last writes a "
+        "sync acknowledged"
+    )
+
+
+async def check(client: Any, spec: StoreSpec) -> None:
+    """Refuse a Redis that may evict (it would drop packets silently) or is older than 7.0
+    (the scripts declare flags); warn about what a Redis crash or failover may lose."""
+    info = await client.info("server")
+    version = _text(info.get("redis_version", "0"))
+    if tuple(int(x) for x in version.split(".")[:2]) < (7, 0):
+        raise StoreError(f"Redis at {spec.text} is {version}; pinpriq needs Redis 7.0 or newer")
+    config = await client.config_get(["maxmemory-policy", "appendonly", "appendfsync"])
+    settings = {_text(k): _text(v) for k, v in config.items()}
+    policy = settings.get("maxmemory-policy", "")
+    if policy != "noeviction":
+        raise StoreError(
+            f"Redis at {spec.text} has maxmemory-policy {policy}: it may evict keys, which would "
+            "drop queued packets silently; set maxmemory-policy noeviction"
+        )
+    if settings.get("appendonly") != "yes":
+        log.warning(
+            "Redis at %s has appendonly no: queued packets do not survive a Redis restart "
+            "(beyond its last RDB snapshot), and a sync promises only that Redis applied them",
+            spec.text,
+        )
+    else:
+        log.info("Redis appendfsync is %s", settings.get("appendfsync"))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

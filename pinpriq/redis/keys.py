@@ -1,0 +1,65 @@
+"""Key names for a queue, safe for any queue name and for Redis Cluster.
+
+Queue names are arbitrary bytes (decision 5), and Redis Cluster hashes only what lies between
+the first ``{`` and the next ``}`` of a key. So a name is escaped (``%`` -> ``%25``, ``{`` ->
+``%7B``, ``}`` -> ``%7D``: reversible, and braces never appear) and its hash tag is
+``{q`` + the escaped *base* name + ``}``, where the base is the name less every trailing
+``.dead``: a queue and its dead-letter queues (decision 16) share a slot, so moving a group
+between them stays one script. The ``q`` keeps the tag non-empty for the empty name (an empty
+``{}`` would hash the whole key).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["PREFIX", "QueueKeys", "decode_name", "encode_name", "queue_keys"]
+
+#: Every key of the Redis store starts with this.
+PREFIX = b"pq:"
+_DEAD = b".dead"
+
+
+def encode_name(name: bytes) -> bytes:
+    """``name`` with ``%``, ``{`` and ``}`` escaped: no braces, and reversible."""
+    return name.replace(b"%", b"%25").replace(b"{", b"%7B").replace(b"}", b"%7D")
+
+
+def decode_name(encoded: bytes) -> bytes:
+    """The inverse of ``encode_name``."""
+    return encoded.replace(b"%7D", b"}").replace(b"%7B", b"{").replace(b"%25", b"%")
+
+
+def _base(name: bytes) -> bytes:
+    while name.endswith(_DEAD):
+        name = name[: -len(_DEAD)]
+    return name
+
+
+class QueueKeys(NamedTuple):
+    """The keys of one queue, in the order the scripts take them (``lua.py``), and its
+    channel."""
+
+    data: bytes
+    selectable: bytes
+    groups: bytes
+    expiry: bytes
+    seq: bytes
+    waiting: bytes
+    channel: bytes
+
+
+def queue_keys(name: bytes) -> QueueKeys:
+    """The keys of queue ``name``: ``pq:{q<base>}<name>:<suffix>``, both escaped."""
+    stem = PREFIX + b"{q" + encode_name(_base(name)) + b"}" + encode_name(name) + b":"
+    return QueueKeys(*(stem + suffix for suffix in (b"d", b"s", b"g", b"x", b"q", b"w", b"c")))
+
+
+def name_of(data_key: bytes) -> bytes | None:
+    """The queue whose ``:d`` key this is, or ``None`` if it is not one of ours."""
+    if not data_key.startswith(PREFIX + b"{q") or not data_key.endswith(b":d"):
+        return None
+    close = data_key.find(b"}")
+    if close < 0:
+        return None
+    return decode_name(data_key[close + 1 : -2])

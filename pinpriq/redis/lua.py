@@ -1,0 +1,296 @@
+"""The server-side scripts of the Redis store: each push, pop, sweep and purge is one of these,
+so each is atomic in Redis whatever other front ends do at the same moment.
+
+Layout of one queue (every key carries the queue's hash tag, so all of them, and those of its
+dead-letter queues, live in one Cluster slot; ``keys.py`` builds the names):
+
+* ``:d`` hash, sequence number -> the packet: ``prio u8 | deadline (ms, double) | key length
+  u16 | key | payload``. A packet is live exactly while this hash holds it.
+* ``:s`` sorted set of the selectable packets (prio 1..255): score ``-prio``, member the
+  sequence number, so the *last* member is the lowest prio and, among equal prios, the newest
+  (equal scores order by member, and sequence numbers are fixed-width digits).
+* ``:g`` sorted set of every packet by key group: member ``key length u16 | key | seq`` (16
+  digits), score 0, so one lexicographic range is a key group in push order.
+* ``:x`` sorted set of the packets with a TTL: score the deadline in ms on Redis's clock.
+* ``:q`` the last sequence number given: Redis's ``TIME`` in microseconds, bumped by one when
+  two pushes fall in the same microsecond, so "newest" is push order within a queue and, across
+  queues of one Redis, the order of Redis's clock.
+* ``:w`` exists while some front end has subscribers waiting on the queue: a push of a
+  selectable packet then publishes the queue's channel (``ARGV``), and only then.
+
+Sequence numbers are below 2^53, so Lua's doubles hold them exactly; ``%016.0f`` writes them.
+Deadline 0 means "never" (TTL 0).
+"""
+
+from __future__ import annotations
+
+__all__ = ["PEEK", "POP", "PURGE", "PUSH", "RANK", "RESTORE", "SWEEP"]
+
+
+# Shared helpers, prepended to every script that needs them. KEYS: d, s, g, x, q. The hot loops
+# (a push batch, a large key group) avoid parsing what they already know: a call into Redis or
+# a struct call per packet is what a script's time goes to.
+_HELPERS = r"""
+local NEVER = struct.pack('>d', 0)
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), t
+end
+local function digits(n) return string.format('%016.0f', n) end
+local function unpack_packet(rec)
+  local prio = string.byte(rec, 1)
+  local deadline = struct.unpack('>d', string.sub(rec, 2, 9))
+  local klen = struct.unpack('>H', string.sub(rec, 10, 11))
+  return prio, deadline, string.sub(rec, 12, 11 + klen), string.sub(rec, 12 + klen)
+end
+local function record(prio, deadline, prefix, payload)
+  local packed = NEVER
+  if deadline > 0 then packed = struct.pack('>d', deadline) end
+  return string.char(prio) .. packed .. prefix .. payload
+end
+-- One command with many arguments, in slices that stay within Lua's stack.
+local function bulk(command, key, args)
+  for i = 1, #args, 1000 do
+    redis.call(command, key, unpack(args, i, math.min(i + 999, #args)))
+  end
+end
+local function group_prefix(key) return struct.pack('>H', #key) .. key end
+-- Remove live packets (by seq) from every structure. ``key``: their key, when they are one
+-- key group (else each record is parsed for it). ``full``: return five fields a packet (key,
+-- payload, prio, seq, deadline: enough to put it back), else two (key, payload).
+local function remove_all(seqs, key, full)
+  local out, groups, levels = {}, {}, {}
+  local prefix = key and group_prefix(key)
+  for i = 1, #seqs, 1000 do
+    local recs = redis.call('HMGET', KEYS[1], unpack(seqs, i, math.min(i + 999, #seqs)))
+    for j, rec in ipairs(recs) do
+      local seq = seqs[i + j - 1]
+      local prio, k, payload = string.byte(rec, 1), key, nil
+      if key then
+        payload = string.sub(rec, 12 + #key)
+      else
+        local _p, _d
+        _p, _d, k, payload = unpack_packet(rec)
+      end
+      local n = #out
+      out[n + 1], out[n + 2] = k, payload
+      if full then
+        local deadline = struct.unpack('>d', string.sub(rec, 2, 9))
+        out[n + 3], out[n + 4], out[n + 5] = prio, seq, tostring(deadline)
+      end
+      groups[#groups + 1] = (prefix or group_prefix(k)) .. seq
+      if prio > 0 then levels[#levels + 1] = seq end
+    end
+  end
+  bulk('HDEL', KEYS[1], seqs)
+  bulk('ZREM', KEYS[3], groups)
+  bulk('ZREM', KEYS[2], levels)
+  if redis.call('EXISTS', KEYS[4]) == 1 then bulk('ZREM', KEYS[4], seqs) end
+  return out
+end
+-- Remove the packets whose deadline has come; returns how many.
+local function sweep(now)
+  local due = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
+  remove_all(due, nil, false)
+  return #due
+end
+-- Once the queue holds nothing, forget it entirely (decision 5).
+local function forget_if_empty()
+  if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[5]) end
+end
+"""
+
+#: KEYS d s g x q w; ARGV channel, then four fields a packet: key payload ttl_ms prio. Pushes
+#: them in order (a batch's consecutive pushes to one queue are one call: each is still whole,
+#: and no other script runs between them). Returns the earliest deadline in ms (0 for none). No
+#: ``allow-oom``: Redis refuses it while over ``maxmemory``, before it runs.
+PUSH = (
+    "#!lua\n"
+    + _HELPERS
+    + r"""
+local now, t = now_ms()
+local seq = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local last = tonumber(redis.call('GET', KEYS[5]) or '0')
+if seq <= last then seq = last + 1 end
+-- The arguments of one HSET and three ZADDs for the whole batch.
+local data, groups, levels, deadlines = {}, {}, {}, {}
+local earliest = 0
+for i = 2, #ARGV, 4 do
+  local key, payload, ttl, prio = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+  local s = digits(seq)
+  local deadline = 0
+  if ttl > 0 then
+    deadline = now + ttl
+    if earliest == 0 or deadline < earliest then earliest = deadline end
+    deadlines[#deadlines + 1] = deadline
+    deadlines[#deadlines + 1] = s
+  end
+  local prefix = group_prefix(key)
+  data[#data + 1] = s
+  data[#data + 1] = record(prio, deadline, prefix, payload)
+  groups[#groups + 1] = 0
+  groups[#groups + 1] = prefix .. s
+  if prio > 0 then
+    levels[#levels + 1] = -prio
+    levels[#levels + 1] = s
+  end
+  seq = seq + 1
+end
+bulk('HSET', KEYS[1], data)
+bulk('ZADD', KEYS[3], groups)
+bulk('ZADD', KEYS[2], levels)
+bulk('ZADD', KEYS[4], deadlines)
+redis.call('SET', KEYS[5], digits(seq - 1))
+if #levels > 0 and redis.call('EXISTS', KEYS[6]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
+return earliest
+"""
+)
+
+#: KEYS d s g x q; ARGV max_pop, pops, full. Sweeps what is due, then ``pops`` times removes
+#: the best packet and its key group (decisions 2-4). Returns one flat list a pop: two fields a
+#: packet (key, payload), or with ``full`` = 1 five (key, payload, prio, seq, deadline: enough
+#: for a delivery nobody could take to go back unchanged); then the selectable packets left.
+#: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
+POP = (
+    "#!lua flags=allow-oom\n"
+    + _HELPERS
+    + r"""
+local max_pop, pops, full = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
+local function pop_one()
+  local top = redis.call('ZRANGE', KEYS[2], -1, -1)
+  if #top == 0 then return {} end
+  local selected = top[1]
+  local _, _, key = unpack_packet(redis.call('HGET', KEYS[1], selected))
+  local prefix = group_prefix(key)
+  local seqs = {selected}
+  local members = redis.call('ZRANGEBYLEX', KEYS[3], '[' .. prefix, '[' .. prefix .. '\255',
+    'LIMIT', 0, max_pop)
+  local skip = #prefix + 1
+  for _, member in ipairs(members) do
+    if #seqs >= max_pop then break end
+    local seq = string.sub(member, skip)
+    if seq ~= selected then seqs[#seqs + 1] = seq end
+  end
+  return remove_all(seqs, key, full)
+end
+sweep(now_ms())
+local replies = {}
+for i = 1, pops do replies[i] = pop_one() end
+forget_if_empty()
+-- Last, how many selectable packets are left: a subscriber's front end stops there.
+replies[pops + 1] = redis.call('ZCARD', KEYS[2])
+return replies
+"""
+)
+
+#: KEYS d s g x q; no ARGV. Sweeps what is due and returns the rank of what a pop would select:
+#: {prio, seq}, or {} if nothing is selectable.
+RANK = (
+    "#!lua flags=allow-oom\n"
+    + _HELPERS
+    + r"""
+sweep(now_ms())
+forget_if_empty()
+local top = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
+if #top == 0 then return {} end
+return {-tonumber(top[2]), top[1]}
+"""
+)
+
+#: KEYS d s g x q; no ARGV. Removes the packets whose deadline has come; returns how many.
+SWEEP = (
+    "#!lua flags=allow-oom\n"
+    + _HELPERS
+    + r"""
+local n = sweep(now_ms())
+forget_if_empty()
+return n
+"""
+)
+
+#: KEYS d s g x q; no ARGV. Removes every packet (prio 0 included); returns how many.
+PURGE = (
+    "#!lua flags=allow-oom\n"
+    + r"""
+local n = redis.call('HLEN', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+return n
+"""
+)
+
+#: KEYS d s g x q w; ARGV channel, then five fields a packet as POP returns them with ``full``.
+#: Puts packets back as they were (prio, place in push order, deadline); drops those whose TTL
+#: has passed. Returns how many went back. ``allow-oom``: the memory was held a moment ago.
+RESTORE = (
+    "#!lua flags=allow-oom\n"
+    + _HELPERS
+    + r"""
+local now = now_ms()
+local back, selectable, last = 0, false, tonumber(redis.call('GET', KEYS[5]) or '0')
+for i = 2, #ARGV, 5 do
+  local key, payload, prio = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  local s, deadline = ARGV[i + 3], tonumber(ARGV[i + 4])
+  if deadline == 0 or deadline > now then
+    local prefix = group_prefix(key)
+    redis.call('HSET', KEYS[1], s, record(prio, deadline, prefix, payload))
+    redis.call('ZADD', KEYS[3], 0, prefix .. s)
+    if deadline > 0 then redis.call('ZADD', KEYS[4], deadline, s) end
+    if prio > 0 then
+      redis.call('ZADD', KEYS[2], -prio, s)
+      selectable = true
+    end
+    if tonumber(s) > last then last = tonumber(s) end
+    back = back + 1
+  end
+end
+if back > 0 then redis.call('SET', KEYS[5], digits(last)) end
+if selectable and redis.call('EXISTS', KEYS[6]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
+return back
+"""
+)
+
+#: KEYS d s g x; ARGV count max_pop. What the next pops would return, in order, removing
+#: nothing (and sweeping nothing: it skips expired packets). Flat list: key, payload, prio.
+PEEK = (
+    "#!lua flags=no-writes\n"
+    + _HELPERS
+    + r"""
+local count, max_pop = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now = now_ms()
+local taken, out, found = {}, {}, 0
+local function live(deadline) return deadline == 0 or deadline > now end
+local start = 0
+while found < count do
+  local page = redis.call('ZRANGE', KEYS[2], start, start + 99, 'REV')
+  if #page == 0 then break end
+  start = start + 100
+  for _, seq in ipairs(page) do
+    local prio, deadline, key, payload = unpack_packet(redis.call('HGET', KEYS[1], seq))
+    if not taken[seq] and live(deadline) then
+      local in_reply = 1
+      taken[seq] = true
+      out[#out + 1] = key; out[#out + 1] = payload; out[#out + 1] = prio
+      found = found + 1
+      local prefix = group_prefix(key)
+      local members = redis.call('ZRANGEBYLEX', KEYS[3], '[' .. prefix,
+        '[' .. prefix .. '\255')
+      for _, member in ipairs(members) do
+        if found >= count or in_reply >= max_pop then break end
+        local other = string.sub(member, #prefix + 1)
+        if not taken[other] then
+          local p, d, k, v = unpack_packet(redis.call('HGET', KEYS[1], other))
+          if live(d) then
+            taken[other] = true
+            in_reply = in_reply + 1
+            out[#out + 1] = k; out[#out + 1] = v; out[#out + 1] = p
+            found = found + 1
+          end
+        end
+      end
+    end
+    if found >= count then break end
+  end
+end
+return out
+"""
+)

@@ -1,0 +1,474 @@
+"""The Redis store: queues kept in Redis (standalone or Cluster), shared by any number of
+pinpriq front ends.
+
+It answers the ``Store`` contract the way ``store_contract`` describes for an asynchronous
+store: before ``Session.receive`` applies a batch, the connection's reader awaits
+``run(frames)``, which sends the batch's pushes and pops to Redis as one pipeline of scripts
+(``lua.py``), one atomic script each; ``receive`` then calls ``push`` and ``pop`` as on the
+built-in store, and ``pop`` hands back those results in order. Deliveries are
+``deliveries.RedisSubscriptions``' work.
+
+What stays in the front end is only what may be lost with it: counters of its own traffic, a
+timer per queue it pushed a TTL to (so expired packets are swept at their deadline rather than
+at the next pop), and a snapshot of the queues' sizes for the admin listener, refreshed every
+few seconds by scanning each node (there is no cross-slot index on Cluster).
+
+Redis trouble never reaches a client as an error. Unreachable, loading, or out of memory, the
+reader's ``run`` logs once and retries with backoff, holding that connection's frames (and its
+replies) until Redis answers; clients time out on their own if they want to.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple, cast
+
+import coredis
+import trio
+from coredis.exceptions import (
+    BusyLoadingError,
+    ClusterDownError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
+from coredis.exceptions import ConnectionError as RedisConnectionError
+
+from pinpriq.redis import lua
+from pinpriq.redis.keys import PREFIX, QueueKeys, name_of, queue_keys
+from pinpriq.store import QueuedPacket
+from pinpriq.store_contract import PeekedPacket, QueueInfo, Rank
+from pinpriq.wire import ClientFrame, KeyedPayload, Pop, Push
+
+__all__ = ["DEFAULT_MAX_POP", "LEASES_UNSUPPORTED", "Popped", "RedisStore"]
+
+log = logging.getLogger("pinpriq.redis")
+
+#: Most packets one pop returns (decision 3).
+DEFAULT_MAX_POP = 0xFFFF
+#: Why a lease frame closes a connection on this store.
+LEASES_UNSUPPORTED = (
+    "leases (reserve, ack, release, touch, leased subscribe) are not available on the Redis "
+    "store yet; use --store memory for leases"
+)
+#: Seconds between refreshes of the queue-size snapshot the admin listener reads.
+SNAPSHOT_INTERVAL = 5.0
+#: Backoff while Redis is unreachable or full: from the first to the last, doubling.
+RETRY_FIRST, RETRY_MAX = 0.01, 1.0
+#: The errors that mean "Redis is not answering now, try again": never the client's fault.
+_TRANSIENT = (
+    RedisConnectionError,
+    TimeoutError,
+    BusyLoadingError,
+    ClusterDownError,
+    TryAgainError,
+    OSError,
+)
+
+
+class Popped(NamedTuple):
+    """A packet as a pop script returns it: enough to put it back exactly as it was."""
+
+    key: bytes
+    payload: bytes
+    prio: int
+    seq: bytes
+    deadline: bytes  # ms on Redis's clock, 0 for never, as the script wrote it
+
+
+class _Snapshot(NamedTuple):
+    """The queues' sizes and next deadlines, as last scanned."""
+
+    sizes: dict[bytes, int]
+    next_expiry: dict[bytes, float]  # queue -> seconds from the scan to its next deadline
+    taken_at: float  # trio time of the scan
+
+
+def _popped(reply: Sequence[Any]) -> list[Popped]:
+    return [
+        Popped(reply[i], reply[i + 1], int(reply[i + 2]), reply[i + 3], reply[i + 4])
+        for i in range(0, len(reply), 5)
+    ]
+
+
+#: Scripts by name, loaded into every node at start (and again after a Redis restart).
+_SCRIPTS = {
+    "push": lua.PUSH,
+    "pop": lua.POP,
+    "rank": lua.RANK,
+    "sweep": lua.SWEEP,
+    "purge": lua.PURGE,
+    "restore": lua.RESTORE,
+    "peek": lua.PEEK,
+}
+
+_Call = tuple[str, Sequence[bytes], Sequence[bytes | int | str]]  # script, KEYS, ARGV
+
+
+class RedisStore:
+    """Queues in Redis. Made by ``connect.open_store``, which checks the Redis first."""
+
+    #: The memory cap does not apply: Redis's ``maxmemory`` is the cap, and a push refused for
+    #: it waits in ``run``. These stay 0 so the broker never blocks on them.
+    bytes_held = 0
+    unselectable_bytes = 0
+    taken_bytes = 0
+    leases_unsupported: str | None = LEASES_UNSUPPORTED
+
+    def __init__(self, client: Any, *, cluster: bool, max_pop: int = DEFAULT_MAX_POP) -> None:
+        self.client = client
+        self.cluster = cluster
+        self.max_pop = max_pop
+        self._shas: dict[str, str] = {}
+        #: The results of the batch ``receive`` is applying: ``pop`` takes them in order.
+        self.current: deque[list[KeyedPayload]] = deque()
+        self._pushed = 0
+        #: Packets this front end removed: by pop frames, sweeps and purges.
+        self.popped = 0
+        self.expired = 0
+        self.purged = 0
+        self._keys: dict[bytes, QueueKeys] = {}
+        #: Sweeps owed: (trio time, queue), a heap; ``_sweep_at`` dedupes it per queue.
+        self._sweeps: list[tuple[float, bytes]] = []
+        self._sweep_at: dict[bytes, float] = {}
+        self._sweep_wake = trio.CancelScope()
+        #: Redis's clock less trio's, in seconds: turns deadlines into timer times.
+        self.clock_offset = 0.0
+        self._snapshot = _Snapshot({}, {}, 0.0)
+        self._troubled: str | None = None  # what is wrong with Redis now, logged once
+
+    # -- the Store contract, as the broker calls it ------------------------------------------
+
+    @property
+    def pushed(self) -> int:
+        """Pushes this front end applied."""
+        return self._pushed
+
+    def __len__(self) -> int:
+        """Packets held in all queues, as of the last snapshot."""
+        return sum(self._snapshot.sizes.values())
+
+    def push(self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> float:
+        """Already done by ``run``; the deadline is Redis's business, so never the broker's
+        timer."""
+        self._pushed += 1
+        return math.inf
+
+    def pop(self, queue: bytes) -> list[KeyedPayload]:
+        """The next result ``run`` got, in frame order."""
+        packets = self.current.popleft()
+        self.popped += len(packets)
+        return packets
+
+    def peek_rank(self, queue: bytes) -> Rank | None:
+        """Not used: ``RedisSubscriptions`` ranks queues in Redis (``ranks``)."""
+        raise NotImplementedError("the Redis store ranks queues asynchronously")
+
+    def next_deadline(self) -> float | None:
+        return None  # sweeps are this store's own timer (``sweep_loop``)
+
+    def expire(self) -> int:
+        return 0
+
+    @property
+    def queue_count(self) -> int:
+        return len(self._snapshot.sizes)
+
+    def sizes(self) -> Iterator[tuple[bytes, int, int]]:
+        """Queues and their packets, from the snapshot; bytes are not known (0)."""
+        for name, packets in self._snapshot.sizes.items():
+            yield name, packets, 0
+
+    def queue_info(self, queue: bytes) -> QueueInfo:
+        """From the snapshot: packets and the next expiry; bytes, priorities and ages are not
+        kept in Redis (each would cost every push another write)."""
+        snapshot = self._snapshot
+        expiry = snapshot.next_expiry.get(queue)
+        if expiry is not None:
+            expiry = max(0.0, expiry - (trio.current_time() - snapshot.taken_at))
+        return QueueInfo(snapshot.sizes.get(queue, 0), 0, {}, None, expiry)
+
+    def peek(self, queue: bytes, count: int) -> Sequence[PeekedPacket]:
+        raise NotImplementedError("the Redis store peeks asynchronously: use peek_async")
+
+    def purge(self, queue: bytes) -> int:
+        raise NotImplementedError("the Redis store purges asynchronously: use purge_async")
+
+    def note_time(self) -> None:
+        """Nothing to note: ages are not kept."""
+
+    # Leases (decisions 13-19) are not implemented on this store yet: the server closes a
+    # connection that sends a lease frame before any of these could be called.
+
+    def now(self) -> float:
+        return trio.current_time()
+
+    def take(self, queue: bytes) -> Sequence[QueuedPacket]:
+        raise NotImplementedError(LEASES_UNSUPPORTED)
+
+    def discard(self, packets: Sequence[QueuedPacket]) -> None:
+        raise NotImplementedError(LEASES_UNSUPPORTED)
+
+    def restore(self, queue: bytes, packets: Sequence[QueuedPacket]) -> int:
+        raise NotImplementedError(LEASES_UNSUPPORTED)
+
+    def describe(self) -> dict[str, Any]:
+        """What ``/stats`` says about this store, and which of its figures it cannot give."""
+        return {
+            "kind": "redis-cluster" if self.cluster else "redis",
+            "snapshot_age_s": round(trio.current_time() - self._snapshot.taken_at, 3),
+            "not_given": [
+                "memory.held_bytes and prio_0_bytes (Redis's maxmemory is the cap: 0 here)",
+                "queues[].bytes, by_priority and oldest_age_ms (not kept in Redis)",
+            ],
+            "notes": [
+                "packets and queue depths: a scan of Redis every "
+                f"{SNAPSHOT_INTERVAL:g} s (snapshot_age_s)",
+                "totals and rates: this front end's own traffic",
+            ],
+        }
+
+    # -- what the reader and the subscriptions await -----------------------------------------
+
+    def keys(self, queue: bytes) -> QueueKeys:
+        """The keys of a queue, remembered for the queues in use."""
+        keys = self._keys.get(queue)
+        if keys is None:
+            if len(self._keys) > 10_000:
+                self._keys.clear()  # a bound, not a policy: rebuilding one is cheap
+            keys = self._keys[queue] = queue_keys(queue)
+        return keys
+
+    async def run(self, frames: Sequence[ClientFrame]) -> deque[list[KeyedPayload]]:
+        """Apply the pushes and pops of ``frames`` in Redis, in order, as one pipeline; returns
+        the pops' results for ``current``. Consecutive pushes to one queue are one script call,
+        and so are consecutive pops of one queue: the same effect, far fewer calls."""
+        calls: list[_Call] = []
+        queues: list[bytes] = []  # the queue of each call
+        last_kind: type | None = None
+        last_queue = b""
+        for frame in frames:
+            kind = frame.__class__
+            if kind is Push:
+                queue, key, payload, ttl_ms, prio = cast(Push, frame)
+                if kind is last_kind and queue == last_queue:
+                    calls[-1][2].extend((key, payload, ttl_ms, prio))  # type: ignore[attr-defined]
+                    continue
+                k = self.keys(queue)
+                calls.append(("push", k[:6], [k.channel, key, payload, ttl_ms, prio]))
+            elif kind is Pop:
+                queue = cast(Pop, frame).queue
+                if kind is last_kind and queue == last_queue:
+                    calls[-1][2][1] += 1  # type: ignore[index, operator]
+                    continue
+                calls.append(("pop", self.keys(queue)[:5], [self.max_pop, 1, 0]))
+            else:
+                continue
+            last_kind, last_queue = kind, queue
+            queues.append(queue)
+        results: deque[list[KeyedPayload]] = deque()
+        if not calls:
+            return results
+        replies = await self.call_all(calls)
+        for (name, _, _), reply, queue in zip(calls, replies, queues, strict=True):
+            if name == "pop":
+                for one in reply[:-1]:  # the last is how many selectable packets are left
+                    results.append(list(zip(one[::2], one[1::2], strict=True)))
+            elif reply:  # the earliest deadline of its pushes: sweep the queue then
+                self.schedule_sweep(queue, float(reply))
+        return results
+
+    async def pop_for_delivery(self, queue: bytes) -> tuple[list[Popped], bool]:
+        """Pop ``queue`` now, for a delivery; and whether it holds more selectable packets."""
+        (reply,) = await self.call_all([("pop", self.keys(queue)[:5], (self.max_pop, 1, 1))])
+        return _popped(reply[0]), bool(reply[1])
+
+    async def put_back(self, queue: bytes, packets: Sequence[Popped]) -> int:
+        """Put popped packets back as they were (a delivery nobody could take)."""
+        k = self.keys(queue)
+        args: list[bytes | int | str] = [k.channel]
+        for packet in packets:
+            args.extend(packet)
+        (reply,) = await self.call_all([("restore", k[:6], args)])
+        return int(reply)
+
+    async def ranks(self, queues: Sequence[bytes]) -> list[tuple[int, int] | None]:
+        """The rank (``(prio, -seq)``, smaller is better) of what each queue's pop would take;
+        ``None`` where nothing is selectable. One pipeline; each rank is exact when read, but
+        across Cluster slots they are read at slightly different moments."""
+        replies = await self.call_all([("rank", self.keys(q)[:5], ()) for q in queues])
+        return [(int(r[0]), -int(r[1])) if r else None for r in replies]
+
+    async def peek_async(self, queue: bytes, count: int) -> list[PeekedPacket]:
+        """What the next pops of ``queue`` would return, at most ``count`` packets."""
+        (reply,) = await self.call_all([("peek", self.keys(queue)[:4], (count, self.max_pop))])
+        return [(reply[i], reply[i + 1], int(reply[i + 2])) for i in range(0, len(reply), 3)]
+
+    async def purge_async(self, queue: bytes) -> int:
+        """Remove every packet of ``queue``; returns how many."""
+        (reply,) = await self.call_all([("purge", self.keys(queue)[:5], ())])
+        self.purged += int(reply)
+        return int(reply)
+
+    # -- talking to Redis --------------------------------------------------------------------
+
+    async def load_scripts(self) -> None:
+        """Load every script into Redis (every node of a Cluster)."""
+        for name, source in _SCRIPTS.items():
+            self._shas[name] = _text(await self.client.script_load(source))
+
+    async def call_all(self, calls: Sequence[_Call]) -> list[Any]:
+        """Run scripts as one pipeline, in order; retries what Redis could not run yet (it is
+        unreachable, loading, out of memory, or lost the scripts in a restart) with backoff,
+        logging once, until it has. Another error is a bug, raised."""
+        results: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        delay = RETRY_FIRST
+        while todo:
+            try:
+                replies = await self._pipeline([calls[i] for i in todo])
+            except _TRANSIENT as error:
+                self._trouble(f"Redis is unreachable ({error}); retrying")
+                replies = None
+            retry = []
+            for index, reply in zip(todo, replies or [None] * len(todo), strict=True):
+                if replies is None:
+                    retry.append(index)
+                elif isinstance(reply, NoScriptError):
+                    await self._reload_scripts()
+                    retry.append(index)
+                elif isinstance(reply, _TRANSIENT):
+                    self._trouble(f"Redis cannot run scripts now ({reply}); retrying")
+                    retry.append(index)
+                elif isinstance(reply, ResponseError) and str(reply).startswith("OOM"):
+                    self._trouble(
+                        "Redis is out of memory (maxmemory reached); pushes wait and are "
+                        "retried, pops and purges go on"
+                    )
+                    retry.append(index)
+                elif isinstance(reply, Exception):
+                    raise reply
+                else:
+                    results[index] = reply
+            todo = retry
+            if todo:
+                await trio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX)
+        if self._troubled is not None:
+            log.warning("Redis answers again (after: %s)", self._troubled)
+            self._troubled = None
+        return results
+
+    async def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
+        shas = self._shas
+        async with self.client.pipeline(transaction=False, raise_on_error=False) as pipe:
+            requests = [
+                pipe.evalsha(shas[name], keys=keys, args=args) for name, keys, args in calls
+            ]
+        replies = []
+        for request in requests:
+            try:
+                replies.append(await request)
+            except Exception as error:  # the pipeline hands each command's error back here
+                replies.append(error)
+        return replies
+
+    async def _reload_scripts(self) -> None:
+        try:
+            await self.load_scripts()
+        except _TRANSIENT as error:
+            self._trouble(f"Redis is unreachable ({error}); retrying")
+
+    def _trouble(self, what: str) -> None:
+        if self._troubled is None:
+            log.warning("%s", what)
+            self._troubled = what
+
+    # -- expiry: a timer per queue this front end pushed TTLs to -----------------------------
+
+    def schedule_sweep(self, queue: bytes, deadline_ms: float) -> None:
+        """Sweep ``queue`` when a deadline (ms on Redis's clock) comes."""
+        due = deadline_ms / 1000 - self.clock_offset
+        known = self._sweep_at.get(queue)
+        if known is not None and known <= due:
+            return
+        self._sweep_at[queue] = due
+        heapq.heappush(self._sweeps, (due, queue))
+        if due < self._sweep_wake.deadline:
+            self._sweep_wake.deadline = due
+
+    async def sweep_loop(self) -> None:
+        """Sweep each queue at the deadlines ``schedule_sweep`` was told of. A sweep finds every
+        packet due by then, whoever pushed it."""
+        while True:
+            wake = self._sweeps[0][0] if self._sweeps else math.inf
+            with trio.CancelScope(deadline=wake) as self._sweep_wake:
+                await trio.sleep_forever()
+            now = trio.current_time()
+            due: list[bytes] = []
+            while self._sweeps and self._sweeps[0][0] <= now:
+                _, queue = heapq.heappop(self._sweeps)
+                if self._sweep_at.get(queue, math.inf) <= now:
+                    del self._sweep_at[queue]
+                    due.append(queue)
+            if due:
+                replies = await self.call_all([("sweep", self.keys(q)[:5], ()) for q in due])
+                self.expired += sum(int(r) for r in replies)
+
+    async def sync_clock(self) -> None:
+        """Measure Redis's clock against trio's (for the sweep timers only)."""
+        # Through a script: coredis's ``time()`` gives a datetime without the microseconds.
+        # The key only routes it on a Cluster; it is never touched.
+        seconds, micros = await self.client.eval("return redis.call('TIME')", keys=[PREFIX])
+        self.clock_offset = int(seconds) + int(micros) / 1e6 - trio.current_time()
+
+    # -- the snapshot the admin listener reads -----------------------------------------------
+
+    async def snapshot_loop(self) -> None:
+        """Refresh the queue-size snapshot every ``SNAPSHOT_INTERVAL`` seconds. It also sweeps
+        queues whose deadline has passed that no live front end has a timer for (their pusher
+        died): the scan is the backstop of the timers."""
+        while True:
+            try:
+                await self.refresh_snapshot()
+            except _TRANSIENT as error:
+                self._trouble(f"Redis is unreachable ({error}); retrying")
+            await trio.sleep(SNAPSHOT_INTERVAL)
+
+    async def refresh_snapshot(self) -> None:
+        """Scan every node for queues; one pipeline of HLEN and the next deadline each."""
+        names: list[bytes] = []
+        async for key in self.client.scan_iter(match=PREFIX + b"{q*:d", count=1000):
+            name = name_of(key)
+            if name is not None:
+                names.append(name)
+        sizes: dict[bytes, int] = {}
+        expiry: dict[bytes, float] = {}
+        if names:
+            async with self.client.pipeline(transaction=False, raise_on_error=False) as pipe:
+                lengths = [pipe.hlen(self.keys(n).data) for n in names]
+                firsts = [pipe.zrange(self.keys(n).expiry, 0, 0, withscores=True) for n in names]
+            redis_now = trio.current_time() + self.clock_offset
+            for name, length, first in zip(names, lengths, firsts, strict=True):
+                count, head = await length, await first
+                if count:
+                    sizes[name] = int(count)
+                if head:
+                    deadline = float(head[0][1]) / 1000
+                    expiry[name] = deadline - redis_now
+                    if deadline <= redis_now:
+                        self.schedule_sweep(name, deadline * 1000)
+        self._snapshot = _Snapshot(sizes, expiry, trio.current_time())
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def redis_client(*args: Any, **kwargs: Any) -> Any:
+    """A coredis client that returns bytes (queue names, keys and payloads are bytes)."""
+    return coredis.Redis(*args, decode_responses=False, **kwargs)

@@ -1,0 +1,106 @@
+"""``pinpriq-server --store`` as a user runs it, and what the admin listener says about a Redis
+store: bad values and unusable Redis servers are one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from pinpriq.admin.app import AdminApp
+from pinpriq.admin.http import Request
+from pinpriq.admin.stats import Sampler, server_stats
+from pinpriq.redis.spec import StoreError, parse_store
+from tests.rawpeer import pop, push
+from tests.redis_servers import RedisServer, free_port, need_redis
+from tests.test_redis_store import SYNC, connect, front_end
+
+SERVER = [sys.executable, "-m", "pinpriq.cli.server", "--http-port", "off"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SERVER, *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("bogus://x", "expected memory, redis://"),
+        ("redis://host:notaport/0", "is not HOST:PORT"),
+        ("redis://a:1,b:2/0", "takes one HOST:PORT"),
+        ("redis://127.0.0.1:6379/x", "database must be a number"),
+        ("redis-cluster://127.0.0.1:7000/1", "no database number"),
+    ],
+)
+def test_a_bad_store_is_one_line_and_non_zero(text: str, fragment: str) -> None:
+    done = run("--store", text)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert fragment in lines[0]
+
+
+def test_store_urls_parse() -> None:
+    spec = parse_store("redis://:s3cret@127.0.0.1:6380/2")
+    assert (spec.scheme, spec.nodes, spec.db, spec.password) == (
+        "redis",
+        (("127.0.0.1", 6380),),
+        2,
+        "s3cret",
+    )
+    assert "s3cret" not in spec.text
+    cluster = parse_store("redis-cluster://10.0.0.1:7000,10.0.0.2:7001")
+    assert cluster.nodes == (("10.0.0.1", 7000), ("10.0.0.2", 7001))
+    assert parse_store("memory").scheme == "memory"
+    with pytest.raises(StoreError):
+        parse_store("memcached://x")
+
+
+def test_an_unreachable_redis_is_one_line_and_non_zero() -> None:
+    done = run("--port", "0", "--store", f"redis://127.0.0.1:{free_port()}/0")
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("pinpriq-server: cannot use Redis at redis://127.0.0.1:"), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_redis_that_may_evict_is_refused(tmp_path: Path) -> None:
+    need_redis()
+    redis = RedisServer(tmp_path, "--maxmemory-policy", "allkeys-lru").start()
+    try:
+        done = run("--port", "0", "--store", redis.url)
+    finally:
+        redis.stop()
+    assert done.returncode == 1
+    assert "maxmemory-policy allkeys-lru" in done.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in done.stderr
+
+
+async def test_the_admin_listener_reads_and_purges_a_redis_store(redis_url: str) -> None:
+    async with front_end(redis_url) as (server, port):
+        pusher = await connect(port)
+        await pusher.send(push(b"q", b"k", b"old", prio=2) + push(b"q", b"k", b"rider", prio=0))
+        await pusher.send(push(b"q", b"n", b"new", prio=2) + SYNC)
+        assert await pusher.reply() == []
+        sampler = Sampler(server.broker, trio.current_time)
+        stats = server_stats(server.broker, sampler, connections=0, ready=True)
+        assert stats["store"]["kind"] == "redis"
+        assert stats["store"]["not_given"]  # says which figures it cannot give
+        app = AdminApp(server, sampler)
+
+        async def ask(method: str, path: bytes) -> Any:
+            response = app.handle(Request(method, path, {}, b""))
+            assert response.later is not None  # answered after a wait on Redis
+            answered = await response.later()
+            assert answered.status == 200, answered.body
+            return json.loads(answered.body)
+
+        peeked = await ask("GET", b"/queues/q/peek?n=3")
+        assert [p["payload"] for p in peeked["packets"]] == ["new", "old", "rider"]
+        assert (await ask("POST", b"/queues/q/purge"))["purged"] == 3
+        assert await pusher.request(pop(b"q")) == []
