@@ -58,9 +58,7 @@ class Response:
 Handler = Callable[[Request], Response]
 
 
-async def serve_http(
-    handler: Handler, listeners: list[trio.abc.Listener[trio.abc.Stream]]
-) -> None:
+async def serve_http(handler: Handler, listeners: list[trio.abc.Listener[trio.abc.Stream]]) -> None:
     """Answer HTTP requests on ``listeners`` with ``handler`` until cancelled."""
     await trio.serve_listeners(partial(_connection, handler, [0]), listeners)
 
