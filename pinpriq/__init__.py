@@ -6,6 +6,12 @@ The Trio client (``PinpriqClient``, ``Subscription``) is imported on first use, 
 
 from typing import TYPE_CHECKING, Any
 
+from pinpriq import _build
+
+# Before anything imports a module that may be compiled: once loaded, a module stays what it is.
+if _build.pure_python_requested():
+    _build.force_pure_python()
+
 from pinpriq.blocking import BlockingPinpriqClient, BlockingSubscription
 from pinpriq.errors import (
     ArgumentError,

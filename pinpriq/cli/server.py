@@ -20,6 +20,7 @@ from typing import NamedTuple
 import trio
 
 from pinpriq import __version__
+from pinpriq._build import build_name
 from pinpriq.admin import serve_admin
 from pinpriq.admin.stats import DEFAULT_MAX_QUEUES
 from pinpriq.auth import TOKEN_VARIABLE, TokenError, is_loopback, load_token
@@ -156,7 +157,9 @@ def server_parser() -> argparse.ArgumentParser:
         default="text",
         help="text lines, or one JSON object per line (default: %(default)s)",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    # Says which build runs (issue 14): the hot modules compiled by mypyc, or plain Python.
+    version = f"%(prog)s {__version__}, {build_name()}"
+    parser.add_argument("--version", action="version", version=version)
     return parser
 
 
