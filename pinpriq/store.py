@@ -90,7 +90,9 @@ _STALE_SLACK = 64
 _MAX_TIME_NOTES = 4096
 
 # (deadline, seq, queue, key): ordered by deadline, then push order; names the packet it stands for.
-_ExpiryEntry = tuple[float, int, bytes, bytes]
+# One object in both heaps, the store's and its queue's: the empty variadic tail keeps mypyc from
+# unboxing it into C locals and boxing a copy for each heap (see QueuedPacket).
+_ExpiryEntry = tuple[float, int, bytes, bytes, *tuple[bytes, ...]]
 
 
 #: A packet held by the store: ``(key, payload, prio, seq)``, where ``seq`` is store-wide push
@@ -101,7 +103,12 @@ _ExpiryEntry = tuple[float, int, bytes, bytes]
 #: needs it. Packets are compared by value (``==``), never by identity: ``seq`` makes each one
 #: unique, and mypyc keeps a fixed-length tuple unboxed in compiled code, so the object read
 #: back from a level or a group is not always the one put there.
-QueuedPacket = tuple[bytes, bytes, int, int]
+#:
+#: Spelled with an empty variadic tail (always ``(bytes, bytes, int, int)``) so that mypyc keeps
+#: packets as the tuple objects they are: it unboxes a fixed-length tuple into C locals and
+#: boxes a new tuple object each time one is stored, which gave each packet a second tuple (one
+#: in its level, one in its key group: 104 bytes more a packet) and two allocations per pop.
+QueuedPacket = tuple[bytes, bytes, int, int, *tuple[int, ...]]
 KEY: Final = 0
 PAYLOAD: Final = 1
 PRIO: Final = 2
@@ -305,7 +312,7 @@ class QueueStore:
         self._seq += 1
         seq = self._seq
         deadline = self._clock() + ttl_ms / 1000 if ttl_ms else _NEVER
-        packet = (key, payload, prio, seq)
+        packet: QueuedPacket = (key, payload, prio, seq)  # annotated: one tuple object (above)
         size = len(key) + len(payload) + PACKET_OVERHEAD
         q = self._queues.get(queue)
         if q is None:
@@ -489,7 +496,7 @@ class QueueStore:
 
     def _live(self, entry: _ExpiryEntry) -> QueuedPacket | None:
         """The packet an expiry entry stands for, or ``None`` if it has left the store."""
-        _, seq, queue, key = entry
+        seq, queue, key = entry[1], entry[2], entry[3]
         q = self._queues.get(queue)
         if q is None:
             return None
