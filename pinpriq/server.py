@@ -44,7 +44,6 @@ import ssl
 
 import trio
 
-from pinpriq._build import build_name
 from pinpriq.auth import TOKEN_VARIABLE, is_loopback
 from pinpriq.broker import DEFAULT_MAX_MEMORY, REJECT_DELAY, Blocked, Broker, Session
 from pinpriq.client_memory import ClientMemory, default_budget
@@ -566,11 +565,10 @@ class PinpriqServer:
             for listener in listeners:
                 address = listener.socket.getsockname()
                 log.info(
-                    "pinpriq listening on %s port %d%s; %s",
+                    "pinpriq listening on %s port %d%s",
                     address[0],
                     address[1],
                     " (TLS)" if self.tls is not None else "",
-                    build_name(),  # which modules run: compiled by mypyc or plain (issue 14)
                 )
             budget = self.client_memory.budget
             log.info(

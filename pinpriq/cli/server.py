@@ -207,6 +207,8 @@ async def run_server(
             except OSError as error:
                 nursery.cancel_scope.cancel()  # the admin listener, if it started
                 return f"cannot listen on {host} port {port}: {error.strerror or error}"
+            # Which build serves (issue 14); after the listening line, which harnesses wait for.
+            log.info("pinpriq %s, %s", __version__, build_name())
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if nursery.cancel_scope.cancel_called or server.stopping:
