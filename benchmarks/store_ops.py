@@ -7,7 +7,7 @@ pop's reply encoded. Prints microseconds per push and per pop (with its reply), 
 
     python benchmarks/store_ops.py                            # the installed build
     PINPRIQ_PURE_PYTHON=1 python benchmarks/store_ops.py      # the plain-Python modules
-    PYTHONPATH=/other/checkout python benchmarks/store_ops.py # another checkout's modules
+    /other/checkout/.venv/bin/python benchmarks/store_ops.py  # another checkout's modules
 """
 
 from __future__ import annotations
@@ -17,9 +17,15 @@ import gc
 import random
 import time
 
-from pinpriq._build import build_name
 from pinpriq.store import QueueStore
 from pinpriq.wire import encode_reply
+
+try:
+    from pinpriq._build import build_name
+except ImportError:  # a checkout from before issue 14: plain Python only
+
+    def build_name() -> str:
+        return "pure Python (a checkout without pinpriq._build)"
 
 
 def once(count: int) -> tuple[float, float]:
