@@ -100,14 +100,14 @@ _ExpiryEntry = tuple[float, int, bytes, bytes, *tuple[bytes, ...]]
 #: and reads its fields on every pop: a plain tuple is the cheapest object CPython builds (a
 #: named tuple takes three allocations through ``tuple.__new__``, and its fields are read
 #: through descriptors). Its TTL deadline lives in its expiry-heap entry, the one place that
-#: needs it. Packets are compared by value (``==``), never by identity: ``seq`` makes each one
-#: unique, and mypyc keeps a fixed-length tuple unboxed in compiled code, so the object read
-#: back from a level or a group is not always the one put there.
+#: needs it.
 #:
 #: Spelled with an empty variadic tail (always ``(bytes, bytes, int, int)``) so that mypyc keeps
 #: packets as the tuple objects they are: it unboxes a fixed-length tuple into C locals and
 #: boxes a new tuple object each time one is stored, which gave each packet a second tuple (one
-#: in its level, one in its key group: 104 bytes more a packet) and two allocations per pop.
+#: in its level, one in its key group: 104 bytes more a packet), two allocations per pop, and
+#: broke the identity tests below (``group is packet``: a packet is live while its group holds
+#: that very object).
 QueuedPacket = tuple[bytes, bytes, int, int, *tuple[int, ...]]
 KEY: Final = 0
 PAYLOAD: Final = 1
@@ -166,7 +166,7 @@ class _Queue:
     def holds(self, packet: QueuedPacket) -> bool:
         """Whether ``packet`` is live: still in its key group."""
         group = self.groups.get(packet[KEY])
-        return group == packet or (isinstance(group, dict) and packet[SEQ] in group)
+        return group is packet or (isinstance(group, dict) and packet[SEQ] in group)
 
     def top(self) -> tuple[int, int, QueuedPacket] | None:
         """The best live selectable packet as ``(prio, seq, packet)``, without removing it;
@@ -377,7 +377,7 @@ class QueueStore:
                 q.mask = mask & ~(1 << prio)
             key = selected[KEY]
             group = groups.get(key)
-            if group == selected:  # a key of its own: the common case
+            if group is selected:  # a key of its own: the common case
                 del groups[key]
                 reply = [selected]
                 size = len(key) + len(selected[PAYLOAD]) + PACKET_OVERHEAD
@@ -541,7 +541,7 @@ class QueueStore:
                 if selected[SEQ] in taken or not q.holds(selected):
                     continue
                 siblings = _members(q.groups[selected[KEY]])
-                rest = (p for p in siblings if p[SEQ] not in taken and p != selected)
+                rest = (p for p in siblings if p[SEQ] not in taken and p is not selected)
                 for packet in islice(chain((selected,), rest), self._max_pop):
                     taken.add(packet[SEQ])
                     found.append(packet)
@@ -624,7 +624,7 @@ class QueueStore:
             assert q.entries == sum(map(len, q.levels.values())), "entries count is wrong"
             assert len(entries) == q.entries, "a packet is twice in the levels"
             for seq, packet in selectable.items():
-                assert entries.get(seq) == packet, "a live selectable packet is not in its level"
+                assert entries.get(seq) is packet, "a live selectable packet is not in its level"
             for prio, level in q.levels.items():
                 assert level, f"empty level {prio}"
                 assert all(p[PRIO] == prio for p in level)
@@ -637,7 +637,7 @@ class QueueStore:
                 live = sum(q.holds(p) for p in level)
                 assert len(level) - (q.stale or Counter())[prio] == live, "stale count is wrong"
             first = min(q.packets(), key=lambda p: p[SEQ])
-            assert q.oldest() == first, f"queue {name!r}: oldest packet is wrong"
+            assert q.oldest() is first, f"queue {name!r}: oldest packet is wrong"
             in_heap = {id(entry) for entry in q.expiry or ()}
             for entry in self._expiry:
                 if entry[2] == name and self._live(entry) is not None:
