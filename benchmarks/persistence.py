@@ -120,7 +120,8 @@ def measure(mode: str, scenario: str, ops: int, base: Path | None) -> dict[str, 
         args = MODES[mode] + (["--data-dir", str(path)] if mode != "memory" else [])
         server = Server(args, path.with_suffix(".log"))
         try:
-            result = bench(server.port, server.process.pid, ["-t", scenario, "-n", str(ops)])
+            workload = ["-t", scenario, "-n", str(ops), *WORKLOAD]
+            result = bench(server.port, server.process.pid, workload)
         finally:
             text = server.stop()
             path.with_suffix(".log").unlink()
