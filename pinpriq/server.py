@@ -50,6 +50,7 @@ import os
 import socket
 import ssl
 import time
+from collections import deque
 from collections.abc import Container
 from typing import cast
 
@@ -69,6 +70,7 @@ from pinpriq.wire import (
     Ack,
     ClientFrame,
     FrameDecoder,
+    KeyedPayload,
     LeasedSubscribe,
     Pop,
     Push,
@@ -259,14 +261,22 @@ class _Connection:
         session = self.session
         start = 0
         while start < len(frames) and session.error is None:
-            if frames[start].__class__ in _LEASE_FRAMES and store.leases_unsupported:
-                # Closed like a frame that breaks decision 18: what came before is applied
-                # and answered, then the connection closes with a warning saying why.
-                session.error = store.leases_unsupported
-                break
-            end = _segment_end(frames, start, session, subscriptions.waiting_queues)
-            segment = frames[start:end]
-            results = await store.run(segment)
+            if frames[start].__class__ in _LEASE_FRAMES:
+                if store.leases_unsupported:
+                    # Closed like a frame that breaks decision 18: what came before is applied
+                    # and answered, then the connection closes with a warning saying why.
+                    session.error = store.leases_unsupported
+                    break
+                # A lease frame is a segment of its own: its script runs, then ``receive``
+                # answers from what it found (the wire ids it maps are known only then).
+                end = start + 1
+                segment = frames[start:end]
+                await store.run_lease(frames[start], session)
+                results: deque[list[KeyedPayload]] = deque()
+            else:
+                end = _segment_end(frames, start, session, subscriptions.waiting_queues)
+                segment = frames[start:end]
+                results = await store.run(segment)
             store.current = results
             done = session.receive(segment)
             self.server.after_batch()
@@ -601,6 +611,10 @@ class PinpriqServer:
             self.deliveries = deliveries
             self.broker.subscriptions = deliveries  # type: ignore[assignment]
             deliveries.flush = self.after_batch
+            # Its lease table lives in the store too: the broker gets the front end's half.
+            self.broker.leases = self.batched.make_leases(
+                default_ms=lease_default_ms, max_deliveries=max_deliveries
+            )
         store = self.broker.store
         #: The log of a server that keeps packets on disk, and what waits on it; ``None``
         #: for a memory-only server.
