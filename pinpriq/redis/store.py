@@ -414,6 +414,12 @@ class RedisStore:
         handle = lease.handle  # type: ignore[attr-defined]
         (reply,) = await self.call_all([self._lease_call("lease_op", lease.queue, op, handle, ms)])
         leases.counted(int(reply[1]), int(reply[2]), int(reply[3]))
+        # Packets back: offered to this front end's waiters before the next frame is read, as
+        # on the built-in store (other front ends hear of them through the queue's channel).
+        if int(reply[1]):
+            leases.returned.append(lease.queue)
+        if int(reply[2]):
+            leases.returned.append(lease.queue + DEAD_SUFFIX)
         if int(reply[4]):
             self.schedule_lease_sweep(lease.queue, float(reply[4]))
         leases.results[session.holder] = bool(int(reply[0]))
