@@ -267,11 +267,11 @@ class _Connection:
                     # and answered, then the connection closes with a warning saying why.
                     session.error = store.leases_unsupported
                     break
-                # A lease frame is a segment of its own: its script runs, then ``receive``
-                # answers from what it found (the wire ids it maps are known only then).
-                end = start + 1
+                # Lease frames are segments of their own: their scripts run as one pipeline,
+                # then ``receive`` answers from what they found.
+                end = _lease_segment_end(frames, start, session)
                 segment = frames[start:end]
-                await store.run_lease(frames[start], session)
+                await store.run_leases(segment, session)
                 results: deque[list[KeyedPayload]] = deque()
             else:
                 end = _segment_end(frames, start, session, subscriptions.waiting_queues)
@@ -468,6 +468,36 @@ class _Connection:
 
 
 _LEASE_FRAMES = frozenset({Reserve, Ack, Release, Touch, LeasedSubscribe})
+
+
+#: Most lease frames one pipeline of lease scripts carries.
+_LEASE_PIPELINE = 256
+
+
+def _lease_segment_end(frames: list[ClientFrame], start: int, session: Session) -> int:
+    """Where the run of lease frames starting at ``start`` ends (see ``_apply_batched``): lease
+    frames only; no ack, release or touch after a reserve (the wire ids a reserve gives are
+    known only once it has run); a release ends it (the group it sends back is offered to
+    this front end's waiters before the next frame, as on the built-in store); a reserve on a
+    leased connection (refused, decision 18) and a leased subscribe stand alone."""
+    if not session.authenticated or frames[start].__class__ is LeasedSubscribe:
+        return start + 1
+    reserved = False
+    stop = min(len(frames), start + _LEASE_PIPELINE)
+    for index in range(start, stop):
+        kind = frames[index].__class__
+        if kind is Reserve:
+            if session.leased:
+                return max(index, start + 1)
+            reserved = True
+        elif kind is Ack or kind is Touch:
+            if reserved:
+                return index
+        elif kind is Release:
+            return index if reserved else index + 1
+        else:
+            return index
+    return stop
 
 
 def _segment_end(

@@ -191,9 +191,9 @@ class BatchedStore(Store, Protocol):
         """Apply the pushes and pops of ``frames``, in order; returns the pops' results."""
         ...
 
-    async def run_lease(self, frame: ClientFrame, session: Any) -> None:
-        """Apply a lease frame of ``session`` (reserve, ack, release, touch), leaving what the
-        session's ``receive`` answers from in the lease table ``make_leases`` made."""
+    async def run_leases(self, frames: Sequence[ClientFrame], session: Any) -> None:
+        """Apply lease frames of ``session`` (reserves, acks, releases, touches), leaving what
+        the session's ``receive`` answers from in the lease table ``make_leases`` made."""
         ...
 
     def make_leases(self, *, default_ms: int, max_deliveries: int) -> Any:

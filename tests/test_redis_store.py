@@ -395,3 +395,34 @@ async def test_a_batch_held_for_its_output_keeps_its_own_replies(redis_url: str)
         got = [await reader.reply() for _ in range(80)]
         assert [packets[0][0] for packets in got] == [b"%02d" % n for n in range(79, -1, -1)]
         assert await reader.reply() == []  # the sync
+
+
+async def test_pipelined_lease_frames_answer_in_order(redis_url: str) -> None:
+    async with front_end(redis_url) as (_, port):
+        worker = await connect(port)
+        await worker.send(b"".join(push(b"q", b"k%d" % n, b"%d" % n, prio=n + 1) for n in range(3)))
+        # One chunk: three reserves, then frames naming their ids, a release among them.
+        await worker.send(
+            reserve(b"q") * 3
+            + ack(1)
+            + touch(2, 60_000)
+            + release(3)
+            + ack(3)
+            + ack(2)
+            + reserve(b"q")
+            + SYNC
+        )
+        assert [await worker.lease() for _ in range(3)] == [
+            (1, 1, [(b"k0", b"0")]),  # prio 1 first
+            (2, 1, [(b"k1", b"1")]),
+            (3, 1, [(b"k2", b"2")]),
+        ]
+        assert [await worker.lease() for _ in range(4)] == [
+            (1, 1, []),
+            (2, 1, []),
+            (3, 1, []),
+            (3, 0, []),  # released just before: no longer live
+        ]
+        assert await worker.lease() == (2, 1, [])
+        assert await worker.lease() == (4, 2, [(b"k2", b"2")])  # back, its second attempt
+        assert await worker.reply() == []  # the sync

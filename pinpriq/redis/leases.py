@@ -17,6 +17,7 @@ them (their ``due`` is infinite: the store's ``lease_loop`` keeps time on Redis'
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -57,10 +58,10 @@ class RedisLeases(Leases):
     def __init__(self, store: RedisStore, *, default_ms: int, max_deliveries: int) -> None:
         super().__init__(store, default_ms=default_ms, max_deliveries=max_deliveries)
         self.redis = store
-        #: What Redis answered to the lease frame each connection's ``receive`` is applying
-        #: (by its holder): a reserve's reply (or ``None``), or an ack's, release's or touch's
-        #: liveness.
-        self.results: dict[Holder, Any] = {}
+        #: What Redis answered to the lease frames each connection's ``receive`` is applying
+        #: (by its holder), in order: a reserve's reply (or ``None``), or an ack's, release's
+        #: or touch's liveness.
+        self.results: dict[Holder, deque[Any]] = {}
         #: Live leases made here, by handle: a sweep that ends one forgets its wire id.
         self.mine: dict[bytes, RedisLease] = {}
         self.packets_leased = 0
@@ -68,7 +69,8 @@ class RedisLeases(Leases):
     # -- what the session calls, with ``results`` ready ------------------------------------
 
     def reserve(self, holder: Holder, queue: bytes, lease_ms: int) -> Lease | None:
-        reply = self.results.pop(holder, None)
+        answers = self.results.get(holder)
+        reply = answers.popleft() if answers else None
         if reply is None:
             return None
         return self.made(holder, queue, reply)
@@ -100,6 +102,7 @@ class RedisLeases(Leases):
     def close(self, holder: Holder) -> None:
         """The connection closed: its leases go back now (the store's ``lease_loop`` runs the
         scripts; until then, and if this front end dies first, their deadlines hold)."""
+        self.results.pop(holder, None)
         for lease in list(holder.leases.values()):
             assert isinstance(lease, RedisLease)
             self.forget(lease)
@@ -152,7 +155,8 @@ class RedisLeases(Leases):
                 self._by_queue.pop(lease.queue, None)
 
     def _answer(self, holder: Holder, lease_id: int, *, ends: bool) -> bool:
-        live: bool = self.results.pop(holder, False)
+        answers = self.results.get(holder)
+        live: bool = answers.popleft() if answers else False
         lease = holder.leases.get(lease_id)
         if lease is not None and (ends or not live):
             assert isinstance(lease, RedisLease)

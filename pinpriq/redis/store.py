@@ -382,47 +382,65 @@ class RedisStore:
         packets = list(zip(reply[3::2], reply[4::2], strict=True))
         return handle, int(reply[0]), packets
 
-    async def run_lease(self, frame: ClientFrame, session: Session) -> None:
-        """Apply a reserve, ack, release or touch in Redis for ``session``, leaving the answer
-        in ``leases.results[session.holder]`` for ``Session.receive``. A frame the session will
-        refuse or reject (decision 18, auth) runs nothing."""
+    async def run_leases(self, frames: Sequence[ClientFrame], session: Session) -> None:
+        """Apply lease frames of ``session`` (reserves, acks, releases, touches) in Redis, in
+        order, as one pipeline, leaving their answers in ``leases.results[session.holder]`` for
+        ``Session.receive``. The driver cuts the frames (``server._lease_segment_end``) so that
+        every ack, release and touch names a lease made before them; a frame the session will
+        refuse (a reserve on a leased connection) runs nothing."""
         leases = self.leases
         assert leases is not None
-        kind = frame.__class__
-        if kind is Reserve:
-            reserve = cast(Reserve, frame)
-            if session.leased or not session.authenticated:
-                leases.results[session.holder] = None
-                return
-            call, handle = self._reserve_call(reserve.queue, reserve.lease_ms)
-            (reply,) = await self.call_all([call])
-            leases.results[session.holder] = self._reserved(reserve.queue, handle, reply)
-            return
-        if kind is Ack:
-            op, ms = "ack", 0
-        elif kind is Release:
-            op, ms = "release", cast(Release, frame).delay_ms
-        elif kind is Touch:
-            op, ms = "touch", cast(Touch, frame).lease_ms or leases.default_ms
-        else:
-            return  # a leased subscribe: the subscriptions reserve for it
-        lease_id = cast(Ack, frame).lease_id  # ack, release and touch: the id comes first
-        lease = session.holder.leases.get(lease_id) if session.authenticated else None
-        if lease is None:
-            leases.results[session.holder] = False
-            return
-        handle = lease.handle  # type: ignore[attr-defined]
-        (reply,) = await self.call_all([self._lease_call("lease_op", lease.queue, op, handle, ms)])
-        leases.counted(int(reply[1]), int(reply[2]), int(reply[3]))
-        # Packets back: offered to this front end's waiters before the next frame is read, as
-        # on the built-in store (other front ends hear of them through the queue's channel).
-        if int(reply[1]):
-            leases.returned.append(lease.queue)
-        if int(reply[2]):
-            leases.returned.append(lease.queue + DEAD_SUFFIX)
-        if int(reply[4]):
-            self.schedule_lease_sweep(lease.queue, float(reply[4]))
-        leases.results[session.holder] = bool(int(reply[0]))
+        holder = session.holder
+        results: deque[Any] = deque()
+        leases.results[holder] = results
+        calls: list[_Call] = []
+        # Per frame: (what, queue, handle or lease, index of its call), or a fixed answer.
+        plan: list[tuple[str, Any, Any]] = []
+        for frame in frames:
+            kind = frame.__class__
+            if kind is Reserve:
+                reserve = cast(Reserve, frame)
+                if session.leased or not session.authenticated:
+                    plan.append(("fixed", None, None))
+                    continue
+                call, handle = self._reserve_call(reserve.queue, reserve.lease_ms)
+                calls.append(call)
+                plan.append(("reserve", reserve.queue, handle))
+                continue
+            if kind is Ack:
+                op, ms = "ack", 0
+            elif kind is Release:
+                op, ms = "release", cast(Release, frame).delay_ms
+            elif kind is Touch:
+                op, ms = "touch", cast(Touch, frame).lease_ms or leases.default_ms
+            else:
+                continue  # a leased subscribe: the subscriptions reserve for it
+            lease_id = cast(Ack, frame).lease_id  # ack, release and touch: the id comes first
+            lease = holder.leases.get(lease_id) if session.authenticated else None
+            if lease is None:
+                plan.append(("fixed", False, None))
+                continue
+            handle = lease.handle  # type: ignore[attr-defined]
+            calls.append(self._lease_call("lease_op", lease.queue, op, handle, ms))
+            plan.append(("op", lease.queue, None))
+        replies = iter(await self.call_all(calls) if calls else [])
+        for what, queue, handle in plan:
+            if what == "fixed":
+                results.append(queue)  # the fixed answer
+            elif what == "reserve":
+                results.append(self._reserved(queue, handle, next(replies)))
+            else:
+                reply = next(replies)
+                leases.counted(int(reply[1]), int(reply[2]), int(reply[3]))
+                # Packets back: offered to this front end's waiters before the next frame is
+                # read, as on the built-in store (other front ends hear through the channel).
+                if int(reply[1]):
+                    leases.returned.append(queue)
+                if int(reply[2]):
+                    leases.returned.append(queue + DEAD_SUFFIX)
+                if int(reply[4]):
+                    self.schedule_lease_sweep(queue, float(reply[4]))
+                results.append(bool(int(reply[0])))
 
     async def reserve_for_delivery(
         self, queue: bytes, lease_ms: int
