@@ -97,23 +97,36 @@ async def test_a_lease_held_through_a_front_end_killed_returns_at_its_deadline(
     try:
         async with front_end(redis_url) as (_, b):
             worker, pusher, waiter = await connect(a), await connect(b), await connect(b)
-            await pusher.send(push(b"jobs", b"k", b"job"))
+            await pusher.send(push(b"jobs", b"k", b"job") + push(b"jobs", b"j", b"other"))
             await pusher.request(SYNC)
-            await worker.send(reserve(b"jobs", 1500))
-            assert await worker.lease() == (1, 1, [(b"k", b"job")])
-            # Leased on A: B finds nothing to reserve while the lease holds.
+            await worker.send(reserve(b"jobs", 1500) + reserve(b"jobs", 1500))
+            assert await worker.lease() == (1, 1, [(b"j", b"other")])
+            assert await worker.lease() == (2, 1, [(b"k", b"job")])
+            # Leased on A: B finds nothing to reserve while the leases hold.
             await waiter.send(reserve(b"jobs"))
             assert await waiter.lease() == (0, 0, [])
-            # A subscriber on B waits for the queue: the lease comes back to it.
+            # A leased subscriber on B waits for the queue: a lease comes back to it.
             subscriber = await connect(b)
             await subscriber.send(leased_subscribe(b"jobs", 60_000) + READY)
             front.send_signal(signal.SIGKILL)
             await front.wait()
             with trio.fail_after(15):  # the deadline, then B's timer or its scan (5 s)
-                lease_id, attempt, packets = await subscriber.lease()
-            assert (attempt, packets) == (2, [(b"k", b"job")])
+                lease_id, attempt, delivered = await subscriber.lease()
+            assert attempt == 2
+            # And the other is reservable through B (a reserve ends due leases first).
+            with trio.fail_after(15):
+                while True:
+                    await waiter.send(reserve(b"jobs", 60_000))
+                    other_id, other_attempt, reserved = await waiter.lease()
+                    if other_id:
+                        break
+                    await trio.sleep(0.05)
+            assert other_attempt == 2
+            assert sorted(delivered + reserved) == [(b"j", b"other"), (b"k", b"job")]
             await subscriber.send(ack(lease_id))
             assert await subscriber.lease() == (lease_id, 1, [])
+            await waiter.send(ack(other_id))
+            assert await waiter.lease() == (other_id, 1, [])
             assert await pusher.request(pop(b"jobs")) == []
     finally:
         if front.returncode is None:
