@@ -3,17 +3,28 @@
 # `docker run IMAGE ...` replace CMD and go to the server, after the ENTRYPOINT's --host and
 # --data-dir, so `docker run pinpriq --max-memory 2GiB` keeps listening on every interface and
 # keeps its log.
-FROM python:3.11-slim
-
-# A numeric user (hadolint DL3066), so orchestrators can tell it is not root without a passwd.
-# /data belongs to that user: the server creates its log there.
-RUN useradd --create-home --uid 10001 pinpriq && mkdir /data && chown 10001 /data
-WORKDIR /opt/pinpriq
-COPY pyproject.toml README.md ./
+#
+# Two stages (issue 14): the full python image has a C compiler and Python's headers, and
+# builds a wheel whose hot modules mypyc compiles; the slim image, which has neither, installs
+# that wheel. Both are the same Python on the same Debian release, so the extensions load.
+FROM python:3.11-bookworm AS build
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
 COPY pinpriq ./pinpriq
 # wire-fixtures/ is package data (pinpriq.fixtures): pinpriq-conformance reads it in the image.
 COPY wire-fixtures ./wire-fixtures
-RUN pip install --no-cache-dir . && rm -rf /opt/pinpriq/build
+# setup.py falls back to plain Python when compiling fails; the image must not, so a wheel
+# without the compiled modules' shared library fails the build here.
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
+    && python -c "import glob, sys, zipfile; [w] = glob.glob('/wheels/*.whl'); \
+sys.exit(not any(n.startswith('pinpriq__mypyc') for n in zipfile.ZipFile(w).namelist()))"
+
+FROM python:3.11-slim-bookworm
+# A numeric user (hadolint DL3066), so orchestrators can tell it is not root without a passwd.
+# /data belongs to that user: the server creates its log there.
+RUN useradd --create-home --uid 10001 pinpriq && mkdir /data && chown 10001 /data
+COPY --from=build /wheels /tmp/wheels
+RUN pip install --no-cache-dir /tmp/wheels/*.whl && rm -rf /tmp/wheels
 
 USER 10001
 # 7000: the data port. 7001: the admin listener (dashboard, /metrics, /stats, /healthz), which

@@ -6,6 +6,12 @@ imported on first use, so that ``import pinpriq`` and the blocking client do not
 
 from typing import TYPE_CHECKING, Any
 
+from pinpriq import _build
+
+# Before anything imports a module that may be compiled: once loaded, a module stays what it is.
+if _build.pure_python_requested():
+    _build.force_pure_python()
+
 from pinpriq.blocking import (
     BlockingLease,
     BlockingLeasedSubscription,

@@ -62,7 +62,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import chain, islice
 from operator import itemgetter
-from typing import Final
+from typing import Any, Final
+
+from mypy_extensions import mypyc_attr
 
 # The one thing the store takes from the rest of pinpriq: the record its contract returns.
 from pinpriq.store_contract import QueueInfo
@@ -102,7 +104,9 @@ _STALE_SLACK = 64
 _MAX_TIME_NOTES = 4096
 
 # (deadline, seq, queue, key): ordered by deadline, then push order; names the packet it stands for.
-_ExpiryEntry = tuple[float, int, bytes, bytes]
+# One object in both heaps, the store's and its queue's: the empty variadic tail keeps mypyc from
+# unboxing it into C locals and boxing a copy for each heap (see QueuedPacket).
+_ExpiryEntry = tuple[float, int, bytes, bytes, *tuple[bytes, ...]]
 
 
 #: A packet to ``load``: ``(queue, key, payload, prio, seq)``.
@@ -116,7 +120,14 @@ LoadedPacket = tuple[bytes, bytes, bytes, int, int]
 #: named tuple takes three allocations through ``tuple.__new__``, and its fields are read
 #: through descriptors). The deadline is in the expiry-heap entry too, which orders it; the
 #: packet's own copy is for a packet that comes back from a lease.
-QueuedPacket = tuple[bytes, bytes, int, int, float, int]
+#:
+#: Spelled with an empty variadic tail (always ``(bytes, bytes, int, int, float, int)``) so that
+#: mypyc keeps packets as the tuple objects they are: it unboxes a fixed-length tuple into C
+#: locals and boxes a new tuple object each time one is stored, which gave each packet a second
+#: tuple (one in its level, one in its key group: 104 bytes more a packet), two allocations per
+#: pop, and broke the identity tests below (``group is packet``: a packet is live while its
+#: group holds that very object).
+QueuedPacket = tuple[bytes, bytes, int, int, float, int, *tuple[Any, ...]]
 KEY: Final = 0
 PAYLOAD: Final = 1
 PRIO: Final = 2
@@ -285,6 +296,9 @@ class _Queue:
         self.stale = None
 
 
+# Compiled by mypyc where a C compiler is present (setup.py); subclassed by interpreted code
+# (the conformance tests' wrong stores, a log-backed store), which mypyc refuses unless told.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class QueueStore:
     """Named priority queues of packets, with key grouping and TTL expiry.
 
@@ -360,7 +374,8 @@ class QueueStore:
         self._seq += 1
         seq = self._seq
         deadline = self._clock() + ttl_ms / 1000 if ttl_ms else _NEVER
-        packet = (key, payload, prio, seq, deadline, 0)
+        # Annotated: one tuple object (above).
+        packet: QueuedPacket = (key, payload, prio, seq, deadline, 0)
         size = len(key) + len(payload) + PACKET_OVERHEAD
         q = self._queues.get(queue)
         if q is None:
@@ -620,7 +635,7 @@ class QueueStore:
                 q = queues.get(queue) or queues.setdefault(queue, _Queue(queue))
                 name = queue
             deadline = deadlines.get(seq, _NEVER) if deadlines else _NEVER
-            packet = (key, payload, prio, seq, deadline, 0)
+            packet: QueuedPacket = (key, payload, prio, seq, deadline, 0)  # one object (above)
             groups = q.groups
             group = groups.get(key)
             if group is None:
@@ -642,7 +657,7 @@ class QueueStore:
                 unselectable += size
                 riders += 1
             if deadline != _NEVER:
-                entry = (deadline, seq, q.name, key)
+                entry: _ExpiryEntry = (deadline, seq, q.name, key)
                 expiry.append(entry)
                 if q.expiry is None:
                     q.expiry = [entry]
@@ -685,7 +700,7 @@ class QueueStore:
 
     def _live(self, entry: _ExpiryEntry) -> QueuedPacket | None:
         """The packet an expiry entry stands for, or ``None`` if it has left the store."""
-        _, seq, queue, key = entry
+        seq, queue, key = entry[1], entry[2], entry[3]
         q = self._queues.get(queue)
         if q is None:
             return None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sized
 
+from mypy_extensions import mypyc_attr
 from sortedcontainers import SortedDict
 
 from pinpriq.store_contract import Store
@@ -30,6 +31,9 @@ from pinpriq.store_contract import Store
 __all__ = ["Subscriber", "Subscriptions"]
 
 
+# Compiled by mypyc where a C compiler is present (setup.py); tests subclass both classes in
+# interpreted code, which mypyc refuses unless told.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Subscriber:
     """One connection's subscriptions and credits. Subclasses say where deliveries go."""
 
@@ -53,6 +57,7 @@ class Subscriber:
         raise NotImplementedError
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Subscriptions:
     """The subscribers of one store."""
 

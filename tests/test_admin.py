@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pinpriq.admin import serve_admin
 from pinpriq.display import escape
 from pinpriq.server import PinpriqServer
-from pinpriq.store import PACKET_OVERHEAD
+from pinpriq.store import PACKET_OVERHEAD, QueuedPacket, QueueStore
 from tests.conftest import LiveServer, StartServer
 from tests.rawpeer import (
     READY,
@@ -428,10 +428,13 @@ async def test_the_dashboard_page_is_served_whole(admin: Admin) -> None:
 async def test_a_handler_error_is_a_500_and_the_listener_goes_on(
     admin: Admin, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def broken(queue: bytes, count: int) -> list[object]:
-        raise RuntimeError("a bug")
+    class Broken(QueueStore):
+        def peek(self, queue: bytes, count: int) -> list[QueuedPacket]:
+            raise RuntimeError("a bug")
 
-    monkeypatch.setattr(admin.live.store, "peek", broken)
+    # A store of another class, not a patched method: a store compiled by mypyc (issue 14)
+    # has no instance dictionary to patch.
+    monkeypatch.setattr(admin.live.broker, "store", Broken(trio.current_time))
     status, _, body = await admin.request("GET", "/queues/q/peek")
     assert status == 500
     assert "internal error" in json.loads(body)["error"]

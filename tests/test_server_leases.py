@@ -184,15 +184,10 @@ async def test_jobs_of_killed_workers_are_finished_exactly_once_by_the_others(
     await pusher.send(b"".join(push(b"crash", b"%d" % i, b"%d" % i) for i in range(JOBS)))
     done: collections.Counter[str] = collections.Counter()
     hung: dict[int, str] = {}
-    kinds = ["doomed", "doomed", "survivor", "survivor"]
+    both_killed = trio.Event()
+    workers: list[trio.Process] = []
     with trio.fail_after(60):  # real seconds: the workers are processes
         async with trio.open_nursery() as nursery:
-            workers = [
-                await trio.lowlevel.open_process(
-                    [sys.executable, "-c", WORKER, str(live.port), kind], stdout=subprocess.PIPE
-                )
-                for kind in kinds
-            ]
 
             async def watch(index: int, worker: trio.Process) -> None:
                 assert worker.stdout is not None
@@ -203,11 +198,24 @@ async def test_jobs_of_killed_workers_are_finished_exactly_once_by_the_others(
                     elif what == "hang":
                         hung[index] = name
                         worker.send_signal(signal.SIGKILL)  # mid-job: leased, not acked
+                        if len(hung) == 2:
+                            both_killed.set()
                     if sum(done.values()) == JOBS:
                         nursery.cancel_scope.cancel()
 
-            for index, worker in enumerate(workers):
-                nursery.start_soon(watch, index, worker)
+            async def start(kind: str) -> None:
+                command = [sys.executable, "-c", WORKER, str(live.port), kind]
+                worker = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE)
+                workers.append(worker)
+                nursery.start_soon(watch, len(workers) - 1, worker)
+
+            # The doomed workers first, and the survivors once both are dead: otherwise the
+            # survivors may finish every job before a doomed worker reaches its third.
+            await start("doomed")
+            await start("doomed")
+            await both_killed.wait()
+            await start("survivor")
+            await start("survivor")
     for worker in workers:
         if worker.returncode is None:
             worker.kill()

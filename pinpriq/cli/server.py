@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import trio
 
 from pinpriq import __version__
+from pinpriq._build import build_name
 from pinpriq.admin import serve_admin
 from pinpriq.admin.stats import DEFAULT_MAX_QUEUES
 from pinpriq.auth import TOKEN_VARIABLE, TokenError, is_loopback, load_token
@@ -237,7 +238,9 @@ def server_parser() -> argparse.ArgumentParser:
         default="text",
         help="text lines, or one JSON object per line (default: %(default)s)",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    # Says which build runs (issue 14): the hot modules compiled by mypyc, or plain Python.
+    version = f"%(prog)s {__version__}, {build_name()}"
+    parser.add_argument("--version", action="version", version=version)
     return parser
 
 
@@ -302,6 +305,8 @@ async def _run_server(
             except OSError as error:
                 nursery.cancel_scope.cancel()  # the admin listener, if it started
                 return f"cannot listen on {host} port {port}: {error.strerror or error}"
+            # Which build serves (issue 14); after the listening line, which harnesses wait for.
+            log.info("pinpriq %s, %s", __version__, build_name())
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if nursery.cancel_scope.cancel_called or server.stopping:

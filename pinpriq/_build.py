@@ -1,0 +1,83 @@
+"""Which build of pinpriq runs: the hot modules compiled by mypyc, or plain Python (issue 14).
+
+``setup.py`` compiles the modules named in ``COMPILED`` when it can; each compiled module is an
+extension (``store.cpython-311-x86_64-linux-gnu.so``) beside its ``.py``, and Python's import
+system prefers the extension. Setting ``PINPRIQ_PURE_PYTHON=1`` makes ``pinpriq/__init__.py``
+put a finder ahead of the import system's own that loads those modules from their ``.py``
+source instead: the same code, interpreted, for debugging or comparing.
+
+Imports nothing from pinpriq: ``pinpriq/__init__.py`` calls it before any other module loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["COMPILED", "PURE_VARIABLE", "build_name", "compiled_modules", "force_pure_python"]
+
+#: The modules setup.py compiles: the codec, the store and what applies frames to it.
+COMPILED = (
+    "pinpriq.wire",
+    "pinpriq.store",
+    "pinpriq.subscriptions",
+    "pinpriq.broker",
+)
+#: Set to anything but "" or "0": run the plain-Python modules even where compiled ones exist.
+#: Read by setup.py too, which then compiles nothing.
+PURE_VARIABLE = "PINPRIQ_PURE_PYTHON"
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def pure_python_requested() -> bool:
+    """Whether the environment asks for the plain-Python modules."""
+    return os.environ.get(PURE_VARIABLE, "") not in ("", "0")
+
+
+class _SourceFinder(importlib.abc.MetaPathFinder):
+    """Finds the modules of ``COMPILED`` as their ``.py`` files, shadowing the extensions."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in COMPILED:
+            return None
+        source = _PACKAGE_DIR / (fullname.rpartition(".")[2] + ".py")
+        return importlib.util.spec_from_file_location(fullname, source)
+
+
+def force_pure_python() -> None:
+    """Load the compiled modules from source from now on. Must run before any of them loads:
+    one already imported stays what it is."""
+    if not any(isinstance(finder, _SourceFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _SourceFinder())
+
+
+def _is_extension(module: ModuleType) -> bool:
+    name = getattr(module, "__file__", None) or ""
+    return name.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+def compiled_modules() -> list[str]:
+    """Those of ``COMPILED`` that run as compiled extensions in this process (importing them)."""
+    return [name for name in COMPILED if _is_extension(importlib.import_module(name))]
+
+
+def build_name() -> str:
+    """What runs, in a few words, for ``--version`` and the server's first log line."""
+    compiled = compiled_modules()
+    if len(compiled) == len(COMPILED):
+        return "compiled (mypyc)"
+    if compiled:  # a broken install: some extensions built, some not
+        return "partly compiled (mypyc): " + ", ".join(compiled)
+    if pure_python_requested():
+        return f"pure Python ({PURE_VARIABLE} is set)"
+    return "pure Python (not compiled when installed)"

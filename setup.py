@@ -1,0 +1,80 @@
+"""Build pinpriq with its hot modules compiled by mypyc, or as plain Python when that fails.
+
+Everything else about the package is in pyproject.toml; this file only adds the extensions
+(issue 14). The compiled build needs mypyc (part of mypy, a build requirement), a C compiler
+and Python's headers. Without any of them, or with PINPRIQ_PURE_PYTHON=1 set, the install
+goes on with the plain-Python modules, which are always shipped as well: pinpriq/_build.py
+says which build runs, and the same variable at run time forces the plain modules.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).resolve().parent
+# The same list as pinpriq/_build.py's COMPILED, as files (setup.py cannot import the package).
+COMPILED = [
+    "pinpriq/wire.py",
+    "pinpriq/store.py",
+    "pinpriq/subscriptions.py",
+    "pinpriq/broker.py",
+]
+PURE_VARIABLE = "PINPRIQ_PURE_PYTHON"
+
+
+def _say(message: str) -> None:
+    print(f"pinpriq build: {message}", file=sys.stderr)
+
+
+def compiled_extensions() -> list[Extension]:
+    """The mypyc extensions, or none when the build is to be plain Python."""
+    if os.environ.get(PURE_VARIABLE, "") not in ("", "0"):
+        _say(f"{PURE_VARIABLE} is set: installing the plain-Python modules")
+        return []
+    try:
+        from mypyc.build import mypycify
+    except ImportError as error:
+        _say(f"mypyc is not importable ({error}): installing the plain-Python modules")
+        return []
+    # mypycify runs mypy on the modules, then writes C. Paths relative to this directory, as
+    # setuptools runs setup.py from it; group_name names the one shared library they make.
+    # pip builds in an environment of its own, without trio and the other dependencies: mypy
+    # takes what it cannot find as Any (the compiled modules use none of it) and reports
+    # nothing about the modules it follows imports into, which are not compiled (CI's mypy
+    # run checks those).
+    flags = ["--ignore-missing-imports", "--follow-imports=silent"]
+    os.chdir(HERE)
+    try:
+        return list(mypycify([*flags, *COMPILED], opt_level="3", group_name="pinpriq"))
+    except (Exception, SystemExit) as error:  # mypy found an error (it exits), or mypyc failed
+        _say(f"mypyc could not translate the modules ({error!r}): installing plain Python")
+        return []
+
+
+class OptionalBuildExt(build_ext):
+    """build_ext that falls back to the plain-Python package when compiling fails.
+
+    A missing compiler, missing Python headers or a failing compile leave nothing half-built:
+    whatever extensions were written are removed, since a compiled module whose shared library
+    is missing would fail at import, whereas its ``.py`` works."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as error:  # compiler missing or failing: CCompilerError, OSError, ...
+            _say(f"compiling failed ({type(error).__name__}: {error})")
+            _say("installing the plain-Python modules instead")
+            self._remove_outputs()
+            self.extensions = []
+
+    def _remove_outputs(self) -> None:
+        for ext in self.extensions:  # in the build tree, or in place for an editable install
+            Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
+
+
+setup(ext_modules=compiled_extensions(), cmdclass={"build_ext": OptionalBuildExt})
