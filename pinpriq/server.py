@@ -50,6 +50,7 @@ import os
 import socket
 import ssl
 import time
+from collections import deque
 from collections.abc import Container
 from typing import cast
 
@@ -69,6 +70,7 @@ from pinpriq.wire import (
     Ack,
     ClientFrame,
     FrameDecoder,
+    KeyedPayload,
     LeasedSubscribe,
     Pop,
     Push,
@@ -259,14 +261,22 @@ class _Connection:
         session = self.session
         start = 0
         while start < len(frames) and session.error is None:
-            if frames[start].__class__ in _LEASE_FRAMES and store.leases_unsupported:
-                # Closed like a frame that breaks decision 18: what came before is applied
-                # and answered, then the connection closes with a warning saying why.
-                session.error = store.leases_unsupported
-                break
-            end = _segment_end(frames, start, session, subscriptions.waiting_queues)
-            segment = frames[start:end]
-            results = await store.run(segment)
+            if frames[start].__class__ in _LEASE_FRAMES:
+                if store.leases_unsupported:
+                    # Closed like a frame that breaks decision 18: what came before is applied
+                    # and answered, then the connection closes with a warning saying why.
+                    session.error = store.leases_unsupported
+                    break
+                # Lease frames are segments of their own: their scripts run as one pipeline,
+                # then ``receive`` answers from what they found.
+                end = _lease_segment_end(frames, start, session)
+                segment = frames[start:end]
+                await store.run_leases(segment, session)
+                results: deque[list[KeyedPayload]] = deque()
+            else:
+                end = _segment_end(frames, start, session, subscriptions.waiting_queues)
+                segment = frames[start:end]
+                results = await store.run(segment)
             store.current = results
             done = session.receive(segment)
             self.server.after_batch()
@@ -460,6 +470,36 @@ class _Connection:
 _LEASE_FRAMES = frozenset({Reserve, Ack, Release, Touch, LeasedSubscribe})
 
 
+#: Most lease frames one pipeline of lease scripts carries.
+_LEASE_PIPELINE = 256
+
+
+def _lease_segment_end(frames: list[ClientFrame], start: int, session: Session) -> int:
+    """Where the run of lease frames starting at ``start`` ends (see ``_apply_batched``): lease
+    frames only; no ack, release or touch after a reserve (the wire ids a reserve gives are
+    known only once it has run); a release ends it (the group it sends back is offered to
+    this front end's waiters before the next frame, as on the built-in store); a reserve on a
+    leased connection (refused, decision 18) and a leased subscribe stand alone."""
+    if not session.authenticated or frames[start].__class__ is LeasedSubscribe:
+        return start + 1
+    reserved = False
+    stop = min(len(frames), start + _LEASE_PIPELINE)
+    for index in range(start, stop):
+        kind = frames[index].__class__
+        if kind is Reserve:
+            if session.leased:
+                return max(index, start + 1)
+            reserved = True
+        elif kind is Ack or kind is Touch:
+            if reserved:
+                return index
+        elif kind is Release:
+            return index if reserved else index + 1
+        else:
+            return index
+    return stop
+
+
 def _segment_end(
     frames: list[ClientFrame], start: int, session: Session, waited: Container[bytes]
 ) -> int:
@@ -601,6 +641,10 @@ class PinpriqServer:
             self.deliveries = deliveries
             self.broker.subscriptions = deliveries  # type: ignore[assignment]
             deliveries.flush = self.after_batch
+            # Its lease table lives in the store too: the broker gets the front end's half.
+            self.broker.leases = self.batched.make_leases(
+                default_ms=lease_default_ms, max_deliveries=max_deliveries
+            )
         store = self.broker.store
         #: The log of a server that keeps packets on disk, and what waits on it; ``None``
         #: for a memory-only server.

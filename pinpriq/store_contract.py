@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 from pinpriq.wire import ClientFrame, KeyedPayload
 
@@ -189,6 +189,15 @@ class BatchedStore(Store, Protocol):
 
     async def run(self, frames: Sequence[ClientFrame]) -> deque[list[KeyedPayload]]:
         """Apply the pushes and pops of ``frames``, in order; returns the pops' results."""
+        ...
+
+    async def run_leases(self, frames: Sequence[ClientFrame], session: Any) -> None:
+        """Apply lease frames of ``session`` (reserves, acks, releases, touches), leaving what
+        the session's ``receive`` answers from in the lease table ``make_leases`` made."""
+        ...
+
+    def make_leases(self, *, default_ms: int, max_deliveries: int) -> Any:
+        """The broker's lease table for this store (a ``leases.Leases``)."""
         ...
 
     async def peek_async(self, queue: bytes, count: int) -> Sequence[PeekedPacket]:

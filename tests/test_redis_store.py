@@ -4,7 +4,6 @@ queues, the checks at start, and a differential test against the built-in store.
 from __future__ import annotations
 
 import signal
-import struct
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -20,17 +19,24 @@ from pinpriq.redis.connect import open_store
 from pinpriq.redis.keys import queue_keys
 from pinpriq.redis.spec import parse_store
 from pinpriq.server import PinpriqServer
-from tests.rawpeer import Peer, pop, push, subscribe
+from tests.rawpeer import (
+    Peer,
+    ack,
+    leased_subscribe,
+    pop,
+    push,
+    release,
+    reserve,
+    subscribe,
+    touch,
+)
 from tests.redis_servers import RedisServer, free_port, need_redis
 
 SYNC = b"\x21"
 READY = b"\x41"
 
-#: The Redis store does not take lease frames yet (it closes the connection, said below), so
-#: the lease fixtures are left out here: every other fixture must pass.
-FIXTURES = [
-    f for f in load_fixtures(DEFAULT_FIXTURES) if not f.name.startswith(("lease", "reserve"))
-]
+#: Every fixture, the lease ones included (decision 19: leases work on the Redis store too).
+FIXTURES = load_fixtures(DEFAULT_FIXTURES)
 #: Seconds a fixture step may take. The runner's default, 2 s, is tight for reply-max-packets
 #: (65,537 pushes, then a 65,535-packet pop) on the Redis store, whose Lua spends ~15 us a
 #: packet, when the test, the server and Redis share a loaded 2-core machine.
@@ -67,16 +73,132 @@ async def test_every_fixture_passes_on_the_redis_store(redis_url: str) -> None:
     }
 
 
-async def test_a_lease_frame_closes_the_connection_after_what_came_before(
+async def start_front_end(url: str, *options: str) -> tuple[trio.Process, int]:
+    """A front end in its own process (to be killed), and its port once it listens."""
+    port = free_port()
+    front = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "pinpriq.cli.server", "--store", url, "--port", str(port),
+         "--http-port", "off", *options],
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    with trio.fail_after(10):
+        while True:
+            try:
+                (await connect(port)).socket_stream.socket.close()
+                return front, port
+            except OSError:
+                await trio.sleep(0.05)
+
+
+async def test_a_lease_held_through_a_front_end_killed_returns_at_its_deadline(
     redis_url: str,
 ) -> None:
-    async with front_end(redis_url) as (_, port):
-        peer = await connect(port)
-        reserve = b"\x52" + struct.pack(">IH", 0, 1) + b"q"
-        await peer.send(push(b"q", b"k", b"v") + SYNC + pop(b"q") + reserve + SYNC)
-        assert await peer.reply() == []  # the sync
-        assert await peer.reply() == [(b"k", b"v")]  # the pop
-        await peer.expect_closed()  # at the reserve: nothing after it is answered
+    front, a = await start_front_end(redis_url)
+    try:
+        async with front_end(redis_url) as (_, b):
+            worker, pusher, waiter = await connect(a), await connect(b), await connect(b)
+            await pusher.send(push(b"jobs", b"k", b"job") + push(b"jobs", b"j", b"other"))
+            await pusher.request(SYNC)
+            await worker.send(reserve(b"jobs", 1500) + reserve(b"jobs", 1500))
+            assert await worker.lease() == (1, 1, [(b"j", b"other")])
+            assert await worker.lease() == (2, 1, [(b"k", b"job")])
+            # Leased on A: B finds nothing to reserve while the leases hold.
+            await waiter.send(reserve(b"jobs"))
+            assert await waiter.lease() == (0, 0, [])
+            # A leased subscriber on B waits for the queue: a lease comes back to it.
+            subscriber = await connect(b)
+            await subscriber.send(leased_subscribe(b"jobs", 60_000) + READY)
+            front.send_signal(signal.SIGKILL)
+            await front.wait()
+            with trio.fail_after(15):  # the deadline, then B's timer or its scan (5 s)
+                lease_id, attempt, delivered = await subscriber.lease()
+            assert attempt == 2
+            # And the other is reservable through B (a reserve ends due leases first).
+            with trio.fail_after(15):
+                while True:
+                    await waiter.send(reserve(b"jobs", 60_000))
+                    other_id, other_attempt, reserved = await waiter.lease()
+                    if other_id:
+                        break
+                    await trio.sleep(0.05)
+            assert other_attempt == 2
+            assert sorted(delivered + reserved) == [(b"j", b"other"), (b"k", b"job")]
+            await subscriber.send(ack(lease_id))
+            assert await subscriber.lease() == (lease_id, 1, [])
+            await waiter.send(ack(other_id))
+            assert await waiter.lease() == (other_id, 1, [])
+            assert await pusher.request(pop(b"jobs")) == []
+    finally:
+        if front.returncode is None:
+            front.send_signal(signal.SIGKILL)
+            await front.wait()
+
+
+async def test_an_ack_on_one_front_end_removes_the_group_for_good(redis_url: str) -> None:
+    async with two_front_ends(redis_url) as (a, b):
+        worker, other = await connect(a), await connect(b)
+        await worker.send(push(b"q", b"k", b"1") + push(b"q", b"k", b"2", prio=0))
+        await worker.send(reserve(b"q", 200))
+        assert await worker.lease() == (1, 1, [(b"k", b"1"), (b"k", b"2")])
+        await worker.send(ack(1) + ack(1))
+        assert await worker.lease() == (1, 1, [])  # live: acked
+        assert await worker.lease() == (1, 0, [])  # gone
+        await trio.sleep(0.4)  # past the deadline it no longer has
+        await other.send(reserve(b"q"))
+        assert await other.lease() == (0, 0, [])
+        assert await other.request(pop(b"q")) == []
+
+
+async def test_release_touch_and_close_send_packets_back_through_redis(redis_url: str) -> None:
+    async with two_front_ends(redis_url) as (a, b):
+        worker, other = await connect(a), await connect(b)
+        await worker.send(push(b"q", b"k", b"v", prio=3))
+        await worker.send(reserve(b"q", 300))
+        assert await worker.lease() == (1, 1, [(b"k", b"v")])
+        await worker.send(touch(1, 5000))
+        assert await worker.lease() == (1, 1, [])
+        await trio.sleep(0.5)  # past the first deadline: the touch holds it
+        await other.send(reserve(b"q"))
+        assert await other.lease() == (0, 0, [])
+        await worker.send(release(1, 300))  # back after 300 ms, as attempt 2
+        assert await worker.lease() == (1, 1, [])
+        await other.send(reserve(b"q"))
+        assert await other.lease() == (0, 0, [])
+        with trio.fail_after(10):
+            while True:
+                await other.send(reserve(b"q", 60_000))
+                lease_id, attempt, packets = await other.lease()
+                if lease_id:
+                    break
+                await trio.sleep(0.05)
+        assert (lease_id, attempt, packets) == (1, 2, [(b"k", b"v")])
+        await other.aclose()  # its leases go back at once, not at their deadline
+        with trio.fail_after(5):
+            while True:
+                await worker.send(reserve(b"q"))
+                lease_id, attempt, packets = await worker.lease()
+                if lease_id:
+                    break
+                await trio.sleep(0.05)
+        assert (attempt, packets) == (3, [(b"k", b"v")])
+
+
+async def test_a_group_goes_to_the_dead_letter_queue_after_max_deliveries(
+    redis_url: str,
+) -> None:
+    async with front_end(redis_url, max_deliveries=2) as (_, port):
+        worker = await connect(port)
+        await worker.send(push(b"q", b"k", b"v", ttl_ms=60_000) + push(b"q", b"k", b"w", prio=0))
+        await worker.send(reserve(b"q") + release(1))
+        assert await worker.lease() == (1, 1, [(b"k", b"v"), (b"k", b"w")])
+        assert await worker.lease() == (1, 1, [])
+        await worker.send(reserve(b"q", 100))
+        assert await worker.lease() == (2, 2, [(b"k", b"v"), (b"k", b"w")])
+        await trio.sleep(0.3)  # its deadline ends attempt 2: to q.dead
+        await worker.send(reserve(b"q"))
+        assert await worker.lease() == (0, 0, [])
+        await worker.send(reserve(b"q.dead"))
+        assert await worker.lease() == (3, 1, [(b"k", b"v"), (b"k", b"w")])
 
 
 async def connect(port: int) -> Peer:
@@ -286,3 +408,34 @@ async def test_a_batch_held_for_its_output_keeps_its_own_replies(redis_url: str)
         got = [await reader.reply() for _ in range(80)]
         assert [packets[0][0] for packets in got] == [b"%02d" % n for n in range(79, -1, -1)]
         assert await reader.reply() == []  # the sync
+
+
+async def test_pipelined_lease_frames_answer_in_order(redis_url: str) -> None:
+    async with front_end(redis_url) as (_, port):
+        worker = await connect(port)
+        await worker.send(b"".join(push(b"q", b"k%d" % n, b"%d" % n, prio=n + 1) for n in range(3)))
+        # One chunk: three reserves, then frames naming their ids, a release among them.
+        await worker.send(
+            reserve(b"q") * 3
+            + ack(1)
+            + touch(2, 60_000)
+            + release(3)
+            + ack(3)
+            + ack(2)
+            + reserve(b"q")
+            + SYNC
+        )
+        assert [await worker.lease() for _ in range(3)] == [
+            (1, 1, [(b"k0", b"0")]),  # prio 1 first
+            (2, 1, [(b"k1", b"1")]),
+            (3, 1, [(b"k2", b"2")]),
+        ]
+        assert [await worker.lease() for _ in range(4)] == [
+            (1, 1, []),
+            (2, 1, []),
+            (3, 1, []),
+            (3, 0, []),  # released just before: no longer live
+        ]
+        assert await worker.lease() == (2, 1, [])
+        assert await worker.lease() == (4, 2, [(b"k2", b"2")])  # back, its second attempt
+        assert await worker.reply() == []  # the sync

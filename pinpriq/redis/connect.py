@@ -58,6 +58,7 @@ async def open_store(spec: StoreSpec) -> AsyncIterator[tuple[RedisStore, RedisSu
                 await nursery.start(subscriptions.run)
                 nursery.start_soon(store.sweep_loop)
                 nursery.start_soon(store.snapshot_loop)
+                nursery.start_soon(store.lease_loop)
                 ready = True
                 yield store, subscriptions
                 nursery.cancel_scope.cancel()

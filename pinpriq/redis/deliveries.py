@@ -128,6 +128,14 @@ class RedisSubscriptions(Subscriptions):
             queue = await self._ranked_best(sub)
             if queue is None:
                 return False
+            if getattr(sub, "leased", False):  # a leased subscriber (decision 17)
+                reply, more = await self.redis.reserve_for_delivery(queue, sub.lease_ms)  # type: ignore[attr-defined]
+                if reply is not None:
+                    handed = await self._hand_over_lease(sub, queue, reply)
+                    return handed and (more or len(sub.queues) > 1)
+                if len(sub.queues) == 1:
+                    return False
+                continue
             packets, more = await self.redis.pop_for_delivery(queue)
             if packets:
                 handed = await self._hand_over(sub, queue, packets)
@@ -153,6 +161,26 @@ class RedisSubscriptions(Subscriptions):
         sub.credits -= 1
         sub.deliver([(p.key, p.payload) for p in packets])
         if sub.stamp:  # restamped: it has waited least now (first come, first served)
+            for q in sub.queues:
+                self._leave(q, sub.stamp)
+            sub.stamp = 0
+        self._file(sub)
+        self.flush()
+        return True
+
+    async def _hand_over_lease(
+        self, sub: Subscriber, queue: bytes, reply: tuple[bytes, int, list[Any]]
+    ) -> bool:
+        leases = self.redis.leases
+        assert leases is not None
+        if not (sub.credits and queue in sub.queues and not sub.paused) or sub.closed:  # type: ignore[attr-defined]
+            # It stopped waiting while the reserve ran: the group goes back, not an attempt.
+            await self.redis.unreserve(queue, reply[0])
+            self._due_queues[queue] = None
+            return False
+        sub.credits -= 1
+        sub.deliver(leases.made(sub.holder, queue, reply))  # type: ignore[attr-defined]
+        if sub.stamp:
             for q in sub.queues:
                 self._leave(q, sub.stamp)
             sub.stamp = 0

@@ -47,19 +47,25 @@ class QueueKeys(NamedTuple):
     seq: bytes
     waiting: bytes
     channel: bytes
+    leases: bytes  # hash: lease handle -> the lease (its packets, attempt counts)
+    lease_due: bytes  # sorted set: lease handle, scored by its deadline (ms, Redis's clock)
+    attempts: bytes  # hash: seq -> how many leases of that packet ended other than by ack
 
 
 def queue_keys(name: bytes) -> QueueKeys:
     """The keys of queue ``name``: ``pq:{q<base>}<name>:<suffix>``, both escaped."""
     stem = PREFIX + b"{q" + encode_name(_base(name)) + b"}" + encode_name(name) + b":"
-    return QueueKeys(*(stem + suffix for suffix in (b"d", b"s", b"g", b"x", b"q", b"w", b"c")))
+    return QueueKeys(
+        *(stem + suffix for suffix in (b"d", b"s", b"g", b"x", b"q", b"w", b"c", b"l", b"L", b"a"))
+    )
 
 
-def name_of(data_key: bytes) -> bytes | None:
-    """The queue whose ``:d`` key this is, or ``None`` if it is not one of ours."""
-    if not data_key.startswith(PREFIX + b"{q") or not data_key.endswith(b":d"):
+def name_of(data_key: bytes, suffix: bytes = b":d") -> bytes | None:
+    """The queue whose ``:d`` key (or key with ``suffix``) this is, or ``None`` if it is not
+    one of ours."""
+    if not data_key.startswith(PREFIX + b"{q") or not data_key.endswith(suffix):
         return None
     close = data_key.find(b"}")
     if close < 0:
         return None
-    return decode_name(data_key[close + 1 : -2])
+    return decode_name(data_key[close + 1 : -len(suffix)])

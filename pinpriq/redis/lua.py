@@ -24,7 +24,18 @@ Deadline 0 means "never" (TTL 0).
 
 from __future__ import annotations
 
-__all__ = ["PEEK", "POP", "PURGE", "PUSH", "RANK", "RESTORE", "SWEEP"]
+__all__ = [
+    "LEASE_OP",
+    "LEASE_SWEEP",
+    "PEEK",
+    "POP",
+    "PURGE",
+    "PUSH",
+    "RANK",
+    "RESERVE",
+    "RESTORE",
+    "SWEEP",
+]
 
 
 # Shared helpers, prepended to every script that needs them. KEYS: d, s, g, x, q. The hot loops
@@ -292,5 +303,195 @@ while found < count do
   end
 end
 return out
+"""
+)
+
+
+# -- leases (decisions 13-19) ---------------------------------------------------------------
+#
+# Every lease script takes fifteen KEYS: the queue's d s g x q w, its l (hash: handle -> the
+# lease, cmsgpack {attempt, then six fields a packet: key payload prio seq deadline count}), L
+# (sorted set: handle by deadline in ms, or by the end of a release delay) and a (hash: seq ->
+# how many leases of the packet ended other than by ack; absent for none); then its dead-letter
+# queue's d s g x q w (one slot: keys.py). ARGV starts with the queue's channel, the dead queue's
+# channel, max deliveries (0: never) and '1' if the dead queue may be used ('0': its name would
+# be too long, so a group due there is dropped). A lease lives exactly while ``:l`` holds it.
+_LEASE_HELPERS = r"""
+local max_deliveries, dead_ok = tonumber(ARGV[3]), ARGV[4] == '1'
+-- Put a lease's packets into the queue at KEYS offset ``o`` (0: the queue, 9: its dead
+-- queue) as they were; drops those whose TTL passed (TTL wins). ``bump``: each packet's count
+-- one more (nil: counts reset, for the dead queue). Returns how many went back.
+local function put_back(o, channel, t, bump, now)
+  local back, selectable = 0, false
+  local last = tonumber(redis.call('GET', KEYS[o + 5]) or '0')
+  for i = 2, #t, 6 do
+    local key, payload, prio = t[i], t[i + 1], t[i + 2]
+    local s, deadline, count = t[i + 3], t[i + 4], t[i + 5]
+    if deadline == 0 or deadline > now then
+      local prefix = group_prefix(key)
+      redis.call('HSET', KEYS[o + 1], s, record(prio, deadline, prefix, payload))
+      redis.call('ZADD', KEYS[o + 3], 0, prefix .. s)
+      if deadline > 0 then redis.call('ZADD', KEYS[o + 4], deadline, s) end
+      if prio > 0 then
+        redis.call('ZADD', KEYS[o + 2], -prio, s)
+        selectable = true
+      end
+      if o == 0 then
+        count = count + bump
+        if count > 0 then redis.call('HSET', KEYS[9], s, count) end
+      end
+      if tonumber(s) > last then last = tonumber(s) end
+      back = back + 1
+    end
+  end
+  if back > 0 then redis.call('SET', KEYS[o + 5], digits(last)) end
+  if selectable and redis.call('EXISTS', KEYS[o + 6]) == 1 then
+    redis.call('PUBLISH', channel, '')
+  end
+  return back
+end
+-- End a lease other than by ack: its packets go back, counted (``counted`` false: a delivery
+-- nobody could take, not an attempt), or after max deliveries to the dead queue.
+-- Returns {back, dead, dropped}.
+local function end_lease(handle, counted, now)
+  local rec = redis.call('HGET', KEYS[7], handle)
+  redis.call('HDEL', KEYS[7], handle)
+  redis.call('ZREM', KEYS[8], handle)
+  if not rec then return {0, 0, 0} end
+  local t = cmsgpack.unpack(rec)
+  if counted and max_deliveries > 0 and t[1] >= max_deliveries then
+    if dead_ok then return {0, put_back(9, ARGV[2], t, nil, now), 0} end
+    return {0, 0, (#t - 1) / 6}
+  end
+  local bump = 0
+  if counted then bump = 1 end
+  return {put_back(0, ARGV[1], t, bump, now), 0, 0}
+end
+-- End every lease of the queue whose deadline (or release delay) has come.
+local function sweep_leases(now)
+  local totals = {0, 0, 0}
+  local due = redis.call('ZRANGEBYSCORE', KEYS[8], '-inf', now)
+  for _, handle in ipairs(due) do
+    local r = end_lease(handle, true, now)
+    for i = 1, 3 do totals[i] = totals[i] + r[i] end
+  end
+  return totals, due
+end
+-- Once neither the queue nor a lease holds a packet, forget it entirely (decision 5).
+local function forget_all_if_empty()
+  if redis.call('EXISTS', KEYS[1]) == 0 then
+    redis.call('DEL', KEYS[5])
+    if redis.call('EXISTS', KEYS[7]) == 0 then redis.call('DEL', KEYS[9]) end
+  end
+end
+"""
+
+#: 15 KEYS, ARGV as above, then max_pop, handle, lease_ms. Ends the queue's due leases and
+#: sweeps its due packets, then leases what a pop would take (decision 13) under ``handle``.
+#: Returns {} if nothing is selectable, else {attempt, deadline ms, selectable left, then key,
+#: payload a packet}.
+RESERVE = (
+    "#!lua flags=allow-oom\n"
+    + _HELPERS
+    + _LEASE_HELPERS
+    + r"""
+local max_pop, handle, lease_ms = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
+local now = now_ms()
+sweep_leases(now)
+sweep(now)
+local top = redis.call('ZRANGE', KEYS[2], -1, -1)
+if #top == 0 then
+  forget_all_if_empty()
+  return {}
+end
+local selected = top[1]
+local _, _, key = unpack_packet(redis.call('HGET', KEYS[1], selected))
+local prefix = group_prefix(key)
+local seqs = {selected}
+local members = redis.call('ZRANGEBYLEX', KEYS[3], '[' .. prefix, '[' .. prefix .. '\255',
+  'LIMIT', 0, max_pop)
+for _, member in ipairs(members) do
+  if #seqs >= max_pop then break end
+  local seq = string.sub(member, #prefix + 1)
+  if seq ~= selected then seqs[#seqs + 1] = seq end
+end
+local counts = {}
+if redis.call('EXISTS', KEYS[9]) == 1 then
+  for i = 1, #seqs, 1000 do
+    local part = redis.call('HMGET', KEYS[9], unpack(seqs, i, math.min(i + 999, #seqs)))
+    for j, c in ipairs(part) do counts[i + j - 1] = c end
+  end
+  bulk('HDEL', KEYS[9], seqs)
+end
+local packets = remove_all(seqs, key, true)
+local t, out, most = {0}, {}, 0
+for j = 1, #seqs do
+  local i = (j - 1) * 5
+  local count = tonumber(counts[j]) or 0
+  if count > most then most = count end
+  local n = #t
+  t[n + 1], t[n + 2], t[n + 3] = packets[i + 1], packets[i + 2], packets[i + 3]
+  t[n + 4], t[n + 5], t[n + 6] = packets[i + 4], tonumber(packets[i + 5]), count
+  out[2 * j - 1], out[2 * j] = packets[i + 1], packets[i + 2]
+end
+t[1] = most + 1
+local due = now + lease_ms
+redis.call('HSET', KEYS[7], handle, cmsgpack.pack(t))
+redis.call('ZADD', KEYS[8], due, handle)
+forget_all_if_empty()
+local reply = {t[1], due, redis.call('ZCARD', KEYS[2])}
+for _, v in ipairs(out) do reply[#reply + 1] = v end
+return reply
+"""
+)
+
+#: 15 KEYS, ARGV as above, then op, handle, ms. What an ack ('ack'), release ('release', ms the
+#: delay), touch ('touch', ms the new lease time) or a delivery nobody could take ('unreserve')
+#: does to a lease. A lease whose deadline has passed is ended here (its packets go back) and
+#: answers as not live. Returns {live (1/0), back, dead, dropped, the lease's new due ms or 0}.
+LEASE_OP = (
+    "#!lua flags=allow-oom\n"
+    + _HELPERS
+    + _LEASE_HELPERS
+    + r"""
+local op, handle, ms = ARGV[5], ARGV[6], tonumber(ARGV[7])
+local now = now_ms()
+local due = redis.call('ZSCORE', KEYS[8], handle)
+if not due then return {0, 0, 0, 0, 0} end
+if tonumber(due) <= now then
+  local r = end_lease(handle, true, now)
+  forget_all_if_empty()
+  return {0, r[1], r[2], r[3], 0}
+end
+local r, new_due = {0, 0, 0}, 0
+if op == 'ack' then
+  redis.call('HDEL', KEYS[7], handle)
+  redis.call('ZREM', KEYS[8], handle)
+elseif op == 'unreserve' then
+  r = end_lease(handle, false, now)
+elseif op == 'release' and ms == 0 then
+  r = end_lease(handle, true, now)
+else  -- touch, or a release with a delay: the lease ends (or its packets go back) at new_due
+  new_due = now + ms
+  redis.call('ZADD', KEYS[8], new_due, handle)
+end
+forget_all_if_empty()
+return {1, r[1], r[2], r[3], new_due}
+"""
+)
+
+#: 15 KEYS, ARGV as above. Ends every lease of the queue whose deadline or release delay has
+#: come. Returns {back, dead, dropped, the next due ms or 0, then the handles ended}.
+LEASE_SWEEP = (
+    "#!lua flags=allow-oom\n"
+    + _HELPERS
+    + _LEASE_HELPERS
+    + r"""
+local totals, ended = sweep_leases(now_ms())
+forget_all_if_empty()
+local next_due = redis.call('ZRANGE', KEYS[8], 0, 0, 'WITHSCORES')
+local reply = {totals[1], totals[2], totals[3], tonumber(next_due[2] or '0')}
+for _, handle in ipairs(ended) do reply[#reply + 1] = handle end
+return reply
 """
 )

@@ -21,11 +21,13 @@ replies) until Redis answers; clients time out on their own if they want to.
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import math
+import os
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import coredis
 import trio
@@ -38,23 +40,33 @@ from coredis.exceptions import (
 )
 from coredis.exceptions import ConnectionError as RedisConnectionError
 
+from pinpriq.leases import DEAD_SUFFIX
 from pinpriq.redis import lua
 from pinpriq.redis.keys import PREFIX, QueueKeys, name_of, queue_keys
 from pinpriq.store import QueuedPacket
 from pinpriq.store_contract import PeekedPacket, QueueInfo, Rank
-from pinpriq.wire import ClientFrame, KeyedPayload, Pop, Push
+from pinpriq.wire import (
+    MAX_FIELD,
+    Ack,
+    ClientFrame,
+    KeyedPayload,
+    Pop,
+    Push,
+    Release,
+    Reserve,
+    Touch,
+)
 
-__all__ = ["DEFAULT_MAX_POP", "LEASES_UNSUPPORTED", "Popped", "RedisStore"]
+if TYPE_CHECKING:
+    from pinpriq.broker import Session
+    from pinpriq.redis.leases import RedisLeases
+
+__all__ = ["DEFAULT_MAX_POP", "Popped", "RedisStore"]
 
 log = logging.getLogger("pinpriq.redis")
 
 #: Most packets one pop returns (decision 3).
 DEFAULT_MAX_POP = 0xFFFF
-#: Why a lease frame closes a connection on this store.
-LEASES_UNSUPPORTED = (
-    "leases (reserve, ack, release, touch, leased subscribe) are not available on the Redis "
-    "store yet; use --store memory for leases"
-)
 #: Seconds between refreshes of the queue-size snapshot the admin listener reads.
 SNAPSHOT_INTERVAL = 5.0
 #: Backoff while Redis is unreachable or full: from the first to the last, doubling.
@@ -104,6 +116,9 @@ _SCRIPTS = {
     "purge": lua.PURGE,
     "restore": lua.RESTORE,
     "peek": lua.PEEK,
+    "reserve": lua.RESERVE,
+    "lease_op": lua.LEASE_OP,
+    "lease_sweep": lua.LEASE_SWEEP,
 }
 
 _Call = tuple[str, Sequence[bytes], Sequence[bytes | int | str]]  # script, KEYS, ARGV
@@ -117,7 +132,7 @@ class RedisStore:
     bytes_held = 0
     unselectable_bytes = 0
     taken_bytes = 0
-    leases_unsupported: str | None = LEASES_UNSUPPORTED
+    leases_unsupported: str | None = None
 
     def __init__(self, client: Any, *, cluster: bool, max_pop: int = DEFAULT_MAX_POP) -> None:
         self.client = client
@@ -140,6 +155,16 @@ class RedisStore:
         self.clock_offset = 0.0
         self._snapshot = _Snapshot({}, {}, 0.0)
         self._troubled: str | None = None  # what is wrong with Redis now, logged once
+        #: The lease table's front-end half (``make_leases``), and what it needs from here.
+        self.leases: RedisLeases | None = None
+        self._front = os.urandom(6).hex().encode()  # this front end, in lease handles
+        self._handles = itertools.count(1)
+        #: Leases of closed connections, to release now: (queue, handle).
+        self.closing: list[tuple[bytes, bytes]] = []
+        #: Lease sweeps owed: (trio time, queue), as ``_sweeps``.
+        self._lease_sweeps: list[tuple[float, bytes]] = []
+        self._lease_sweep_at: dict[bytes, float] = {}
+        self._lease_wake = trio.CancelScope()
 
     # -- the Store contract, as the broker calls it ------------------------------------------
 
@@ -201,20 +226,20 @@ class RedisStore:
     def note_time(self) -> None:
         """Nothing to note: ages are not kept."""
 
-    # Leases (decisions 13-19) are not implemented on this store yet: the server closes a
-    # connection that sends a lease frame before any of these could be called.
+    # Leases: ``RedisLeases`` (made by ``make_leases``) takes the lease frames; the memory
+    # store's take/discard/restore are never called here.
 
     def now(self) -> float:
         return trio.current_time()
 
     def take(self, queue: bytes) -> Sequence[QueuedPacket]:
-        raise NotImplementedError(LEASES_UNSUPPORTED)
+        raise NotImplementedError("the Redis store leases in Redis (RedisLeases)")
 
     def discard(self, packets: Sequence[QueuedPacket]) -> None:
-        raise NotImplementedError(LEASES_UNSUPPORTED)
+        raise NotImplementedError("the Redis store leases in Redis (RedisLeases)")
 
     def restore(self, queue: bytes, packets: Sequence[QueuedPacket]) -> int:
-        raise NotImplementedError(LEASES_UNSUPPORTED)
+        raise NotImplementedError("the Redis store leases in Redis (RedisLeases)")
 
     def describe(self) -> dict[str, Any]:
         """What ``/stats`` says about this store, and which of its figures it cannot give."""
@@ -313,6 +338,172 @@ class RedisStore:
         (reply,) = await self.call_all([("purge", self.keys(queue)[:5], ())])
         self.purged += int(reply)
         return int(reply)
+
+    # -- leases (decisions 13-19) ---------------------------------------------------------
+
+    def make_leases(self, *, default_ms: int, max_deliveries: int) -> RedisLeases:
+        """The broker's lease table for this store."""
+        from pinpriq.redis.leases import RedisLeases
+
+        self.leases = RedisLeases(self, default_ms=default_ms, max_deliveries=max_deliveries)
+        return self.leases
+
+    def _lease_call(self, name: str, queue: bytes, *args: bytes | int | str) -> _Call:
+        """A lease script's call: the queue's keys and its dead-letter queue's (one slot)."""
+        k = self.keys(queue)
+        dead = queue + DEAD_SUFFIX
+        d = self.keys(dead)
+        assert self.leases is not None
+        return (
+            name,
+            [*k[:6], k.leases, k.lease_due, k.attempts, *d[:6]],
+            [
+                k.channel,
+                d.channel,
+                self.leases.max_deliveries,
+                1 if len(dead) <= MAX_FIELD else 0,
+                *args,
+            ],
+        )
+
+    def _reserve_call(self, queue: bytes, lease_ms: int) -> tuple[_Call, bytes]:
+        assert self.leases is not None
+        handle = b"%s:%d" % (self._front, next(self._handles))
+        ms = lease_ms or self.leases.default_ms
+        return self._lease_call("reserve", queue, self.max_pop, handle, ms), handle
+
+    def _reserved(
+        self, queue: bytes, handle: bytes, reply: Sequence[Any]
+    ) -> tuple[bytes, int, list[KeyedPayload]] | None:
+        """A RESERVE reply as ``RedisLeases.made`` takes it; schedules its deadline's sweep."""
+        if not reply:
+            return None
+        self.schedule_lease_sweep(queue, float(reply[1]))
+        packets = list(zip(reply[3::2], reply[4::2], strict=True))
+        return handle, int(reply[0]), packets
+
+    async def run_leases(self, frames: Sequence[ClientFrame], session: Session) -> None:
+        """Apply lease frames of ``session`` (reserves, acks, releases, touches) in Redis, in
+        order, as one pipeline, leaving their answers in ``leases.results[session.holder]`` for
+        ``Session.receive``. The driver cuts the frames (``server._lease_segment_end``) so that
+        every ack, release and touch names a lease made before them; a frame the session will
+        refuse (a reserve on a leased connection) runs nothing."""
+        leases = self.leases
+        assert leases is not None
+        holder = session.holder
+        results: deque[Any] = deque()
+        leases.results[holder] = results
+        calls: list[_Call] = []
+        # Per frame: (what, queue, handle or lease, index of its call), or a fixed answer.
+        plan: list[tuple[str, Any, Any]] = []
+        for frame in frames:
+            kind = frame.__class__
+            if kind is Reserve:
+                reserve = cast(Reserve, frame)
+                if session.leased or not session.authenticated:
+                    plan.append(("fixed", None, None))
+                    continue
+                call, handle = self._reserve_call(reserve.queue, reserve.lease_ms)
+                calls.append(call)
+                plan.append(("reserve", reserve.queue, handle))
+                continue
+            if kind is Ack:
+                op, ms = "ack", 0
+            elif kind is Release:
+                op, ms = "release", cast(Release, frame).delay_ms
+            elif kind is Touch:
+                op, ms = "touch", cast(Touch, frame).lease_ms or leases.default_ms
+            else:
+                continue  # a leased subscribe: the subscriptions reserve for it
+            lease_id = cast(Ack, frame).lease_id  # ack, release and touch: the id comes first
+            lease = holder.leases.get(lease_id) if session.authenticated else None
+            if lease is None:
+                plan.append(("fixed", False, None))
+                continue
+            handle = lease.handle  # type: ignore[attr-defined]
+            calls.append(self._lease_call("lease_op", lease.queue, op, handle, ms))
+            plan.append(("op", lease.queue, None))
+        replies = iter(await self.call_all(calls) if calls else [])
+        for what, queue, handle in plan:
+            if what == "fixed":
+                results.append(queue)  # the fixed answer
+            elif what == "reserve":
+                results.append(self._reserved(queue, handle, next(replies)))
+            else:
+                reply = next(replies)
+                leases.counted(int(reply[1]), int(reply[2]), int(reply[3]))
+                # Packets back: offered to this front end's waiters before the next frame is
+                # read, as on the built-in store (other front ends hear through the channel).
+                if int(reply[1]):
+                    leases.returned.append(queue)
+                if int(reply[2]):
+                    leases.returned.append(queue + DEAD_SUFFIX)
+                if int(reply[4]):
+                    self.schedule_lease_sweep(queue, float(reply[4]))
+                results.append(bool(int(reply[0])))
+
+    async def reserve_for_delivery(
+        self, queue: bytes, lease_ms: int
+    ) -> tuple[tuple[bytes, int, list[KeyedPayload]] | None, bool]:
+        """Lease ``queue`` now for a leased subscriber (decision 17); and whether it holds
+        more selectable packets."""
+        call, handle = self._reserve_call(queue, lease_ms)
+        (reply,) = await self.call_all([call])
+        return self._reserved(queue, handle, reply), bool(reply and int(reply[2]))
+
+    async def unreserve(self, queue: bytes, handle: bytes) -> None:
+        """Put back a lease made for a delivery nobody could take, its attempt not counted."""
+        await self.call_all([self._lease_call("lease_op", queue, "unreserve", handle, 0)])
+
+    def wake_leases(self) -> None:
+        """``closing`` has leases to release: ``lease_loop`` runs now."""
+        self._lease_wake.deadline = -math.inf
+
+    def schedule_lease_sweep(self, queue: bytes, deadline_ms: float) -> None:
+        """Sweep ``queue``'s leases when a deadline (ms on Redis's clock) comes."""
+        due = deadline_ms / 1000 - self.clock_offset
+        known = self._lease_sweep_at.get(queue)
+        if known is not None and known <= due:
+            return
+        self._lease_sweep_at[queue] = due
+        heapq.heappush(self._lease_sweeps, (due, queue))
+        if due < self._lease_wake.deadline:
+            self._lease_wake.deadline = due
+
+    async def lease_loop(self) -> None:
+        """Release the leases of closed connections at once, and sweep each queue's leases at
+        the deadlines this front end knows of (its own leases', and those the scan found). A
+        sweep ends every due lease of the queue, whichever front end made it."""
+        while True:
+            wake = self._lease_sweeps[0][0] if self._lease_sweeps else math.inf
+            if self.closing:
+                wake = -math.inf
+            with trio.CancelScope(deadline=wake) as self._lease_wake:
+                await trio.sleep_forever()
+            closing, self.closing = self.closing, []
+            calls = [self._lease_call("lease_op", q, "release", h, 0) for q, h in closing]
+            now = trio.current_time()
+            due: list[bytes] = []
+            while self._lease_sweeps and self._lease_sweeps[0][0] <= now:
+                _, queue = heapq.heappop(self._lease_sweeps)
+                if self._lease_sweep_at.get(queue, math.inf) <= now:
+                    del self._lease_sweep_at[queue]
+                    due.append(queue)
+            calls += [self._lease_call("lease_sweep", q) for q in due]
+            if not calls or self.leases is None:
+                continue
+            replies = await self.call_all(calls)
+            leases = self.leases
+            for reply in replies[: len(closing)]:
+                leases.counted(int(reply[1]), int(reply[2]), int(reply[3]))
+            for queue, reply in zip(due, replies[len(closing) :], strict=True):
+                leases.counted(int(reply[0]), int(reply[1]), int(reply[2]))
+                if int(reply[3]):
+                    self.schedule_lease_sweep(queue, float(reply[3]))
+                for handle in reply[4:]:
+                    lease = leases.mine.get(handle)
+                    if lease is not None:
+                        leases.forget(lease)
 
     # -- talking to Redis --------------------------------------------------------------------
 
@@ -463,6 +654,25 @@ class RedisStore:
                     if deadline <= redis_now:
                         self.schedule_sweep(name, deadline * 1000)
         self._snapshot = _Snapshot(sizes, expiry, trio.current_time())
+        if self.leases is not None:
+            await self._find_lease_deadlines()
+
+    async def _find_lease_deadlines(self) -> None:
+        """Time a sweep for the next lease deadline of every queue with leases, whichever front
+        end made them: the leases of a front end that died come back at their deadline."""
+        leased: list[bytes] = []
+        async for key in self.client.scan_iter(match=PREFIX + b"{q*:L", count=1000):
+            name = name_of(key, b":L")
+            if name is not None:
+                leased.append(name)
+        if not leased:
+            return
+        async with self.client.pipeline(transaction=False, raise_on_error=False) as pipe:
+            firsts = [pipe.zrange(self.keys(n).lease_due, 0, 0, withscores=True) for n in leased]
+        for name, first in zip(leased, firsts, strict=True):
+            head = await first
+            if head:
+                self.schedule_lease_sweep(name, float(head[0][1]))
 
 
 def _text(value: str | bytes) -> str:
