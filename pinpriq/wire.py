@@ -448,7 +448,7 @@ def encode_lease_reply(lease_id: int, attempt: int, packets: Sequence[KeyedPaylo
         header = _ONE_LEASE_HEADER.pack(
             lease_id, min(attempt, MAX_ATTEMPT), 1, len(key), len(payload)
         )
-        return header + key + payload
+        return b"".join((header, key, payload))  # not ``+``: see encode_reply
     _check_count(count)
     header = _LEASE_HEADER.pack(lease_id, min(attempt, MAX_ATTEMPT), count)
     return _join_packets(header, packets)

@@ -606,7 +606,8 @@ def test_reply_decoder_mixes_both_headers_as_the_caller_says() -> None:
 
 @pytest.mark.parametrize("count", [1, 2, 3])
 def test_replies_leave_no_memory_behind(count: int) -> None:
-    # The compiled build once leaked an intermediate bytes object in every one-packet reply
+    # The compiled build once leaked an intermediate bytes object in every one-packet reply and
+    # lease reply
     # (``header + key + payload`` under mypyc), so a server's memory grew with every pop.
     packets = [(b"key%d" % i, b"payload") for i in range(count)]
     encode_reply(packets)  # anything made once (caches) is made now
@@ -615,6 +616,7 @@ def test_replies_leave_no_memory_behind(count: int) -> None:
         before = tracemalloc.get_traced_memory()[0]
         for _ in range(10_000):
             encode_reply(packets)
+            encode_lease_reply(7, 1, packets)
         grown = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
