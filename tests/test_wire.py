@@ -607,8 +607,7 @@ def test_reply_decoder_mixes_both_headers_as_the_caller_says() -> None:
 @pytest.mark.parametrize("count", [1, 2, 3])
 def test_replies_leave_no_memory_behind(count: int) -> None:
     # The compiled build once leaked an intermediate bytes object in every one-packet reply and
-    # lease reply
-    # (``header + key + payload`` under mypyc), so a server's memory grew with every pop.
+    # lease reply (``header + key + payload`` under mypyc): memory grew with every pop.
     packets = [(b"key%d" % i, b"payload") for i in range(count)]
     encode_reply(packets)  # anything made once (caches) is made now
     tracemalloc.start()
