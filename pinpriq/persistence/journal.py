@@ -221,19 +221,22 @@ class Journal:
             self.used_bytes += segment.end
         self._copied_to = {seq: by_number[number] for seq, number in scan.copied.items()}
         self._sealed_seq = self._written_seq = scan.last_seq
-        numbers = [s.number for s in scan.segments] + [s.number for s in scan.spares]
-        self._next_number = max(numbers, default=0) + 1
         spares = list(scan.spares)
         for extra in spares[1:]:
             extra.path.unlink()
+        # Numbered on from the files kept, so that deleting extra spares leaves no gap in the
+        # numbers (recovery takes a gap for a lost segment).
+        numbers = [s.number for s in scan.segments] + [s.number for s in spares[:1]]
+        self._next_number = max(numbers, default=0) + 1
         if self.segments:
             self._reopen(self.segments[-1])
             if spares:
-                self._take_spare(spares[0])
+                self._reopen(spares[0])
+                self.spare = spares[0]
         else:
             if spares:
                 active = spares[0]
-                active.fd = os.open(active.path, os.O_RDWR | os.O_CLOEXEC)
+                self._reopen(active)
             else:
                 active = self._new_segment()
             active.first_seq = scan.last_seq + 1
@@ -241,7 +244,8 @@ class Journal:
             self.used_bytes += active.end
 
     def _reopen(self, segment: Segment) -> None:
-        """Open the newest recovered segment to append to it, its reserve restored."""
+        """Open a recovered segment (the newest, or a spare) to write into, its reserve
+        restored (a spare cut back to its header by recovery has none)."""
         segment.fd = os.open(segment.path, os.O_RDWR | os.O_CLOEXEC)
         segment.size = max(segment.size, self.segment_size, segment.end)
         try:
@@ -249,10 +253,6 @@ class Journal:
         except OSError as error:
             log.warning("cannot reserve space in %s: %s", segment.path, error.strerror)
             segment.size = max(segment.end, os.fstat(segment.fd).st_size)
-
-    def _take_spare(self, spare: Segment) -> None:
-        spare.fd = os.open(spare.path, os.O_RDWR | os.O_CLOEXEC)
-        self.spare = spare
 
     def _new_segment(self) -> Segment:
         number = self._next_number
