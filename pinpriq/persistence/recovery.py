@@ -446,5 +446,8 @@ def report(data_dir: DataDir, result: Scan, refusal: str | None = None) -> tuple
             + "; the counts above are what it would recover"
         )
         return lines, False
+    if refusal is not None:
+        lines.append(f"A start refuses: {refusal}")
+        return lines, False
     lines.append("OK: a start recovers the packets above")
     return lines, True
