@@ -7,12 +7,14 @@ keeps pops going, and nothing is lost."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -313,6 +315,38 @@ def test_after_a_kill_leased_jobs_are_back_acked_ones_gone_and_dead_letters_kept
     with server.client() as client:
         assert drain(client, "jobs.dead") == [[(b"poison", b"poison")]]
         assert drain(client, "jobs") == [[(b"leased", b"leased")]]
+    server.stop()
+
+
+ADMIN = re.compile(r"admin listener \(dashboard, /metrics, /stats\) on http://([\d.]+:\d+)/")
+
+
+@pytest.mark.parametrize("policy", ["always", "everysec", "no"])
+def test_an_admin_purge_is_in_the_log_before_its_answer(tmp_path: Path, policy: str) -> None:
+    """Purged packets stay gone across a kill -9 that follows the purge's 200 at once, with no
+    traffic on the data port to seal the purge's removals (they were in no block before)."""
+    data = str(tmp_path / "data")
+    server = Server("--data-dir", data, "--fsync", policy, "--http-port", "0")
+    match = ADMIN.search(server.text())
+    assert match is not None, server.text()
+    with server.client() as client:
+        for i in range(5):
+            client.push("doomed", f"{i}", "x")
+        client.push("kept", "k", "v", confirm=True)
+    request = urllib.request.Request(
+        f"http://{match.group(1)}/queues/doomed/purge",
+        method="POST",
+        headers={"X-Pinpriq-Action": "1"},  # what a script sends (no cross-site form can)
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        assert json.load(answer) == {"queue": "doomed", "purged": 5}
+    server.process.kill()
+    server.process.wait(timeout=30)
+    server.log.unlink()
+    server = Server("--data-dir", data)
+    with server.client() as client:
+        assert drain(client, "doomed") == []
+        assert drain(client, "kept") == [[(b"k", b"v")]]
     server.stop()
 
 
