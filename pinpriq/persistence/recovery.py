@@ -8,10 +8,12 @@ table of live packets (``records.py`` says how). On the way it finds:
   what a crash in the middle of a write leaves. A start cuts the log there and logs how many
   bytes it dropped. (The last block of the newest segment, if damaged, cannot be told from a
   torn write, and is cut the same way.)
-* **damage**: a bad block anywhere else, a bad segment header, or a block whose sequence does
-  not follow the one before. A start refuses, naming the file and offset, unless the operator
-  asks to truncate the log there (``--truncate-damaged-log``), dropping the rest of that
-  segment and every later one.
+* **damage**: a bad block anywhere else, a bad segment header, a block whose sequence does
+  not follow the one before, an older segment without blocks (only the newest may lack them),
+  or a gap in the segments' numbers (only the oldest are ever deleted). A start refuses, naming
+  the file and offset, unless the operator asks to truncate the log there
+  (``--truncate-damaged-log``), dropping the rest of that segment and every later one: what
+  follows damage may depend on what was lost, so only what precedes it is kept.
 
 ``apply()`` makes a scan's cuts in the files, for a start; ``report()`` describes a scan, for
 ``pinpriq-server --check-log``, which changes nothing.
