@@ -303,6 +303,29 @@ async def test_recovering_is_visible_while_the_log_is_read(
     assert running.journal.stats().recovery_seconds > 0
 
 
+async def push_and_see_the_server_stop(
+    journal: Journal, before_push: Callable[[], object] = lambda: None
+) -> None:
+    """Serve ``journal``'s log, push and sync: the log fails (``LogFailure`` stops the server),
+    and the connection closes with no reply sent."""
+    server = PinpriqServer(LoggedStore(trio.current_time, journal))
+
+    async def serve_and_push() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(server.serve, 0)
+            port = listeners[0].socket.getsockname()[1]
+            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+                peer = Peer(stream)
+                before_push()
+                await peer.send(push(b"q", b"k", b"v") + SYNC)
+                with pytest.raises(EOFError):
+                    await peer.reply()
+
+    with trio.fail_after(10), pytest.raises(ExceptionGroup) as caught:
+        await serve_and_push()
+    assert caught.group_contains(LogFailure, depth=2)
+
+
 async def test_a_failed_write_stops_the_server(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -318,22 +341,7 @@ async def test_a_failed_write_stops_the_server(
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     journal = Journal(DataDir.open(tmp_path, write=True))
-    server = PinpriqServer(LoggedStore(trio.current_time, journal))
-
-    async def serve_and_write() -> None:
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(server.serve, 0)
-            port = listeners[0].socket.getsockname()[1]
-            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
-                peer = Peer(stream)
-                failing.set()
-                await peer.send(push(b"q", b"k", b"v") + SYNC)
-                with pytest.raises(EOFError):  # the connection closes with no reply sent
-                    await peer.reply()
-
-    with trio.fail_after(10), pytest.raises(ExceptionGroup) as caught:
-        await serve_and_write()
-    assert caught.group_contains(LogFailure, depth=2)
+    await push_and_see_the_server_stop(journal, failing.set)
     assert "Input/output error" in str(journal.failure)
     DataDir.open(tmp_path, write=True).close()  # the directory was released
 
@@ -410,21 +418,7 @@ async def test_a_failed_read_by_compaction_stops_the_server(
 
     monkeypatch.setattr(Compactor, "_read_block", read_block)
     journal = Journal(DataDir.open(tmp_path, write=True), segment_size=MIN_SEGMENT_SIZE)
-    server = PinpriqServer(LoggedStore(trio.current_time, journal))
-
-    async def serve_and_push() -> None:
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(server.serve, 0)
-            port = listeners[0].socket.getsockname()[1]
-            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
-                peer = Peer(stream)
-                await peer.send(push(b"q", b"k", b"v") + SYNC)
-                with pytest.raises(EOFError):  # the connection closes with no reply sent
-                    await peer.reply()
-
-    with trio.fail_after(10), pytest.raises(ExceptionGroup) as caught:
-        await serve_and_push()
-    assert caught.group_contains(LogFailure, depth=2)
+    await push_and_see_the_server_stop(journal)
     assert journal.failure is not None
     assert "compaction's read of" in journal.failure
     assert "Input/output error" in journal.failure
