@@ -682,6 +682,14 @@ class PinpriqServer:
         if self._logged is not None:
             self._logged.flush()
 
+    async def log_stored(self) -> None:
+        """Return once what the store logged so far (an admin purge's removals) is stored as
+        the fsync policy promises: written, and under ``always`` fsynced. At once without a
+        log."""
+        if self.keeper is not None:
+            self.flush_log()
+            await self.keeper.wait_released()
+
     @property
     def connections(self) -> int:
         """Connections being served now."""

@@ -7,12 +7,14 @@ keeps pops going, and nothing is lost."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -314,3 +316,74 @@ def test_after_a_kill_leased_jobs_are_back_acked_ones_gone_and_dead_letters_kept
         assert drain(client, "jobs.dead") == [[(b"poison", b"poison")]]
         assert drain(client, "jobs") == [[(b"leased", b"leased")]]
     server.stop()
+
+
+ADMIN = re.compile(r"admin listener \(dashboard, /metrics, /stats\) on http://([\d.]+:\d+)/")
+
+
+@pytest.mark.parametrize("policy", ["always", "everysec", "no"])
+def test_an_admin_purge_is_in_the_log_before_its_answer(tmp_path: Path, policy: str) -> None:
+    """Purged packets stay gone across a kill -9 that follows the purge's 200 at once, with no
+    traffic on the data port to seal the purge's removals (they were in no block before)."""
+    data = str(tmp_path / "data")
+    server = Server("--data-dir", data, "--fsync", policy, "--http-port", "0")
+    match = ADMIN.search(server.text())
+    assert match is not None, server.text()
+    with server.client() as client:
+        for i in range(5):
+            client.push("doomed", f"{i}", "x")
+        client.push("kept", "k", "v", confirm=True)
+    request = urllib.request.Request(
+        f"http://{match.group(1)}/queues/doomed/purge",
+        method="POST",
+        headers={"X-Pinpriq-Action": "1"},  # what a script sends (no cross-site form can)
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        assert json.load(answer) == {"queue": "doomed", "purged": 5}
+    server.process.kill()
+    server.process.wait(timeout=30)
+    server.log.unlink()
+    server = Server("--data-dir", data)
+    with server.client() as client:
+        assert drain(client, "doomed") == []
+        assert drain(client, "kept") == [[(b"k", b"v")]]
+    server.stop()
+
+
+def test_check_log_fails_while_a_server_holds_the_directory(tmp_path: Path) -> None:
+    server = Server("--data-dir", str(tmp_path))
+    done = run("--data-dir", str(tmp_path), "--check-log")
+    server.stop()
+    assert done.returncode == 1
+    assert done.stdout.splitlines()[-1] == (
+        f"A start refuses: data directory {tmp_path} is in use by another pinpriq-server"
+    )
+    assert run("--data-dir", str(tmp_path), "--check-log").returncode == 0  # once it stopped
+
+
+@needs_mount
+def test_check_log_fails_on_a_read_only_file_system(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "fs", "size=4m") as data:
+        server = Server("--data-dir", str(data), "--log-segment-size", "64KiB")
+        with server.client() as client:
+            client.push("q", "k", "v", confirm=True)
+        server.stop()
+        assert run("--data-dir", str(data), "--check-log").returncode == 0
+        subprocess.run(["mount", "-o", "remount,ro", str(data)], check=True)
+        done = run("--data-dir", str(data), "--check-log")
+        started = run("--data-dir", str(data))
+    assert done.returncode == 1
+    assert "a start recovers 1 packets" in done.stdout  # what it holds, still reported
+    refusal = f"cannot write to data directory {data}: Read-only file system"
+    assert done.stdout.splitlines()[-1] == f"A start refuses: {refusal}"
+    assert (started.returncode, started.stderr) == (1, f"pinpriq-server: {refusal}\n")
+
+
+@needs_mount
+def test_no_room_for_the_first_segment_is_the_data_directorys_problem(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "small", "size=256k") as data:
+        done = run("--data-dir", str(data), "--log-segment-size", "1MiB")
+    assert done.returncode == 1
+    assert done.stderr == (
+        f"pinpriq-server: cannot write to data directory {data}: No space left on device\n"
+    )

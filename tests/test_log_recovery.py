@@ -13,7 +13,12 @@ import pytest
 from pinpriq.persistence.journal import MIN_SEGMENT_SIZE
 from pinpriq.persistence.records import read_block
 from pinpriq.persistence.recovery import report, scan
-from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, DataDir, DataDirError
+from pinpriq.persistence.segments import (
+    SEGMENT_HEADER_SIZE,
+    DataDir,
+    DataDirError,
+    create_segment,
+)
 from pinpriq.persistence.store import LoggedStore
 from tests.logtools import FakeClock, commit, open_store
 
@@ -224,7 +229,7 @@ def test_a_segment_whose_creation_was_cut_short_is_deleted(
     tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     write_two_batches(tmp_path, clock)
-    leftover = tmp_path / "0000000000000009.log"
+    leftover = tmp_path / "0000000000000003.log"  # the active segment is 1, its spare 2
     leftover.write_bytes(bytes(4096))
     with caplog.at_level(logging.WARNING, logger="pinpriq.persistence"):
         store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
@@ -240,3 +245,114 @@ def test_check_report_says_what_a_start_recovers(tmp_path: Path, clock: FakeCloc
     assert would_start
     assert "a start recovers 2 packets in 2 queues, next seq 4" in lines[-2]
     assert lines[-1] == "OK: a start recovers the packets above"
+
+
+def write_segments(path: Path, clock: FakeClock, count: int = 40) -> LoggedStore:
+    """``count`` packets of 5 kB, each pushed in a block of its own: about three 64 KiB
+    segments, every packet live. Returns the store, closed."""
+    store = open_store(path, clock, segment_size=MIN_SEGMENT_SIZE)
+    for i in range(count):
+        store.push(b"q", b"%02d" % i, bytes(5000), 0, 1)
+        commit(store)
+    store.close()
+    return store
+
+
+def check(path: Path, clock: FakeClock) -> tuple[list[str], bool]:
+    data_dir = DataDir.open(path, write=False)
+    return report(data_dir, scan(data_dir, now_ms=clock.wall_ms()))
+
+
+def test_a_missing_middle_segment_is_damage(tmp_path: Path, clock: FakeClock) -> None:
+    """Only the oldest segments are ever deleted: a gap in the numbers lost records (removals
+    of older packets among them, which would come back), so a start refuses."""
+    write_segments(tmp_path, clock)
+    first, second, third, *_ = segment_files(tmp_path)
+    second.unlink()
+    with pytest.raises(DataDirError) as caught:
+        open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    assert f"damaged log: {third} at offset 0: segment {second.name} is missing" in str(
+        caught.value
+    )
+    kept = len(blocks(first))  # one packet per block
+    lines, would_start = check(tmp_path, clock)
+    assert not would_start
+    assert lines[-1].startswith(f"DAMAGED: {third} at offset 0: segment {second.name} is missing")
+    assert f"a start recovers {kept} packets" in lines[-2]
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE, truncate_damaged=True)
+    assert len(store) == kept
+    store.close()
+    assert check(tmp_path, clock)[1]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["oldest", "middle"])
+@pytest.mark.parametrize("truncate", [False, True], ids=["refused", "truncated"])
+def test_an_older_segment_cut_to_its_header_is_damage(
+    tmp_path: Path, clock: FakeClock, which: int, truncate: bool
+) -> None:
+    write_segments(tmp_path, clock)
+    files = segment_files(tmp_path)
+    assert len(files) >= 4  # three with blocks, and the spare
+    kept = len(blocks(files[0])) if which == 1 else 0  # one packet per block
+    files[which].write_bytes(files[which].read_bytes()[:SEGMENT_HEADER_SIZE])
+    lines, would_start = check(tmp_path, clock)
+    assert not would_start
+    reason = "no blocks, though later segments have some"
+    assert lines[-1].startswith(f"DAMAGED: {files[which]} at offset 16: {reason}")
+    assert f"a start recovers {kept} packets" in lines[-2]
+    if not truncate:
+        with pytest.raises(DataDirError, match=f"damaged log: {files[which]} at offset 16"):
+            open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+        return
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE, truncate_damaged=True)
+    assert len(store) == kept
+    store.push(b"q", b"after", b"a", 0, 1)  # newest first at prio 1
+    commit(store)
+    store.close()
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    assert store.pop(b"q")[0][:2] == (b"after", b"a")
+    assert len(store) == kept
+    store.close()
+    assert check(tmp_path, clock)[1]
+
+
+def test_a_torn_first_block_of_the_newest_segment_is_cut(tmp_path: Path, clock: FakeClock) -> None:
+    """A crash in the first write after a rotation: the newest segment holds one torn block."""
+    write_segments(tmp_path, clock, count=13)  # one block in the second segment
+    _, second, *_ = segment_files(tmp_path)
+    assert len(blocks(second)) == 1
+    with open(second, "r+b") as file:
+        file.truncate(blocks(second)[0][1] - 1)
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    assert len(store) == 12
+    store.push(b"q", b"after", b"a", 0, 1)
+    commit(store)
+    store.close()
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    assert len(store) == 13
+    store.close()
+
+
+def test_extra_spares_leave_no_gap_in_the_numbers(tmp_path: Path, clock: FakeClock) -> None:
+    """Two spares after a crash (the second made while the first was the active segment,
+    before any block): the extra one is deleted, and the next segment takes its number."""
+    open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE).close()
+    create_segment(tmp_path / "0000000000000003.log", MIN_SEGMENT_SIZE)
+    write_segments(tmp_path, clock)  # rotates through new segments
+    numbers = [int(path.stem) for path in segment_files(tmp_path)]
+    assert numbers == list(range(1, len(numbers) + 1))
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    assert len(store) == 40
+    store.close()
+
+
+def test_a_damage_report_does_not_count_the_spare_as_dropped(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    write_three_batches(tmp_path, clock)
+    segment, _spare = segment_files(tmp_path)
+    flip_bit(segment, blocks(segment)[1][0] + 20)
+    lines, _ = check(tmp_path, clock)
+    assert lines[-1].endswith(
+        "and 1 later segment files (0 bytes); the counts above are what it would recover"
+    ), lines[-1]

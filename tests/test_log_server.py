@@ -17,13 +17,15 @@ import trio
 
 from pinpriq.admin import serve_admin
 from pinpriq.persistence import keeper as keeper_module
-from pinpriq.persistence.journal import MIN_SEGMENT_SIZE, FsyncPolicy, Journal
+from pinpriq.persistence.compaction import Compactor
+from pinpriq.persistence.journal import MIN_SEGMENT_SIZE, FsyncPolicy, Hold, Journal
 from pinpriq.persistence.keeper import LogFailure
 from pinpriq.persistence.records import Kind, decode_entries, read_block
-from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, DataDir
+from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, DataDir, Segment
 from pinpriq.persistence.store import LoggedStore
 from pinpriq.server import PinpriqServer
 from tests.conftest import LiveServer
+from tests.logtools import FakeClock, commit, open_store
 from tests.rawpeer import READY, Peer, pop, push, subscribe
 from tests.test_admin import Admin
 
@@ -301,6 +303,29 @@ async def test_recovering_is_visible_while_the_log_is_read(
     assert running.journal.stats().recovery_seconds > 0
 
 
+async def push_and_see_the_server_stop(
+    journal: Journal, before_push: Callable[[], object] = lambda: None
+) -> None:
+    """Serve ``journal``'s log, push and sync: the log fails (``LogFailure`` stops the server),
+    and the connection closes with no reply sent."""
+    server = PinpriqServer(LoggedStore(trio.current_time, journal))
+
+    async def serve_and_push() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(server.serve, 0)
+            port = listeners[0].socket.getsockname()[1]
+            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+                peer = Peer(stream)
+                before_push()
+                await peer.send(push(b"q", b"k", b"v") + SYNC)
+                with pytest.raises(EOFError):
+                    await peer.reply()
+
+    with trio.fail_after(10), pytest.raises(ExceptionGroup) as caught:
+        await serve_and_push()
+    assert caught.group_contains(LogFailure, depth=2)
+
+
 async def test_a_failed_write_stops_the_server(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -316,22 +341,7 @@ async def test_a_failed_write_stops_the_server(
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     journal = Journal(DataDir.open(tmp_path, write=True))
-    server = PinpriqServer(LoggedStore(trio.current_time, journal))
-
-    async def serve_and_write() -> None:
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(server.serve, 0)
-            port = listeners[0].socket.getsockname()[1]
-            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
-                peer = Peer(stream)
-                failing.set()
-                await peer.send(push(b"q", b"k", b"v") + SYNC)
-                with pytest.raises(EOFError):  # the connection closes with no reply sent
-                    await peer.reply()
-
-    with trio.fail_after(10), pytest.raises(ExceptionGroup) as caught:
-        await serve_and_write()
-    assert caught.group_contains(LogFailure, depth=2)
+    await push_and_see_the_server_stop(journal, failing.set)
     assert "Input/output error" in str(journal.failure)
     DataDir.open(tmp_path, write=True).close()  # the directory was released
 
@@ -384,3 +394,46 @@ async def test_the_admin_listener_says_recovering_then_shows_the_log(
     assert samples["pinpriq_log_written_bytes_total"][()] >= 0
     server.shutdown()
     await serving.wait()
+
+
+async def test_a_failed_read_by_compaction_stops_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EIO while compaction reads an old segment (inside the seal of a connection's batch) is
+    the log failing, not that connection's bug: the server stops, and no reply goes out."""
+    store = open_store(tmp_path, FakeClock(), segment_size=MIN_SEGMENT_SIZE)
+    store.journal.compactor = None  # dead segments pile up behind a pinned packet
+    store.push(b"keep", b"pinned", b"x", 0, 255)
+    for _ in range(6):
+        for i in range(30):
+            store.push(b"q", b"%d" % i, bytes(2000), 0, 1)
+        commit(store)
+        while store.pop(b"q"):
+            pass
+        commit(store)
+    store.close()
+
+    def read_block(self: Compactor, segment: Segment) -> bytes:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(Compactor, "_read_block", read_block)
+    journal = Journal(DataDir.open(tmp_path, write=True), segment_size=MIN_SEGMENT_SIZE)
+    await push_and_see_the_server_stop(journal)
+    assert journal.failure is not None
+    assert "compaction's read of" in journal.failure
+    assert "Input/output error" in journal.failure
+
+
+def test_a_spare_that_cannot_be_made_for_want_of_space_waits_any_other_error_fails(
+    tmp_path: Path,
+) -> None:
+    store = open_store(tmp_path, FakeClock())
+    journal = store.journal
+    journal.spare_failed(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    assert journal.disk_full  # pushes wait; the keeper tries again
+    assert journal.hold is None
+    journal.spare_failed(OSError(errno.EIO, os.strerror(errno.EIO)))
+    assert journal.hold is Hold.FAILED
+    assert journal.failure is not None
+    assert "Input/output error" in journal.failure
+    store.close()

@@ -59,6 +59,9 @@ class Observed(Protocol):
     @property
     def recovering(self) -> bool: ...
 
+    async def log_stored(self) -> None:
+        """Return once the store's changes so far are logged as the fsync policy promises."""
+
 
 class HTTPError(Exception):
     """An answer other than success: its status and a message for the client."""
@@ -190,7 +193,14 @@ class AdminApp:
         store = self.broker.store
         if isinstance(store, BatchedStore):
             return lambda _: _later(lambda: store.purge_async(queue), answer)
+        if self.server.journal is not None:  # answered once its removals are in the log
+            return lambda _: _later(lambda: self._purge_logged(queue), answer)
         return lambda _: answer(self.broker.purge(queue))
+
+    async def _purge_logged(self, queue: bytes) -> int:
+        purged = self.broker.purge(queue)
+        await self.server.log_stored()
+        return purged
 
 
 _T = TypeVar("_T")

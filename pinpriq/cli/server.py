@@ -384,7 +384,13 @@ def check_log(path: Path) -> int:
     """``--check-log``: print what a start would recover from ``path``; the exit status."""
     try:
         data_dir = DataDir.open(path, write=False)
-        lines, would_start = report(data_dir, scan(data_dir, now_ms=time.time_ns() // 10**6))
+        result = scan(data_dir, now_ms=time.time_ns() // 10**6)
+        try:
+            data_dir.check_startable()
+            refusal = None
+        except DataDirError as error:
+            refusal = str(error)
+        lines, would_start = report(data_dir, result, refusal)
     except (DataDirError, OSError) as error:
         print(f"pinpriq-server: {error}", file=sys.stderr)
         return 1

@@ -50,6 +50,7 @@ from pinpriq.persistence.compaction import Compactor
 from pinpriq.persistence.records import (
     COPY_HEADER,
     Kind,
+    LogFormatError,
     encode_block,
 )
 from pinpriq.persistence.recovery import Scan
@@ -95,7 +96,7 @@ class Hold(enum.Enum):
     ROTATION = "the full segment is being fsynced before the next is written"
     SPARE = "no new segment is ready yet"
     SPACE = "the disk is full"
-    FAILED = "a write failed"
+    FAILED = "reading, writing or syncing the log failed"
 
 
 class JournalStats(NamedTuple):
@@ -186,7 +187,8 @@ class Journal:
         self._next_number = 1
         self._pending: deque[_Sealed] = deque()
         self.hold: Hold | None = None
-        self.failure: OSError | None = None
+        #: Why the log failed (``Hold.FAILED``): one line, which the keeper stops the server with.
+        self.failure: str | None = None
         self.sealed_pos = 0
         self.written_pos = 0
         self.synced_pos = 0
@@ -221,19 +223,22 @@ class Journal:
             self.used_bytes += segment.end
         self._copied_to = {seq: by_number[number] for seq, number in scan.copied.items()}
         self._sealed_seq = self._written_seq = scan.last_seq
-        numbers = [s.number for s in scan.segments] + [s.number for s in scan.spares]
-        self._next_number = max(numbers, default=0) + 1
         spares = list(scan.spares)
         for extra in spares[1:]:
             extra.path.unlink()
+        # Numbered on from the files kept, so that deleting extra spares leaves no gap in the
+        # numbers (recovery takes a gap for a lost segment).
+        numbers = [s.number for s in scan.segments] + [s.number for s in spares[:1]]
+        self._next_number = max(numbers, default=0) + 1
         if self.segments:
             self._reopen(self.segments[-1])
             if spares:
-                self._take_spare(spares[0])
+                self._reopen(spares[0])
+                self.spare = spares[0]
         else:
             if spares:
                 active = spares[0]
-                active.fd = os.open(active.path, os.O_RDWR | os.O_CLOEXEC)
+                self._reopen(active)
             else:
                 active = self._new_segment()
             active.first_seq = scan.last_seq + 1
@@ -241,7 +246,8 @@ class Journal:
             self.used_bytes += active.end
 
     def _reopen(self, segment: Segment) -> None:
-        """Open the newest recovered segment to append to it, its reserve restored."""
+        """Open a recovered segment (the newest, or a spare) to write into, its reserve
+        restored (a spare cut back to its header by recovery has none)."""
         segment.fd = os.open(segment.path, os.O_RDWR | os.O_CLOEXEC)
         segment.size = max(segment.size, self.segment_size, segment.end)
         try:
@@ -249,10 +255,6 @@ class Journal:
         except OSError as error:
             log.warning("cannot reserve space in %s: %s", segment.path, error.strerror)
             segment.size = max(segment.end, os.fstat(segment.fd).st_size)
-
-    def _take_spare(self, spare: Segment) -> None:
-        spare.fd = os.open(spare.path, os.O_RDWR | os.O_CLOEXEC)
-        self.spare = spare
 
     def _new_segment(self) -> Segment:
         number = self._next_number
@@ -295,8 +297,12 @@ class Journal:
         pushes, removals = self.pushes, self.removals
         if not pushes and not removals and not self._copies:
             return
-        if self.compactor is not None:
-            self.compactor.step(len(pushes) + len(removals))
+        if self.compactor is not None and self.hold is not Hold.FAILED:
+            try:
+                self.compactor.step(len(pushes) + len(removals))
+            except (OSError, LogFormatError) as error:
+                # EIO, or a block that no longer reads as written: the log cannot be trusted.
+                self.fail(f"compaction's read of {self.segments[0].path} failed", error)
         copies = self._copies
         data = encode_block(self._sealed_seq, base_ms, pushes, copies, removals)
         copied = self._copied
@@ -406,10 +412,18 @@ class Journal:
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             self.hold = Hold.SPACE
             self._set_disk_full(True, error)
+            self.wake()
         else:
-            self.hold = Hold.FAILED
-            self.failure = error
-            log.critical("writing the log failed: %s; the server stops", error)
+            self.fail("writing the log failed", error)
+
+    def fail(self, what: str, error: Exception) -> None:
+        """Reading, writing or syncing the log failed: nothing more is written, output waits
+        for ever, and the keeper stops the server with ``failure``."""
+        if self.hold is Hold.FAILED:
+            return
+        self.hold = Hold.FAILED
+        self.failure = f"{what}: {error}"
+        log.critical("%s; the server stops", self.failure)
         self.wake()
 
     def _update_released(self) -> None:
@@ -446,6 +460,8 @@ class Journal:
 
     def rotated(self, seconds: float) -> None:
         """The full segment is on disk: close it and write into the new one."""
+        if self.hold is Hold.FAILED:  # meanwhile: the server is stopping
+            return
         full = self.rotating
         assert full is not None
         assert self.hold is Hold.ROTATION
@@ -481,8 +497,12 @@ class Journal:
         self.write()
 
     def spare_failed(self, error: OSError) -> None:
-        """The keeper could not make the next spare: pushes wait until it can."""
-        self._set_disk_full(True, error)
+        """The keeper could not make the next spare: for lack of space, pushes wait until it
+        can; any other error (EIO, a read-only file system) is the log failing."""
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            self._set_disk_full(True, error)
+        else:
+            self.fail(f"creating {self.data_dir.segment_path(self._next_number)} failed", error)
 
     def retry(self) -> None:
         """Try writing again after the disk was full."""
@@ -519,8 +539,12 @@ class Journal:
             assert oldest.live == 0, f"{oldest.path}: {oldest.live} live packets"
             if self.compactor is not None:
                 self.compactor.forget(oldest)
-            oldest.close()
-            oldest.path.unlink()
+            try:
+                oldest.close()
+                oldest.path.unlink()
+            except OSError as error:
+                self.fail(f"deleting {oldest.path} failed", error)
+                return
             del segments[0]
             del self._firsts[0]
             self.used_bytes -= oldest.end

@@ -80,7 +80,7 @@ class Keeper:
         journal = self.journal
         while True:
             if journal.hold is Hold.FAILED:
-                raise LogFailure(f"writing the log failed: {journal.failure}")
+                raise LogFailure(journal.failure)
             worked = await self._work()
             self._progress.set()
             self._progress = trio.Event()

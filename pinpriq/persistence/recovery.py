@@ -8,10 +8,12 @@ table of live packets (``records.py`` says how). On the way it finds:
   what a crash in the middle of a write leaves. A start cuts the log there and logs how many
   bytes it dropped. (The last block of the newest segment, if damaged, cannot be told from a
   torn write, and is cut the same way.)
-* **damage**: a bad block anywhere else, a bad segment header, or a block whose sequence does
-  not follow the one before. A start refuses, naming the file and offset, unless the operator
-  asks to truncate the log there (``--truncate-damaged-log``), dropping the rest of that
-  segment and every later one.
+* **damage**: a bad block anywhere else, a bad segment header, a block whose sequence does
+  not follow the one before, an older segment without blocks (only the newest may lack them),
+  or a gap in the segments' numbers (only the oldest are ever deleted). A start refuses, naming
+  the file and offset, unless the operator asks to truncate the log there
+  (``--truncate-damaged-log``), dropping the rest of that segment and every later one: what
+  follows damage may depend on what was lost, so only what precedes it is kept.
 
 ``apply()`` makes a scan's cuts in the files, for a start; ``report()`` describes a scan, for
 ``pinpriq-server --check-log``, which changes nothing.
@@ -111,6 +113,10 @@ def scan(data_dir: DataDir, *, now_ms: int) -> Scan:
     replay = _Replay(result)
     for index, (number, path) in enumerate(files):
         data = _read(path)
+        if index and number != files[index - 1][0] + 1:
+            reason = _missing(data_dir, files[index - 1][0], number)
+            result.damage = _damage(path, 0, reason, data, files[index + 1 :])
+            break
         if index > last_with_blocks:
             _file_spare(result, number, path, data, last=index == len(files) - 1)
             continue
@@ -122,9 +128,14 @@ def scan(data_dir: DataDir, *, now_ms: int) -> Scan:
         segment = Segment(number, path, len(data))
         offset = replay.segment(segment, data)
         result.segments.append(segment)
-        if offset is None:
+        if offset is None and segment.first_seq is None and index < last_with_blocks:
+            # Only the newest segment can lack blocks (it was just rotated into): an older
+            # one that has none lost them, and with them records later ones depend on.
+            offset, reason = segment.end, "no blocks, though later segments have some"
+        elif offset is None:
             continue
-        reason = replay.failure
+        else:
+            reason = replay.failure
         if index == last_with_blocks and not _valid_block_after(data, offset):
             result.torn = Cut(path, offset, reason, _nonzero_extent(data, offset))
         else:
@@ -269,8 +280,26 @@ def _damage(
         reason,
         _nonzero_extent(data, offset),
         tuple(p for _, p in later),
-        sum(p.stat().st_size for _, p in later),
+        sum(_block_bytes(p) for _, p in later),
     )
+
+
+def _missing(data_dir: DataDir, before: int, after: int) -> str:
+    """Why a jump in the segments' numbers is damage: only the oldest segments are ever
+    deleted, so a missing one in the middle took records the later ones depend on (removals
+    of older pushes: without them, popped packets would come back)."""
+    missing = data_dir.segment_path(before + 1).name
+    if after > before + 2:
+        missing += f" to {data_dir.segment_path(after - 1).name}"
+    return f"segment {missing} is missing (only the oldest segments are ever deleted)"
+
+
+def _block_bytes(path: Path) -> int:
+    """Bytes of a segment file that hold anything (its header and blocks): none for a spare,
+    whose reserved zeros hold nothing a cut would drop."""
+    if not _has_blocks(path):
+        return 0
+    return _nonzero_extent(_read(path), 0)
 
 
 def _valid_block_after(data: bytes, offset: int) -> bool:
@@ -359,8 +388,19 @@ def apply(data_dir: DataDir, result: Scan, *, truncate_damaged: bool) -> None:
             torn.reason,
         )
         _cut(torn.path, torn.offset)
+    _demote_emptied(result)
     if result.unfinished or result.damage is not None:
         fsync_dir(data_dir.path)
+
+
+def _demote_emptied(result: Scan) -> None:
+    """A segment a cut left without blocks (its first block torn or damaged) is the newest
+    left: it is a spare now, which the journal writes into next, instead of a segment whose
+    first seq no block gives."""
+    emptied = [segment for segment in result.segments if segment.first_seq is None]
+    if emptied:
+        result.segments = [s for s in result.segments if s.first_seq is not None]
+        result.spares = emptied + result.spares
 
 
 def _cut(path: Path, offset: int) -> None:
@@ -369,9 +409,10 @@ def _cut(path: Path, offset: int) -> None:
         os.fsync(file.fileno())
 
 
-def report(data_dir: DataDir, result: Scan) -> tuple[list[str], bool]:
+def report(data_dir: DataDir, result: Scan, refusal: str | None = None) -> tuple[list[str], bool]:
     """Lines describing what a start would recover from ``result``, and whether it would
-    start (without ``--truncate-damaged-log``)."""
+    start (without ``--truncate-damaged-log``); ``refusal``: why a start would fail whatever
+    the log holds (``DataDir.check_startable``)."""
     lines = [f"pinpriq log in {data_dir.path}"]
     for segment in result.segments:
         lines.append(
@@ -406,6 +447,9 @@ def report(data_dir: DataDir, result: Scan) -> tuple[list[str], bool]:
             )
             + "; the counts above are what it would recover"
         )
+        return lines, False
+    if refusal is not None:
+        lines.append(f"A start refuses: {refusal}")
         return lines, False
     lines.append("OK: a start recovers the packets above")
     return lines, True

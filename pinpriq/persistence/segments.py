@@ -194,10 +194,36 @@ class DataDir:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise DataDirError(
-                f"data directory {path} is in use by another pinpriq-server"
-            ) from None
+            raise _in_use(path) from None
         return fd
+
+    def check_startable(self) -> None:
+        """Raise ``DataDirError``, with the line a start would fail with, if a server could
+        not use this directory now: another server holds its lock, or the directory or a
+        segment cannot be written (a read-only file system, file modes). Changes nothing: for
+        ``--check-log``, whose exit status 0 means a start would succeed."""
+        path = self.path
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            why = os.strerror(errno.EROFS)
+        elif not os.access(path, os.W_OK):
+            why = os.strerror(errno.EACCES)
+        else:
+            why = ""
+        if why:
+            raise DataDirError(f"cannot write to data directory {path}: {why}")
+        for _, segment in self.segment_paths():
+            if not os.access(segment, os.R_OK | os.W_OK):
+                raise DataDirError(f"cannot write to {segment}: {os.strerror(errno.EACCES)}")
+        try:
+            fd = os.open(path / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return  # no server ever used it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released by the close
+        except BlockingIOError:
+            raise _in_use(path) from None
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _check_format(path: Path, *, write: bool) -> None:
@@ -263,6 +289,10 @@ def _write_durably(path: Path, text: str) -> None:
         os.fsync(file.fileno())
     os.replace(temporary, path)
     fsync_dir(path.parent)
+
+
+def _in_use(path: Path) -> DataDirError:
+    return DataDirError(f"data directory {path} is in use by another pinpriq-server")
 
 
 def _why(error: OSError) -> str:

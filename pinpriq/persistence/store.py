@@ -248,7 +248,13 @@ class LoggedStore(QueueStore):
                 {seq: now + (ms - now_ms) / 1000 for seq, ms in result.deadlines.items()},
                 result.last_seq,
             )
-            journal.open(result)
+            try:
+                journal.open(result)
+            except OSError as error:  # a full disk for the first segment, among others
+                raise DataDirError(
+                    f"cannot write to data directory {journal.data_dir.path}: "
+                    f"{error.strerror or error}"
+                ) from None
             for seq in result.expired:  # gone for good, whatever the clock says next time
                 self._removals += _pack_remove(_REMOVE, seq)
                 self._removed.append(seq)
