@@ -427,7 +427,7 @@ async def hold_without_reading(port: int) -> trio.SocketStream:
 
 
 async def test_clients_that_do_not_read_cannot_keep_the_health_probes_out(
-    admin: Admin, monkeypatch: pytest.MonkeyPatch
+    admin: Admin, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr("pinpriq.admin.http.MAX_CONNECTIONS", 3)
     held = [await hold_without_reading(admin.port) for _ in range(3)]
@@ -437,6 +437,7 @@ async def test_clients_that_do_not_read_cannot_keep_the_health_probes_out(
     assert status == 503
     assert "too many admin connections" in json.loads(body)["error"]
     assert headers["connection"] == "close"
+    assert "refusing GET /stats from 127.0.0.1:" in caplog.text
     for stream in held:
         await stream.aclose()
     with trio.fail_after(10):  # once the listener has seen the closes, all is served again

@@ -200,10 +200,13 @@ async def _response(handler: Handler, request: Request, only: frozenset[bytes] |
         if response.later is not None:
             response = await _answer_later(response.later, request)
         return response
-    if request.target.partition(b"?")[0] in only:
+    path = request.target.partition(b"?")[0]
+    if path in only:
         response = _answer(handler, request)
     else:
         reason = f"too many admin connections ({MAX_CONNECTIONS}); try again later"
+        shown = path.decode("ascii", "replace")
+        log.warning("refusing %s %s from %s: %s", request.method, shown, request.peer, reason)
         response = Response(
             503, f'{{"error": "{reason}"}}'.encode(), headers=(("retry-after", "1"),)
         )
