@@ -397,15 +397,17 @@ async def test_a_body_too_large_is_refused(admin: Admin) -> None:
 
 
 async def test_admin_connections_beyond_the_limit_are_closed(
-    admin: Admin, monkeypatch: pytest.MonkeyPatch
+    admin: Admin, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr("pinpriq.admin.http.MAX_CONNECTIONS", 2)
     monkeypatch.setattr("pinpriq.admin.http.MAX_PROBE_CONNECTIONS", 1)
+    monkeypatch.setattr("pinpriq.admin.http.PROBE_TIMEOUT", 600.0)  # the probe slot stays held
     held = [await trio.open_tcp_stream("127.0.0.1", admin.port) for _ in range(3)]
     await trio.sleep(0.1)  # all accepted and counted: two served, one for a probe
     extra = await trio.open_tcp_stream("127.0.0.1", admin.port)
     with trio.fail_after(5):
         assert await extra.receive_some(100) == b""  # closed at once
+    assert "refusing an admin connection from 127.0.0.1:" in caplog.text
     await extra.aclose()
     for stream in held:
         await stream.aclose()
@@ -430,6 +432,7 @@ async def test_clients_that_do_not_read_cannot_keep_the_health_probes_out(
     admin: Admin, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr("pinpriq.admin.http.MAX_CONNECTIONS", 3)
+    monkeypatch.setattr("pinpriq.admin.http.SEND_TIMEOUT", 600.0)  # held for the whole test
     held = [await hold_without_reading(admin.port) for _ in range(3)]
     for path in ("/healthz", "/readyz"):
         assert (await admin.request("GET", path))[0] == 200
@@ -440,7 +443,12 @@ async def test_clients_that_do_not_read_cannot_keep_the_health_probes_out(
     assert "refusing GET /stats from 127.0.0.1:" in caplog.text
     for stream in held:
         await stream.aclose()
-    with trio.fail_after(10):  # once the listener has seen the closes, all is served again
+    await served_in_full(admin)
+
+
+async def served_in_full(admin: Admin) -> None:
+    """Wait until a connection slot is free again: /stats is answered (not 503)."""
+    with trio.fail_after(10):  # the listener notices the closes at its next write
         while (await admin.request("GET", "/stats"))[0] != 200:  # noqa: ASYNC110
             await trio.sleep(0.01)
 
@@ -453,7 +461,7 @@ async def test_an_answer_not_taken_in_time_frees_its_connection(
     held = await hold_without_reading(admin.port)
     await wait_until(lambda: "did not take its answer" in caplog.text, "the server gave up")
     assert "closing the admin connection from 127.0.0.1:" in caplog.text
-    assert (await admin.request("GET", "/stats"))[0] == 200  # its slot is free again
+    await served_in_full(admin)  # its slot is free again, though the client never closed
     await held.aclose()
 
 
