@@ -86,6 +86,7 @@ __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_MEMORY",
     "PinpriqServer",
+    "peer_name",
     "serve",
 ]
 
@@ -122,7 +123,8 @@ def _peer_address(stream: trio.SocketStream) -> tuple[str, int] | None:
     return host, port
 
 
-def _peer_name(stream: trio.SocketStream) -> str:
+def peer_name(stream: trio.SocketStream) -> str:
+    """HOST:PORT of a client, as log lines name it (the admin listener's too)."""
     address = _peer_address(stream)
     if address is None:
         return "unknown peer"
@@ -147,7 +149,7 @@ class _Connection:
         #: or a TLS stream over it.
         self.stream: trio.abc.Stream = stream
         self.session = session
-        self.peer = _peer_name(stream)
+        self.peer = peer_name(stream)
         self.fileno = stream.socket.fileno()
         self.decoder = FrameDecoder()
         #: Seconds of reading left before an incomplete frame times out.
@@ -872,7 +874,7 @@ class PinpriqServer:
                     f"host; {PROTECTED_MODE_FIX}"
                 )
         if reason is not None:
-            log.warning("refusing a connection from %s: %s", _peer_name(stream), reason)
+            log.warning("refusing a connection from %s: %s", peer_name(stream), reason)
             await trio.aclose_forcefully(stream)
             return
         session = self.broker.open_session()

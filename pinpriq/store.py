@@ -795,7 +795,9 @@ class QueueStore:
         these notes. The server calls it about once a second. O(1) amortised."""
         notes = self._time_notes
         if notes and notes[-1][0] == self._seq:
-            return  # nothing pushed since: the earlier note says more
+            # Nothing pushed since: this note replaces that one, or the next push would be
+            # dated to the start of the quiet spell.
+            notes.pop()
         notes.append((self._seq, self._clock()))
         if len(notes) > _MAX_TIME_NOTES:
             half = len(notes) // 2

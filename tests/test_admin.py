@@ -35,6 +35,8 @@ from tests.test_load_shapes import wait_until
 
 SYNC = b"\x21"
 TOKEN = b"s3cret-token"
+#: What a state-changing request must carry (any value), and a cross-site form cannot.
+ACTION = {"X-Pinpriq-Action": "1"}
 
 
 class Admin:
@@ -113,7 +115,10 @@ async def test_metrics_count_what_was_pushed_popped_delivered_expired_and_purged
     await subscriber.send(subscribe(b"jobs") + READY)
     assert await subscriber.reply() == [(b"k4", b"p")]  # 1 delivered
     await wait_until(lambda: admin.live.store.expired == 1, "the TTL packet expired")
-    assert await admin.json("/queues/purge-me/purge", "POST") == {"queue": "purge-me", "purged": 1}
+    assert await admin.json("/queues/purge-me/purge", "POST", **ACTION) == {
+        "queue": "purge-me",
+        "purged": 1,
+    }
 
     samples = await admin.metrics()
     counted = {
@@ -259,11 +264,37 @@ async def test_peek_shows_pop_order_and_removes_nothing(admin: Admin) -> None:
     assert (await admin.json("/queues/nothing/peek"))["packets"] == []
 
 
-@pytest.mark.parametrize("query", ["n=0", "n=1001", "n=ten", "n=-1", "n="])
-async def test_peek_refuses_a_bad_count_and_says_why(admin: Admin, query: str) -> None:
+@pytest.mark.parametrize(
+    "query",
+    [
+        "n=0",
+        "n=1001",
+        "n=ten",
+        "n=-1",
+        "n=",
+        "n=%C2%B2",  # superscript two: str.isdigit() says yes, int() says no
+        "n=%D9%A3",  # Arabic-Indic three: int() reads it as 3
+        "n=" + "9" * 5000,  # more digits than int() takes from a string
+        "n=+5",
+        "n=%205",
+    ],
+)
+async def test_peek_refuses_a_bad_count_and_says_why(
+    admin: Admin, query: str, caplog: pytest.LogCaptureFixture
+) -> None:
     status, _, body = await admin.request("GET", f"/queues/q/peek?{query}")
     assert status == 400
-    assert "n must be a whole number in 1..1000" in json.loads(body)["error"]
+    error = json.loads(body)["error"]
+    assert "n must be a whole number in 1..1000" in error
+    assert len(error) < 100  # a 5,000-digit number is not echoed whole
+    assert "Traceback" not in caplog.text
+
+
+@pytest.mark.parametrize("limit", ["%C2%B2", "%D9%A3", "1" + "0" * 5000, "1000001"])
+async def test_stats_refuses_a_bad_limit(admin: Admin, limit: str) -> None:
+    status, _, body = await admin.request("GET", f"/stats?limit={limit}")
+    assert status == 400
+    assert "limit must be a whole number in 0..1000000" in json.loads(body)["error"]
 
 
 async def test_purge_removes_prio_zero_packets_and_wakes_pushers_waiting_for_room(
@@ -282,7 +313,7 @@ async def test_purge_removes_prio_zero_packets_and_wakes_pushers_waiting_for_roo
     status, _, _ = await admin.request("GET", "/readyz")
     assert status == 200
     for method in ("POST", "DELETE"):
-        purged = await admin.json("/queues/stuck/purge", method)
+        purged = await admin.json("/queues/stuck/purge", method, **ACTION)
         assert purged["purged"] == (4 if method == "POST" else 2)
         if method == "POST":
             assert await producer.receive_exactly(2) == b"\x00\x00"  # the waiting pushes went on
@@ -291,7 +322,10 @@ async def test_purge_removes_prio_zero_packets_and_wakes_pushers_waiting_for_roo
 
 
 async def test_purge_of_a_queue_that_holds_nothing_purges_nothing(admin: Admin) -> None:
-    assert await admin.json("/queues/none/purge", "POST") == {"queue": "none", "purged": 0}
+    assert await admin.json("/queues/none/purge", "POST", **ACTION) == {
+        "queue": "none",
+        "purged": 0,
+    }
 
 
 @pytest.mark.parametrize(
@@ -313,6 +347,25 @@ async def test_wrong_requests_get_a_status_and_a_reason(
     assert error in json.loads(body)["error"]
     if status == 405:
         assert headers["allow"] in ("GET, HEAD", "POST, DELETE")
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/queues/%ZZ"),
+        ("GET", "/queues/a%2"),
+        ("GET", "/queues/%/peek"),
+        ("POST", "/queues/%ZZ/purge"),
+    ],
+)
+async def test_a_malformed_percent_escape_is_refused(admin: Admin, method: str, path: str) -> None:
+    peer = await admin.live.connect()
+    await applied(peer, push(b"%ZZ", b"k", b"v", prio=1))  # the literal name is not purged
+    status, _, body = await admin.request(method, path, ACTION)
+    assert status == 400
+    assert "malformed percent escape" in json.loads(body)["error"]
+    assert admin.live.store.depth(b"%ZZ") == 1
+    assert (await admin.json("/queues/%25ZZ"))["packets"] == 1  # %25 is how to say %
 
 
 async def test_a_queue_name_longer_than_the_protocol_allows_is_refused(admin: Admin) -> None:
@@ -344,19 +397,72 @@ async def test_a_body_too_large_is_refused(admin: Admin) -> None:
 
 
 async def test_admin_connections_beyond_the_limit_are_closed(
-    admin: Admin, monkeypatch: pytest.MonkeyPatch
+    admin: Admin, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr("pinpriq.admin.http.MAX_CONNECTIONS", 2)
-    held = [await trio.open_tcp_stream("127.0.0.1", admin.port) for _ in range(2)]
-    await trio.sleep(0.1)  # both accepted and counted
+    monkeypatch.setattr("pinpriq.admin.http.MAX_PROBE_CONNECTIONS", 1)
+    monkeypatch.setattr("pinpriq.admin.http.PROBE_TIMEOUT", 600.0)  # the probe slot stays held
+    held = [await trio.open_tcp_stream("127.0.0.1", admin.port) for _ in range(3)]
+    await trio.sleep(0.1)  # all accepted and counted: two served, one for a probe
     extra = await trio.open_tcp_stream("127.0.0.1", admin.port)
     with trio.fail_after(5):
         assert await extra.receive_some(100) == b""  # closed at once
+    assert "refusing an admin connection from 127.0.0.1:" in caplog.text
     await extra.aclose()
     for stream in held:
         await stream.aclose()
     await trio.sleep(0.1)
     assert (await admin.request("GET", "/healthz"))[0] == 200
+
+
+GET_PAGE = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+async def hold_without_reading(port: int) -> trio.SocketStream:
+    """A connection that pipelines requests for the dashboard page and reads (after its first
+    bytes, which show it is served) nothing of the answers: far more than socket buffers take."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(GET_PAGE * 2000)
+    with trio.fail_after(10):
+        assert (await stream.receive_some(5)) == b"HTTP/"
+    return stream
+
+
+async def test_clients_that_do_not_read_cannot_keep_the_health_probes_out(
+    admin: Admin, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("pinpriq.admin.http.MAX_CONNECTIONS", 3)
+    monkeypatch.setattr("pinpriq.admin.http.SEND_TIMEOUT", 600.0)  # held for the whole test
+    held = [await hold_without_reading(admin.port) for _ in range(3)]
+    for path in ("/healthz", "/readyz"):
+        assert (await admin.request("GET", path))[0] == 200
+    status, headers, body = await admin.request("GET", "/stats")
+    assert status == 503
+    assert "too many admin connections" in json.loads(body)["error"]
+    assert headers["connection"] == "close"
+    assert "refusing GET /stats from 127.0.0.1:" in caplog.text
+    for stream in held:
+        await stream.aclose()
+    await served_in_full(admin)
+
+
+async def served_in_full(admin: Admin) -> None:
+    """Wait until a connection slot is free again: /stats is answered (not 503)."""
+    with trio.fail_after(10):  # the listener notices the closes at its next write
+        while (await admin.request("GET", "/stats"))[0] != 200:  # noqa: ASYNC110
+            await trio.sleep(0.01)
+
+
+async def test_an_answer_not_taken_in_time_frees_its_connection(
+    admin: Admin, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("pinpriq.admin.http.MAX_CONNECTIONS", 1)
+    monkeypatch.setattr("pinpriq.admin.http.SEND_TIMEOUT", 0.2)
+    held = await hold_without_reading(admin.port)
+    await wait_until(lambda: "did not take its answer" in caplog.text, "the server gave up")
+    assert "closing the admin connection from 127.0.0.1:" in caplog.text
+    await served_in_full(admin)  # its slot is free again, though the client never closed
+    await held.aclose()
 
 
 async def test_one_connection_serves_several_requests(admin: Admin) -> None:
@@ -394,7 +500,7 @@ async def test_ready_only_while_serving(start_server: StartServer, nursery: trio
 
 
 async def test_with_a_token_everything_but_the_probes_and_the_page_needs_it(
-    start_server: StartServer, nursery: trio.Nursery
+    start_server: StartServer, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
     admin = await start_admin(start_server, nursery, PinpriqServer(token=TOKEN))
     for path in ("/healthz", "/readyz", "/"):
@@ -411,8 +517,59 @@ async def test_with_a_token_everything_but_the_probes_and_the_page_needs_it(
             assert status == 401, (method, path, headers)
             assert response_headers["www-authenticate"] == 'Bearer realm="pinpriq"'
             assert "Bearer" in json.loads(body)["error"]
-        authorized = {"Authorization": "Bearer " + TOKEN.decode()}
+        authorized = {"Authorization": "Bearer " + TOKEN.decode(), **ACTION}
         assert (await admin.request(method, path, authorized))[0] == 200
+        # Each refusal is logged, as the data port logs each: the client, never the token.
+        assert f"refusing {method} {path} from 127.0.0.1:" in caplog.text
+    assert "wrong" not in caplog.text
+    assert TOKEN.decode() not in caplog.text
+
+
+async def test_a_change_needs_a_header_that_a_cross_site_form_cannot_send(
+    admin: Admin, caplog: pytest.LogCaptureFixture
+) -> None:
+    peer = await admin.live.connect()
+    await applied(peer, push(b"q", b"k", b"v", prio=1))
+    forms = [
+        {},
+        {"Content-Type": "application/x-www-form-urlencoded"},
+        {"Content-Type": "multipart/form-data; boundary=x"},
+        {"Content-Type": "text/plain"},
+        {"Content-Type": "text/plain; a=application/json"},
+    ]
+    for method in ("POST", "DELETE"):
+        for headers in forms:
+            status, _, body = await admin.request(method, "/queues/q/purge", headers)
+            assert status == 403, (method, headers)
+            assert "X-Pinpriq-Action" in json.loads(body)["error"]
+        assert f"refusing {method} /queues/q/purge from 127.0.0.1:" in caplog.text
+    assert admin.live.store.depth(b"q") == 1  # nothing purged
+    scripts = [
+        {"X-Pinpriq-Action": "purge"},
+        {"x-pinpriq-action": ""},  # any value, the empty one too
+        {"Content-Type": "application/json"},
+        {"Content-Type": "Application/JSON; charset=utf-8"},
+    ]
+    for headers in scripts:
+        status, _, body = await admin.request("POST", "/queues/q/purge", headers)
+        assert status == 200, headers
+    assert admin.live.store.depth(b"q") == 0
+
+
+async def test_cross_origin_requests_get_no_cors_permission(admin: Admin) -> None:
+    # Headers a cross-site form cannot send make a browser ask first (a preflight): refused.
+    preflight = {
+        "Origin": "http://elsewhere.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "x-pinpriq-action",
+    }
+    for path in ("/queues/q/purge", "/stats", "/"):
+        status, headers, _ = await admin.request("OPTIONS", path, preflight)
+        assert status == 405
+        assert not [name for name in headers if name.lower().startswith("access-control-")]
+    status, headers, _ = await admin.request("GET", "/stats", {"Origin": preflight["Origin"]})
+    assert status == 200
+    assert not [name for name in headers if name.lower().startswith("access-control-")]
 
 
 async def test_the_dashboard_page_is_served_whole(admin: Admin) -> None:

@@ -246,8 +246,13 @@ def test_health_needs_no_token_where_stats_do() -> None:
     try:
         ok("health", "--ready", "--admin", server.admin)
         assert pinpriq("stats", "--admin", server.admin).returncode == 1
+        purge = pinpriq("purge", "q", "--admin", server.admin, PINPRIQ_AUTH_TOKEN="wrong")
+        assert purge.returncode == 1
     finally:
-        stop(server)
+        log = stop(server)
+    assert b"refusing GET /stats from 127.0.0.1:" in log  # as the data port logs refusals
+    assert b"refusing POST /queues/q/purge from 127.0.0.1:" in log
+    assert b"wrong" not in log
 
 
 def test_with_tls_the_admin_listener_speaks_https_with_the_data_ports_certificate(
@@ -274,4 +279,10 @@ def test_with_tls_the_admin_listener_speaks_https_with_the_data_ports_certificat
         assert plain.stderr.count("\n") == 1
         ok("health", "--admin", server.admin, "--tls-ca", trust)  # and the listener goes on
     finally:
-        stop(server)
+        log = stop(server)
+    # The plain request is logged, naming the client, as the data port logs its refusals.
+    assert re.search(
+        rb"closing the admin connection from 127\.0\.0\.1:\d+: TLS handshake failed: .*"
+        rb"the peer does not seem to speak TLS",
+        log,
+    )

@@ -94,7 +94,7 @@ async def test_the_admin_listener_reads_and_purges_a_redis_store(redis_url: str)
         app = AdminApp(server, sampler)
 
         async def ask(method: str, path: bytes) -> Any:
-            response = app.handle(Request(method, path, {}, b""))
+            response = app.handle(Request(method, path, {b"x-pinpriq-action": b"1"}, b""))
             assert response.later is not None  # answered after a wait on Redis
             answered = await response.later()
             assert answered.status == 200, answered.body

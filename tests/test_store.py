@@ -542,6 +542,21 @@ def test_oldest_age_reads_the_time_notes(store: QueueStore, clock: FakeClock) ->
     assert store.queue_info(b"q").oldest_age == 1.5
 
 
+def test_a_push_after_a_quiet_spell_is_dated_from_the_latest_note(
+    store: QueueStore, clock: FakeClock
+) -> None:
+    # Notes taken while nothing was pushed still say "nothing new by now": a push after 30 s of
+    # quiet is at most a second old, not 30 s.
+    store.push(b"old", b"k", b"p", 0, 1)
+    for _ in range(31):
+        store.note_time()
+        clock.advance(1.0)
+    clock.advance(-0.5)  # half a second after the last note
+    store.push(b"q", b"k", b"p", 0, 1)
+    assert store.queue_info(b"q").oldest_age == 0.5
+    assert store.queue_info(b"old").oldest_age is None  # pushed before any note
+
+
 def test_time_notes_stay_bounded(store: QueueStore, clock: FakeClock) -> None:
     store.note_time()
     for i in range(10_000):

@@ -12,12 +12,18 @@
 
 NAME is the queue's bytes, percent-encoded. When the server has a token, every path but
 ``/healthz``, ``/readyz`` and the dashboard page needs ``Authorization: Bearer TOKEN``; the
-page holds no data and asks for the token itself, so a browser can open it.
+page holds no data and asks for the token itself, so a browser can open it. A request that
+changes something (POST, DELETE) must carry ``X-Pinpriq-Action`` (any value) or
+``Content-Type: application/json``: a cross-site form can send neither, and a page's script
+must ask first (a CORS preflight), which this API refuses, so another web page a browser on the
+server's host opens cannot purge. Refusals (401, 403) are logged with the client's address.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from importlib.resources import files
 from typing import Any, Protocol, TypeVar
@@ -33,13 +39,25 @@ from pinpriq.persistence.journal import Journal
 from pinpriq.store_contract import BatchedStore, PeekedPacket
 from pinpriq.wire import MAX_FIELD
 
-__all__ = ["DEFAULT_PEEK", "MAX_PEEK", "AdminApp", "Observed"]
+__all__ = ["ACTION_HEADER", "DEFAULT_PEEK", "MAX_PEEK", "PROBES", "AdminApp", "Observed"]
+
+log = logging.getLogger("pinpriq.admin")
 
 #: Packets ``peek`` shows unless told otherwise, and at most.
 DEFAULT_PEEK = 10
 MAX_PEEK = 1000
+#: Health probes: answered even while the listener's connection slots are full.
+PROBES = frozenset({b"/healthz", b"/readyz"})
 #: Paths anyone may read: probes carry no secrets, and the page fetches its data with the token.
-PUBLIC = frozenset({"/", "/healthz", "/readyz"})
+PUBLIC = frozenset({b"/", *PROBES})
+#: Methods that change something: they need ``ACTION_HEADER`` or a JSON content type.
+CHANGING = frozenset({"POST", "DELETE"})
+ACTION_HEADER = "X-Pinpriq-Action"
+#: A ``%`` not followed by two hex digits: a malformed escape.
+_MALFORMED_ESCAPE = re.compile(rb"%(?![0-9A-Fa-f]{2})")
+#: Digits a number parameter may have: more is no count this API takes (and ``int`` of a long
+#: enough string is slow, or refused).
+_MAX_DIGITS = 20
 HTML = "text/html; charset=utf-8"
 
 
@@ -94,16 +112,23 @@ class AdminApp:
     def handle(self, request: Request) -> Response:
         path, _, query = request.target.partition(b"?")
         try:
-            segments = [unquote_to_bytes(part) for part in path.split(b"/")[1:]]
+            segments = [_unquote(part) for part in path.split(b"/")[1:]]
             route = self._route(request.method, path, segments)
-            if path.decode("latin-1") not in PUBLIC:
+            if path not in PUBLIC:
                 self._authorize(request)
-                if self.server.recovering:  # the store is being filled in a worker thread
-                    raise HTTPError(
-                        503, "reading the log back (--data-dir); ready when /readyz says so"
-                    )
+            if request.method in CHANGING:
+                _check_action(request)
+            if path not in PUBLIC and self.server.recovering:
+                # The store is being filled in a worker thread.
+                raise HTTPError(
+                    503, "reading the log back (--data-dir); ready when /readyz says so"
+                )
             return route(parse_qs(query.decode("latin-1"), keep_blank_values=True))
         except HTTPError as error:
+            if error.status in (401, 403):  # as the data port logs the connections it refuses
+                log.warning(
+                    "refusing %s %s from %s: %s", request.method, escape(path), request.peer, error
+                )
             response = _json({"error": str(error)}, error.status)
             return Response(response.status, response.body, headers=error.headers)
 
@@ -215,6 +240,30 @@ def _later(work: Callable[[], Awaitable[_T]], answer: Callable[[_T], Response]) 
     return Response(200, later=run)
 
 
+def _check_action(request: Request) -> None:
+    """403 unless a state-changing request carries what a cross-site form cannot send."""
+    if ACTION_HEADER.lower().encode() in request.headers:
+        return
+    media_type = request.headers.get(b"content-type", b"").partition(b";")[0]
+    if media_type.strip().lower() == b"application/json":
+        return
+    raise HTTPError(
+        403,
+        f"a {request.method} must carry the header {ACTION_HEADER} (any value) or "
+        "Content-Type: application/json, which a cross-site form cannot send",
+    )
+
+
+def _unquote(part: bytes) -> bytes:
+    """A path segment's bytes; 400 for a ``%`` not followed by two hex digits."""
+    if _MALFORMED_ESCAPE.search(part):
+        raise HTTPError(
+            400,
+            f"a malformed percent escape in {escape(part)}: a % takes two hex digits (%25 is %)",
+        )
+    return unquote_to_bytes(part)
+
+
 def _check_name(queue: bytes) -> None:
     if len(queue) > MAX_FIELD:
         raise HTTPError(400, f"a queue name is at most {MAX_FIELD} bytes, not {len(queue)}")
@@ -225,6 +274,10 @@ def _number(query: dict[str, list[str]], name: str, default: int, low: int, high
     if name not in query:
         return default
     text = query[name][-1]
-    if not text.isdigit() or not low <= int(text) <= high:
-        raise HTTPError(400, f"{name} must be a whole number in {low}..{high}, not {text!r}")
-    return int(text)
+    # ASCII digits only: str.isdigit() takes "²" (which int() refuses) and "٣" (which it reads).
+    if text.isascii() and text.isdigit() and len(text) <= _MAX_DIGITS:
+        number = int(text)
+        if low <= number <= high:
+            return number
+    shown = text if len(text) <= _MAX_DIGITS else text[:_MAX_DIGITS] + "..."
+    raise HTTPError(400, f"{name} must be a whole number in {low}..{high}, not {shown!r}")

@@ -5,8 +5,9 @@ bodies it builds in memory, inside the server's own Trio run. h11 is one pure-Py
 (hypercorn is built on it, and adds h2, wsproto, its configuration and its logging); it is
 sans-I/O like pinpriq's own codec, so this module is only the loop that moves bytes between a
 socket and ``h11.Connection``, with the limits a server exposed to a network needs: a cap on a
-request's head and body, a time limit on each request, keep-alive, and one bad connection never
-taking the listener down.
+request's head and body, a time limit on each request and on sending each answer, keep-alive, a
+cap on connections that still leaves room for health probes, and one bad connection never taking
+the listener down.
 
 Handlers are synchronous (``Handler``): they read the broker and answer without yielding, so
 what they report is one consistent moment.
@@ -23,6 +24,9 @@ import attrs
 import h11
 import trio
 
+from pinpriq.server import peer_name
+from pinpriq.tls import describe_tls_error
+
 __all__ = ["MAX_BODY", "Handler", "Request", "Response", "serve_http"]
 
 log = logging.getLogger("pinpriq.admin")
@@ -34,9 +38,17 @@ MAX_BODY = 64 * 1024
 #: Seconds a client may take to send one request, and an idle keep-alive connection may last.
 REQUEST_TIMEOUT = 30.0
 RECEIVE_SIZE = 16 * 1024
-#: Admin connections served at once; more are closed on arrival, so that a flood of them cannot
-#: take the file descriptors the data port needs.
+#: Seconds an answer may take to be sent: a client that sends requests and does not read the
+#: answers (pipelining them) would otherwise hold its connection for as long as it likes.
+SEND_TIMEOUT = 10.0
+#: Admin connections served at once, so that a flood of them cannot take the file descriptors the
+#: data port needs. Beyond them, ``MAX_PROBE_CONNECTIONS`` more get one request each, answered
+#: only if it is a probe (a health check must get through while the slots are full); more than
+#: that are closed on arrival.
 MAX_CONNECTIONS = 64
+MAX_PROBE_CONNECTIONS = 16
+#: Seconds such an extra connection has to send its request, and then to take its answer.
+PROBE_TIMEOUT = 2.0
 
 
 @attrs.frozen
@@ -45,6 +57,7 @@ class Request:
     target: bytes  # as sent: path and query, percent-encoded
     headers: dict[bytes, bytes]  # names lower-cased; a repeated header keeps its last value
     body: bytes
+    peer: str = "unknown peer"  # HOST:PORT, for the log
 
 
 @attrs.frozen
@@ -61,45 +74,155 @@ class Response:
 Handler = Callable[[Request], Response]
 
 
-async def serve_http(handler: Handler, listeners: list[trio.abc.Listener[trio.abc.Stream]]) -> None:
-    """Answer HTTP requests on ``listeners`` with ``handler`` until cancelled."""
-    await trio.serve_listeners(partial(_connection, handler, [0]), listeners)
+@attrs.define
+class _Slots:
+    """Connections open: served in full, and beyond those, answering only probes."""
+
+    probes: frozenset[bytes]  # the paths an extra connection may ask for
+    serving: int = 0
+    probing: int = 0
 
 
-async def _connection(handler: Handler, open_count: list[int], stream: trio.abc.Stream) -> None:
-    if open_count[0] >= MAX_CONNECTIONS:
-        log.warning("refusing an admin connection: %d already open", open_count[0])
+async def serve_http(
+    handler: Handler,
+    listeners: list[trio.abc.Listener[trio.abc.Stream]],
+    *,
+    probes: frozenset[bytes] = frozenset(),
+) -> None:
+    """Answer HTTP requests on ``listeners`` with ``handler`` until cancelled. The paths in
+    ``probes`` are answered even while ``MAX_CONNECTIONS`` connections are open."""
+    await trio.serve_listeners(partial(_connection, handler, _Slots(probes)), listeners)
+
+
+async def _connection(handler: Handler, slots: _Slots, stream: trio.abc.Stream) -> None:
+    peer = _peer(stream)
+    if slots.serving < MAX_CONNECTIONS:
+        slots.serving += 1
+        try:
+            await _serve(handler, stream, peer, REQUEST_TIMEOUT, None)
+        finally:
+            slots.serving -= 1
+    elif slots.probing < MAX_PROBE_CONNECTIONS:
+        slots.probing += 1
+        try:
+            await _serve(handler, stream, peer, PROBE_TIMEOUT, slots.probes)
+        finally:
+            slots.probing -= 1
+    else:
+        log.warning(
+            "refusing an admin connection from %s: %d already open",
+            peer,
+            slots.serving + slots.probing,
+        )
         await trio.aclose_forcefully(stream)
-        return
-    open_count[0] += 1
+
+
+async def _serve(
+    handler: Handler,
+    stream: trio.abc.Stream,
+    peer: str,
+    wait_seconds: float,
+    only: frozenset[bytes] | None,
+) -> None:
+    """Answer the requests of one connection, each within ``wait_seconds`` of the last answer;
+    with ``only``, one request, and none but those paths (503 for the rest)."""
     connection = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+    send_seconds = SEND_TIMEOUT if only is None else wait_seconds
     try:
+        if isinstance(stream, trio.SSLStream) and not await _shake_hands(
+            stream, peer, wait_seconds
+        ):
+            return
         while True:
             request = None
-            with trio.move_on_after(REQUEST_TIMEOUT):
-                request = await _read_request(connection, stream)
+            with trio.move_on_after(wait_seconds):
+                request = await _read_request(connection, stream, peer)
             if request is None:
                 return  # closed between requests, or too slow: nothing more to say
-            response = _answer(handler, request)
-            if response.later is not None:
-                response = await _answer_later(response.later, request)
-            await _respond(connection, stream, response, with_body=request.method != "HEAD")
+            response = await _response(handler, request, only)
+            with_body = request.method != "HEAD"
+            if not await _send(connection, stream, response, with_body, send_seconds, peer):
+                return
             if connection.our_state is h11.MUST_CLOSE:
                 return
             connection.start_next_cycle()
     except h11.RemoteProtocolError as error:
         if connection.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            status = error.error_status_hint
             body = f'{{"error": "bad request: {error}"}}'.encode()
-            await _respond(connection, stream, Response(status, body))
+            response = Response(error.error_status_hint, body)
+            await _send(connection, stream, response, True, send_seconds, peer)
     except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
         pass  # the client went away mid-answer
     finally:
-        open_count[0] -= 1
         await trio.aclose_forcefully(stream)
 
 
-async def _read_request(connection: h11.Connection, stream: trio.abc.Stream) -> Request | None:
+async def _send(
+    connection: h11.Connection,
+    stream: trio.abc.Stream,
+    response: Response,
+    with_body: bool,
+    seconds: float,
+    peer: str,
+) -> bool:
+    """Whether ``response`` was sent within ``seconds``: a client that does not read its answers
+    (pipelining requests) must not hold its connection for as long as it likes."""
+    with trio.move_on_after(seconds):
+        await _respond(connection, stream, response, with_body=with_body)
+        return True
+    log.warning(
+        "closing the admin connection from %s: it did not take its answer within %g s",
+        peer,
+        seconds,
+    )
+    return False
+
+
+async def _shake_hands(stream: trio.SSLStream[trio.abc.Stream], peer: str, seconds: float) -> bool:
+    """Whether the TLS handshake succeeded within ``seconds``; logs why not, as the data port
+    does (a plain HTTP client on the HTTPS port, a client that does not trust the certificate)."""
+    failure = f"no TLS handshake within {seconds:g} s"
+    with trio.move_on_after(seconds):
+        try:
+            await stream.do_handshake()
+            return True
+        except trio.BrokenResourceError as error:
+            failure = f"TLS handshake failed: {describe_tls_error(error)}"
+    log.warning("closing the admin connection from %s: %s", peer, failure)
+    return False
+
+
+async def _response(handler: Handler, request: Request, only: frozenset[bytes] | None) -> Response:
+    """The handler's answer, awaited if it needs a wait; with ``only``, a 503 for any path not
+    in it, and every answer closes the connection."""
+    if only is None:
+        response = _answer(handler, request)
+        if response.later is not None:
+            response = await _answer_later(response.later, request)
+        return response
+    path = request.target.partition(b"?")[0]
+    if path in only:
+        response = _answer(handler, request)
+    else:
+        reason = f"too many admin connections ({MAX_CONNECTIONS}); try again later"
+        shown = path.decode("ascii", "replace")
+        log.warning("refusing %s %s from %s: %s", request.method, shown, request.peer, reason)
+        response = Response(
+            503, f'{{"error": "{reason}"}}'.encode(), headers=(("retry-after", "1"),)
+        )
+    return attrs.evolve(response, headers=(*response.headers, ("connection", "close")))
+
+
+def _peer(stream: trio.abc.Stream) -> str:
+    """HOST:PORT of the client, for the log."""
+    while isinstance(stream, trio.SSLStream):
+        stream = stream.transport_stream
+    return peer_name(stream) if isinstance(stream, trio.SocketStream) else "unknown peer"
+
+
+async def _read_request(
+    connection: h11.Connection, stream: trio.abc.Stream, peer: str
+) -> Request | None:
     """The next whole request, or ``None`` when the client closed between requests."""
     head: h11.Request | None = None
     body = bytearray()
@@ -117,7 +240,8 @@ async def _read_request(connection: h11.Connection, stream: trio.abc.Stream) -> 
                 raise h11.RemoteProtocolError("request body too large", error_status_hint=413)
         elif isinstance(event, h11.EndOfMessage) and head is not None:
             headers = {name.lower(): value for name, value in head.headers}
-            return Request(head.method.decode("ascii"), head.target, headers, bytes(body))
+            method = head.method.decode("ascii")
+            return Request(method, head.target, headers, bytes(body), peer)
         elif isinstance(event, h11.ConnectionClosed):
             return None
 

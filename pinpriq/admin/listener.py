@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 import ssl
+from functools import partial
 
 import trio
 
-from pinpriq.admin.app import AdminApp, Observed
+from pinpriq.admin.app import PROBES, AdminApp, Observed
 from pinpriq.admin.http import serve_http
 from pinpriq.admin.stats import DEFAULT_MAX_QUEUES, Sampler
 
@@ -43,7 +44,7 @@ async def serve_admin(
     scheme = "http" if tls is None else "https"
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_sample, sampler)
-        nursery.start_soon(serve_http, app.handle, listeners)
+        nursery.start_soon(partial(serve_http, app.handle, listeners, probes=PROBES))
         for listener in sockets:
             address = listener.socket.getsockname()
             # Not "listening on ... port N": harnesses read the data port from that line.

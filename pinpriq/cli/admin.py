@@ -6,8 +6,9 @@ else http://127.0.0.1:7001; https:// for a server with TLS, trusting ``--tls-ca`
 standard library's ``urllib``: a handful of small JSON
 requests needs no other client. The token, if the server has one, comes from
 ``PINPRIQ_AUTH_TOKEN`` (never from the command line, which ``ps`` shows) and goes as
-``Authorization: Bearer``. Output is aligned tables for people, JSON with ``--json``; errors
-are one line and exit 1.
+``Authorization: Bearer``. A purge carries ``X-Pinpriq-Action``, which the listener requires of
+every change. Output is aligned tables for people, JSON with ``--json``; errors are one line and
+exit 1.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, TextIO
 from urllib.parse import quote_from_bytes, urlsplit
 
 from pinpriq._client_core import DEFAULT_TIMEOUT
-from pinpriq.admin.app import DEFAULT_PEEK, MAX_PEEK
+from pinpriq.admin.app import ACTION_HEADER, DEFAULT_PEEK, MAX_PEEK
 from pinpriq.auth import TOKEN_VARIABLE
 from pinpriq.cli.args import int_in
 from pinpriq.display import escape
@@ -146,7 +147,10 @@ class _Client:
         return self.request("GET", path)
 
     def request(self, method: str, path: str) -> Any:
-        request = urllib.request.Request(self.base + path, method=method, headers=self.headers)
+        headers = dict(self.headers)
+        if method != "GET":  # the listener refuses a change without it (no cross-site forms)
+            headers[ACTION_HEADER] = "1"
+        request = urllib.request.Request(self.base + path, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout, context=self.tls) as answer:
                 return json.loads(answer.read())
