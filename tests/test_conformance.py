@@ -559,6 +559,38 @@ class MixingTolerated:
         return b"".join(kept)
 
 
+_LEASE_OPCODES = frozenset({0x52, 0x4B, 0x4E, 0x54})
+
+
+class PlainAndLeaseFramesMixed:
+    """Drops, per connection, the frames decision 20 forbids beyond decision 18's: a reserve,
+    ack, release or touch after a plain subscribe, a plain subscribe after one of those."""
+
+    def __init__(self) -> None:
+        self._first: dict[int, str] = {}  # id(held) -> "plain" or "lease", whichever came first
+
+    def __call__(self, held: bytearray, chunk: bytes) -> bytes:
+        kept = []
+        for frame in _frames(held, chunk):
+            kind = "plain" if frame[0] == 0x73 else "lease" if frame[0] in _LEASE_OPCODES else None
+            if kind is not None and self._first.setdefault(id(held), kind) != kind:
+                continue
+            kept.append(bytes(frame))
+        return b"".join(kept)
+
+
+def unsubscribe_undoes_subscribe(held: bytearray, chunk: bytes) -> bytes:
+    """Hides from the server a subscribe and the unsubscribe of its queue in the same write,
+    as if an unsubscribe undid a plain subscription (decision 18 before decision 20)."""
+    frames = _frames(held, chunk)
+    undone = {bytes(frame[3:]) for frame in frames if frame[0] == 0x75}
+    return b"".join(
+        bytes(frame)
+        for frame in frames
+        if not (frame[0] in (0x73, 0x75) and bytes(frame[3:]) in undone)
+    )
+
+
 def drop_empty_replies(held: bytearray, chunk: bytes) -> bytes:
     held += chunk
     out, pos = bytearray(), 0
@@ -784,6 +816,16 @@ VARIANTS: dict[str, Variant] = {
         PinpriqServer,
         {"leased-mixing-closes"},
         to_server=MixingTolerated(),
+    ),
+    "lease frames and a plain subscribe tolerated on one connection": Variant(
+        PinpriqServer,
+        {"plain-lease-mixing-closes"},
+        to_server=PlainAndLeaseFramesMixed(),
+    ),
+    "an unsubscribe undoes a plain subscription": Variant(
+        PinpriqServer,
+        {"leased-mixing-closes"},
+        to_server=unsubscribe_undoes_subscribe,
     ),
     "lease times above 24 h accepted": Variant(
         PinpriqServer,
