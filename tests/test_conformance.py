@@ -36,7 +36,7 @@ from pinpriq.conformance import (
     run_fixture,
     run_suite,
 )
-from pinpriq.leases import Holder, Lease, Leases
+from pinpriq.leases import DEAD_SUFFIX, Holder, Lease, Leases
 from pinpriq.server import PinpriqServer
 from pinpriq.store import (
     DEADLINE,
@@ -296,6 +296,37 @@ class AttemptOfTheLeastLeased(Leases):
 class LeaseTimeZeroIsZero(Leases):
     def _due(self, lease_ms: int) -> float:
         return self._store.now() + lease_ms / 1000
+
+
+class ExpiredLeaseIsOver(Leases):
+    """A lease whose packets' TTL has all passed counts as over: its ack answers 0."""
+
+    def ack(self, holder: Holder, lease_id: int) -> bool:
+        lease, now = holder.leases.get(lease_id), self._store.now()
+        if lease is not None and all(now >= p[DEADLINE] > 0 for p in lease.packets):
+            return False
+        return super().ack(holder, lease_id)
+
+
+class DeadAtTheRelease(Leases):
+    """A group on its last attempt goes to its dead-letter queue at the release, not when the
+    release's delay ends."""
+
+    def release(self, holder: Holder, lease_id: int, delay_ms: int) -> bool:
+        lease = holder.leases.get(lease_id)
+        if lease is not None and lease.attempt >= self.max_deliveries:
+            delay_ms = 0
+        return super().release(holder, lease_id, delay_ms)
+
+
+class TooLongForDeadStays(Leases):
+    """A group whose dead-letter queue's name would be too long goes back to its own queue."""
+
+    def _bury(self, queue: bytes, packets: Sequence[QueuedPacket]) -> None:
+        if len(queue + DEAD_SUFFIX) <= 0xFFFF:
+            super()._bury(queue, packets)
+        elif self._store.restore(queue, [(*p[:LEASES], 0) for p in packets]):
+            self.returned.append(queue)
 
 
 class ReturnsOfferedToNobody(Leases):
@@ -806,6 +837,18 @@ VARIANTS: dict[str, Variant] = {
     "a packet coming back waits for the next push to be delivered": Variant(
         with_leases(ReturnsOfferedToNobody),
         {"lease-return-offered"},
+    ),
+    "a lease whose packets expired is over": Variant(
+        with_leases(ExpiredLeaseIsOver),
+        {"lease-ttl"},
+    ),
+    "dead-lettered at the release, not when its delay ends": Variant(
+        with_leases(DeadAtTheRelease),
+        {"lease-dead-letter-group"},
+    ),
+    "a group whose dead-letter name is too long stays in its queue": Variant(
+        with_leases(TooLongForDeadStays),
+        {"lease-dead-letter-long-name"},
     ),
     "acks grant delivery credits": Variant(
         PinpriqServer,
