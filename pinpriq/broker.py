@@ -496,7 +496,7 @@ class Session(Subscriber):
         on a connection that sent a plain subscribe (decision 20), else remembered."""
         if self.plain:
             raise _Refused(
-                f"{_describe(frame.__class__)} on a connection with a plain subscription "
+                f"{_describe(frame.__class__)} on a connection that sent a plain subscribe "
                 "(decision 20)"
             )
         self.lease_frames = True

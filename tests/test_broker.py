@@ -487,11 +487,15 @@ def test_a_pop_in_the_same_batch_as_the_leased_subscribe_is_refused(clock: FakeC
 @pytest.mark.parametrize(
     ("first", "offending", "reason"),
     [
-        (Subscribe(b"q"), Reserve(b"q"), "a reserve on a connection with a plain subscription"),
-        (Subscribe(b"q"), Ack(1), "an ack on a connection with a plain subscription"),
-        (Subscribe(b"q"), Release(1), "a release on a connection with a plain subscription"),
-        (Subscribe(b"q"), Touch(1), "a touch on a connection with a plain subscription"),
-        (Subscribe(b"q"), LeasedSubscribe(b"r"), "a leased subscribe on a connection with a"),
+        (Subscribe(b"q"), Reserve(b"q"), "a reserve on a connection that sent a plain subscribe"),
+        (Subscribe(b"q"), Ack(1), "an ack on a connection that sent a plain subscribe"),
+        (Subscribe(b"q"), Release(1), "a release on a connection that sent a plain subscribe"),
+        (Subscribe(b"q"), Touch(1), "a touch on a connection that sent a plain subscribe"),
+        (
+            Subscribe(b"q"),
+            LeasedSubscribe(b"r"),
+            "a leased subscribe on a connection that sent a plain",
+        ),
         (Reserve(b"none"), Subscribe(b"q"), "a plain subscribe on a connection that sent lease"),
         (Ack(1), Subscribe(b"q"), "a plain subscribe on a connection that sent lease"),
         (Release(1), Subscribe(b"q"), "a plain subscribe on a connection that sent lease"),
@@ -518,7 +522,7 @@ def test_an_unsubscribe_does_not_undo_a_plain_subscription(clock: FakeClock) -> 
     frames: list[ClientFrame] = [Subscribe(b"q"), Unsubscribe(b"q"), SYNC, LeasedSubscribe(b"q")]
     assert session.receive(frames) == 3
     assert session.error == (
-        "a leased subscribe on a connection with a plain subscription (decision 20)"
+        "a leased subscribe on a connection that sent a plain subscribe (decision 20)"
     )
     assert take(session) == reply()  # the sync: still a plain connection
 
