@@ -47,9 +47,11 @@ Theory of operation, as the driver sees it:
   every lease frame, a close and ``expire()`` end with. A connection that makes a leased
   subscribe is *leased* for the rest of its life: everything it is sent has the 11-byte header
   (a sync's and an auth's answer too: 11 zero bytes), and a pop, a plain subscribe or a reserve
-  on it breaks decision 18, as does a leased subscribe on a connection with a plain
-  subscription. Such a frame is not applied: ``receive`` stops before it and sets ``error``, and
-  the driver closes the connection (decision 9's way).
+  on it breaks decision 18. Plain subscriptions and lease frames never share a connection
+  (decision 20): once a connection has sent a plain subscribe (an unsubscribe does not undo
+  it), a reserve, ack, release, touch or leased subscribe breaks the rule, and once it has sent
+  one of those, a plain subscribe does. Such a frame is not applied: ``receive`` stops before
+  it and sets ``error``, and the driver closes the connection (decision 9's way).
 * **Counting.** ``totals()`` reads what the store already counts (pushes, expiries, purges,
   packets held) and the deliveries, and derives the rest: an addition per packet on the hot
   path costs more than a push's whole bookkeeping in the store, so there is none. The lease
@@ -309,7 +311,8 @@ class Broker:
 
 
 class _Refused(Exception):
-    """A frame that breaks decision 18: the connection is to be closed, the frame unapplied."""
+    """A frame that breaks decision 18 or 20: the connection is to be closed, the frame
+    unapplied."""
 
 
 class Session(Subscriber):
@@ -323,9 +326,11 @@ class Session(Subscriber):
         "dirty",
         "error",
         "holder",
+        "lease_frames",
         "lease_ms",
         "leased",
         "output",
+        "plain",
         "rejected",
         "unsent",
     )
@@ -337,6 +342,12 @@ class Session(Subscriber):
         self.holder = Holder()
         #: Whether it made a leased subscribe, for the rest of its life (decision 18).
         self.leased = False
+        #: Whether it sent a plain subscribe, for the rest of its life: deliveries in the
+        #: 2-byte format may be on their way, so lease frames are refused (decision 20).
+        self.plain = False
+        #: Whether it sent a reserve, ack, release, touch or leased subscribe, for the rest of
+        #: its life: a plain subscribe is refused (decision 20).
+        self.lease_frames = False
         #: The lease time of its deliveries: that of its latest leased subscribe (decision 17).
         self.lease_ms = 0
         #: Why the connection must be closed, once a frame broke a rule; ``receive`` stopped
@@ -465,10 +476,30 @@ class Session(Subscriber):
             raise _Rejected
         self.output += LEASED_EMPTY if self.leased else _SYNC_REPLY  # decision 18's framing
 
+    @property
+    def may_reserve(self) -> bool:
+        """Whether a reserve would be applied now: after auth, on a connection neither leased
+        (decision 18) nor ever plainly subscribed (decision 20). A store that runs reserves
+        before ``receive`` applies them (Redis) asks first, so a refused one takes nothing."""
+        return self.authenticated and not self.leased and not self.plain
+
     def _subscribe(self, frame: Subscribe) -> None:
         if self.leased:
             raise _Refused("a plain subscribe on a leased connection (decision 18)")
+        if self.lease_frames:
+            raise _Refused("a plain subscribe on a connection that sent lease frames (decision 20)")
+        self.plain = True
         self.broker.subscriptions.subscribe(self, frame.queue)
+
+    def _lease_frame(self, frame: ClientFrame) -> None:
+        """A reserve, ack, release, touch or leased subscribe is about to be applied: refused
+        on a connection that sent a plain subscribe (decision 20), else remembered."""
+        if self.plain:
+            raise _Refused(
+                f"{_describe(frame.__class__)} on a connection that sent a plain subscribe "
+                "(decision 20)"
+            )
+        self.lease_frames = True
 
     def _unsubscribe(self, frame: Unsubscribe) -> None:
         self.broker.subscriptions.unsubscribe(self, frame.queue)
@@ -486,6 +517,7 @@ class Session(Subscriber):
     def _reserve(self, frame: Reserve) -> None:
         if self.leased:
             raise _Refused("a reserve on a leased connection (decision 18)")
+        self._lease_frame(frame)
         broker = self.broker
         lease = broker.leases.reserve(self.holder, frame.queue, frame.lease_ms)
         if lease is None:
@@ -496,6 +528,7 @@ class Session(Subscriber):
             broker.timer = lease.due
 
     def _ack(self, frame: Ack) -> None:
+        self._lease_frame(frame)
         leases = self.broker.leases
         live = leases.ack(self.holder, frame.lease_id)
         self.output += encode_lease_status(frame.lease_id, live)
@@ -503,20 +536,19 @@ class Session(Subscriber):
             self.broker.settle()
 
     def _release(self, frame: Release) -> None:
+        self._lease_frame(frame)
         live = self.broker.leases.release(self.holder, frame.lease_id, frame.delay_ms)
         self.output += encode_lease_status(frame.lease_id, live)
         self.broker.settle()
 
     def _touch(self, frame: Touch) -> None:
+        self._lease_frame(frame)
         live = self.broker.leases.touch(self.holder, frame.lease_id, frame.lease_ms)
         self.output += encode_lease_status(frame.lease_id, live)
         self.broker.settle()
 
     def _leased_subscribe(self, frame: LeasedSubscribe) -> None:
-        if self.queues and not self.leased:
-            raise _Refused(
-                "a leased subscribe on a connection with a plain subscription (decision 18)"
-            )
+        self._lease_frame(frame)
         self.leased = True
         self.lease_ms = frame.lease_ms
         self.take_from = self._take_lease
@@ -582,6 +614,6 @@ assert set(_HANDLERS) | {Push} == set(FRAMES.values()), "a frame the broker cann
 
 
 def _describe(kind: type[ClientFrame]) -> str:
-    """A frame kind for a log line: ``a pop``, ``an unsubscribe``."""
-    name = kind.__name__.lower()
+    """A frame kind for a log line: ``a pop``, ``an unsubscribe``, ``a leased subscribe``."""
+    name = "".join(" " + c.lower() if c.isupper() else c for c in kind.__name__).lstrip()
     return f"an {name}" if name[0] in "aeiou" else f"a {name}"

@@ -400,6 +400,20 @@ def lease_totals(live: ThreadServer) -> LeaseTotals:
     return live.call(live.server.broker.lease_totals)
 
 
+def test_a_lease_and_a_plain_subscription_of_one_client_never_share_a_connection(
+    live: ThreadServer,
+) -> None:
+    # Decision 20: the server closes a connection that mixes them; the subscription has a
+    # connection of its own, so the client's lease frames go on working beside it.
+    with connect(live.port) as client:
+        client.push("jobs", "k", "v")
+        job = client.reserve("jobs")
+        with client.subscribe("events") as deliveries:
+            client.push("events", "e", "1")
+            assert next(deliveries) == [Packet(b"e", b"1")]
+            assert job.ack()
+
+
 def test_reserve_and_the_lease_as_a_context_manager(live: ThreadServer) -> None:
     with connect(live.port) as client:
         client.push("jobs", "k", "v")

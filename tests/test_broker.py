@@ -73,15 +73,18 @@ def test_a_conversation_is_bytes_out_for_frames_in(clock: FakeClock) -> None:
 
 
 def test_every_frame_of_the_protocol_is_handled(clock: FakeClock) -> None:
-    session = broker_with(clock).open_session()
+    broker = broker_with(clock)
     examples = {Push: Push(b"q", b"k", b"v"), Pop: Pop(b"q"), Subscribe: Subscribe(b"q")}
     examples |= {Unsubscribe: Unsubscribe(b"q"), type(READY): READY, type(SYNC): SYNC}
     examples |= {Auth: Auth(b"any token: this broker has none")}
-    examples |= {Reserve: Reserve(b"q"), Ack: Ack(1), Release: Release(2), Touch: Touch(3)}
-    examples |= {LeasedSubscribe: LeasedSubscribe(b"r")}  # last: then the connection is leased
-    assert set(examples) == set(FRAMES.values())
-    assert session.receive(list(examples.values())) == len(examples)
-    assert session.error is None
+    # Lease frames on a connection of their own: never with a plain subscribe (decision 20).
+    lease_examples = {Reserve: Reserve(b"q"), Ack: Ack(1), Release: Release(2), Touch: Touch(3)}
+    lease_examples |= {LeasedSubscribe: LeasedSubscribe(b"r")}  # last: the connection is leased
+    assert set(examples) | set(lease_examples) == set(FRAMES.values())
+    for frames in (examples, lease_examples):
+        session = broker.open_session()
+        assert session.receive(list(frames.values())) == len(frames)
+        assert session.error is None
 
 
 def test_a_frame_the_broker_does_not_know_is_an_error_not_a_fall_through(
@@ -461,7 +464,6 @@ def test_a_leased_connection_gets_the_11_byte_header_on_everything(clock: FakeCl
         (LeasedSubscribe(b"q"), Pop(b"q"), "a pop on a leased connection"),
         (LeasedSubscribe(b"q"), Subscribe(b"r"), "a plain subscribe on a leased connection"),
         (LeasedSubscribe(b"q"), Reserve(b"q"), "a reserve on a leased connection"),
-        (Subscribe(b"q"), LeasedSubscribe(b"r"), "a leased subscribe on a connection with a"),
     ],
 )
 def test_mixing_leased_and_plain_frames_is_refused(
@@ -482,11 +484,58 @@ def test_a_pop_in_the_same_batch_as_the_leased_subscribe_is_refused(clock: FakeC
     assert session.error == "a pop on a leased connection (decision 18)"
 
 
-def test_a_plain_subscription_given_up_allows_a_leased_one(clock: FakeClock) -> None:
+@pytest.mark.parametrize(
+    ("first", "offending", "reason"),
+    [
+        (Subscribe(b"q"), Reserve(b"q"), "a reserve on a connection that sent a plain subscribe"),
+        (Subscribe(b"q"), Ack(1), "an ack on a connection that sent a plain subscribe"),
+        (Subscribe(b"q"), Release(1), "a release on a connection that sent a plain subscribe"),
+        (Subscribe(b"q"), Touch(1), "a touch on a connection that sent a plain subscribe"),
+        (
+            Subscribe(b"q"),
+            LeasedSubscribe(b"r"),
+            "a leased subscribe on a connection that sent a plain",
+        ),
+        (Reserve(b"none"), Subscribe(b"q"), "a plain subscribe on a connection that sent lease"),
+        (Ack(1), Subscribe(b"q"), "a plain subscribe on a connection that sent lease"),
+        (Release(1), Subscribe(b"q"), "a plain subscribe on a connection that sent lease"),
+        (Touch(1), Subscribe(b"q"), "a plain subscribe on a connection that sent lease"),
+    ],
+)
+def test_plain_subscriptions_and_lease_frames_never_share_a_connection(
+    clock: FakeClock, first: ClientFrame, offending: ClientFrame, reason: str
+) -> None:
+    broker = broker_with(clock)
+    session = broker.open_session()
+    broker.open_session().receive([Push(b"q", b"k", b"v", 0, 1)])
+    frames: list[ClientFrame] = [first, SYNC, offending, Push(b"q", b"after", b"", 0, 1)]
+    assert session.receive(frames) == 2  # decision 20: the frames before it are applied
+    assert session.error is not None
+    assert session.error.startswith(reason)
+    assert session.error.endswith("(decision 20)")
+    assert len(broker.store) == 1  # none taken by a refused reserve; the push after it not made
+
+
+def test_an_unsubscribe_does_not_undo_a_plain_subscription(clock: FakeClock) -> None:
+    # Decision 20: deliveries made before the unsubscribe was read may still be on their way.
     session = broker_with(clock).open_session()
-    frames: list[ClientFrame] = [Subscribe(b"q"), Unsubscribe(b"q"), LeasedSubscribe(b"q")]
+    frames: list[ClientFrame] = [Subscribe(b"q"), Unsubscribe(b"q"), SYNC, LeasedSubscribe(b"q")]
     assert session.receive(frames) == 3
+    assert session.error == (
+        "a leased subscribe on a connection that sent a plain subscribe (decision 20)"
+    )
+    assert take(session) == reply()  # the sync: still a plain connection
+
+
+def test_a_pop_and_a_reserve_share_a_connection_with_no_subscription(clock: FakeClock) -> None:
+    session = broker_with(clock).open_session()
+    frames: list[ClientFrame] = [Push(b"q", b"a", b"1", 0, 1), Push(b"q", b"b", b"2", 0, 2)]
+    frames += [Reserve(b"q"), Pop(b"q"), Ack(1), Pop(b"q"), SYNC]
+    assert session.receive(frames) == len(frames)
     assert session.error is None
+    assert take(session) == (
+        lease_reply(1, 1, (b"a", b"1")) + reply((b"b", b"2")) + status(1, True) + reply() + reply()
+    )
 
 
 def test_leased_packets_count_against_the_cap_and_an_ack_makes_room(clock: FakeClock) -> None:

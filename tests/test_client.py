@@ -522,6 +522,21 @@ async def test_reserve_gives_a_lease_that_acks_once(live: LiveServer) -> None:
         assert live.broker.lease_totals().acked == 2
 
 
+async def test_a_lease_and_a_plain_subscription_of_one_client_never_share_a_connection(
+    live: LiveServer,
+) -> None:
+    # Decision 20: the server closes a connection that mixes them; the subscription has a
+    # connection of its own, so the client's lease frames go on working beside it.
+    async with connect(live.port) as client:
+        await client.push("jobs", "k", "v")
+        job = await client.reserve("jobs")
+        async with client.subscribe("events") as deliveries:
+            await client.push("events", "e", "1")
+            assert await deliveries.__anext__() == [Packet(b"e", b"1")]
+            assert await job.ack()
+        assert await (await client.reserve("jobs")).release() is False  # empty: sends nothing
+
+
 async def test_an_empty_reserve_is_a_false_lease_that_sends_nothing(live: LiveServer) -> None:
     async with connect(live.port) as client:
         job = await client.reserve("nothing")

@@ -20,6 +20,8 @@ from urllib.parse import quote
 import pytest
 import trustme
 
+from pinpriq.cli.client import ServerUrl, parse_url
+
 BIN = Path(sys.executable).parent
 PINPRIQ = str(BIN / "pinpriq")
 TIMEOUT = 20
@@ -388,7 +390,8 @@ def test_tls_without_trusting_the_ca_is_one_line(secured: tuple[int, Path]) -> N
 @pytest.mark.parametrize(
     ("args", "url", "message"),
     [
-        ([], "pinpriq://user:pw@h:1", "PINPRIQ_URL must look like pinpriq://HOST:PORT"),
+        ([], "pinpriq://user:pw@h:1", "PINPRIQ_URL: pinpriq has no user names: write the token"),
+        ([], "pinpriq://pw@h:1", "PINPRIQ_URL: pinpriq has no user names: write the token"),
         ([], "pinpriq://:@h:1", "PINPRIQ_URL: the token after ':' is empty"),
         (["--tls-cert", "c.pem"], "pinpriq://h:1", "--tls-cert and --tls-key go together"),
         (["--tls-ca", "/nonexistent"], "pinpriq://h:1", "cannot use the TLS files"),
@@ -400,6 +403,22 @@ def test_bad_tokens_and_tls_options_are_one_line(args: list[str], url: str, mess
     assert done.stderr.count("\n") == 1
     assert message in done.stderr
     assert "pw" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("pinpriq://h", ServerUrl("h", 7000, None, False)),  # the default port
+        ("pinpriq://h:", ServerUrl("h", 7000, None, False)),
+        ("pinpriqs://[::1]:7100", ServerUrl("::1", 7100, None, True)),
+        ("pinpriq://:%FF%00a%2F%40%25@h:1", ServerUrl("h", 1, b"\xff\x00a/@%", False)),
+        ("pinpriq://:p:w+%zz@h:1", ServerUrl("h", 1, b"p:w+%zz", False)),  # taken as written
+        ("pinpriq://:s\u00e9@h:1", ServerUrl("h", 1, "s\u00e9".encode(), False)),  # UTF-8
+    ],
+)
+def test_the_url_gives_host_port_token_and_tls(url: str, expected: ServerUrl) -> None:
+    # A token is any bytes: %XX is the byte XX, not a character's UTF-8 (%FF was b"\xef\xbf\xbd").
+    assert parse_url(url) == expected
 
 
 # -- work: jobs on a lease ------------------------------------------------------------------------

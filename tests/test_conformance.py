@@ -36,7 +36,7 @@ from pinpriq.conformance import (
     run_fixture,
     run_suite,
 )
-from pinpriq.leases import Holder, Lease, Leases
+from pinpriq.leases import DEAD_SUFFIX, Holder, Lease, Leases
 from pinpriq.server import PinpriqServer
 from pinpriq.store import (
     DEADLINE,
@@ -296,6 +296,37 @@ class AttemptOfTheLeastLeased(Leases):
 class LeaseTimeZeroIsZero(Leases):
     def _due(self, lease_ms: int) -> float:
         return self._store.now() + lease_ms / 1000
+
+
+class ExpiredLeaseIsOver(Leases):
+    """A lease whose packets' TTL has all passed counts as over: its ack answers 0."""
+
+    def ack(self, holder: Holder, lease_id: int) -> bool:
+        lease, now = holder.leases.get(lease_id), self._store.now()
+        if lease is not None and all(now >= p[DEADLINE] > 0 for p in lease.packets):
+            return False
+        return super().ack(holder, lease_id)
+
+
+class DeadAtTheRelease(Leases):
+    """A group on its last attempt goes to its dead-letter queue at the release, not when the
+    release's delay ends."""
+
+    def release(self, holder: Holder, lease_id: int, delay_ms: int) -> bool:
+        lease = holder.leases.get(lease_id)
+        if lease is not None and lease.attempt >= self.max_deliveries:
+            delay_ms = 0
+        return super().release(holder, lease_id, delay_ms)
+
+
+class TooLongForDeadStays(Leases):
+    """A group whose dead-letter queue's name would be too long goes back to its own queue."""
+
+    def _bury(self, queue: bytes, packets: Sequence[QueuedPacket]) -> None:
+        if len(queue + DEAD_SUFFIX) <= 0xFFFF:
+            super()._bury(queue, packets)
+        elif self._store.restore(queue, [(*p[:LEASES], 0) for p in packets]):
+            self.returned.append(queue)
 
 
 class ReturnsOfferedToNobody(Leases):
@@ -559,6 +590,38 @@ class MixingTolerated:
         return b"".join(kept)
 
 
+_LEASE_OPCODES = frozenset({0x52, 0x4B, 0x4E, 0x54})
+
+
+class PlainAndLeaseFramesMixed:
+    """Drops, per connection, the frames decision 20 forbids beyond decision 18's: a reserve,
+    ack, release or touch after a plain subscribe, a plain subscribe after one of those."""
+
+    def __init__(self) -> None:
+        self._first: dict[int, str] = {}  # id(held) -> "plain" or "lease", whichever came first
+
+    def __call__(self, held: bytearray, chunk: bytes) -> bytes:
+        kept = []
+        for frame in _frames(held, chunk):
+            kind = "plain" if frame[0] == 0x73 else "lease" if frame[0] in _LEASE_OPCODES else None
+            if kind is not None and self._first.setdefault(id(held), kind) != kind:
+                continue
+            kept.append(bytes(frame))
+        return b"".join(kept)
+
+
+def unsubscribe_undoes_subscribe(held: bytearray, chunk: bytes) -> bytes:
+    """Hides from the server a subscribe and the unsubscribe of its queue in the same write,
+    as if an unsubscribe undid a plain subscription (decision 18 before decision 20)."""
+    frames = _frames(held, chunk)
+    undone = {bytes(frame[3:]) for frame in frames if frame[0] == 0x75}
+    return b"".join(
+        bytes(frame)
+        for frame in frames
+        if not (frame[0] in (0x73, 0x75) and bytes(frame[3:]) in undone)
+    )
+
+
 def drop_empty_replies(held: bytearray, chunk: bytes) -> bytes:
     held += chunk
     out, pos = bytearray(), 0
@@ -775,6 +838,18 @@ VARIANTS: dict[str, Variant] = {
         with_leases(ReturnsOfferedToNobody),
         {"lease-return-offered"},
     ),
+    "a lease whose packets expired is over": Variant(
+        with_leases(ExpiredLeaseIsOver),
+        {"lease-ttl"},
+    ),
+    "dead-lettered at the release, not when its delay ends": Variant(
+        with_leases(DeadAtTheRelease),
+        {"lease-dead-letter-group"},
+    ),
+    "a group whose dead-letter name is too long stays in its queue": Variant(
+        with_leases(TooLongForDeadStays),
+        {"lease-dead-letter-long-name"},
+    ),
     "acks grant delivery credits": Variant(
         PinpriqServer,
         {"leased-subscribe"},
@@ -784,6 +859,16 @@ VARIANTS: dict[str, Variant] = {
         PinpriqServer,
         {"leased-mixing-closes"},
         to_server=MixingTolerated(),
+    ),
+    "lease frames and a plain subscribe tolerated on one connection": Variant(
+        PinpriqServer,
+        {"plain-lease-mixing-closes"},
+        to_server=PlainAndLeaseFramesMixed(),
+    ),
+    "an unsubscribe undoes a plain subscription": Variant(
+        PinpriqServer,
+        {"leased-mixing-closes"},
+        to_server=unsubscribe_undoes_subscribe,
     ),
     "lease times above 24 h accepted": Variant(
         PinpriqServer,

@@ -99,10 +99,18 @@ async def test_release_delay_and_touch_over_tcp(
         (leased_subscribe(b"q"), pop(b"q"), "a pop on a leased connection (decision 18)"),
         (leased_subscribe(b"q"), subscribe(b"r"), "a plain subscribe on a leased connection"),
         (leased_subscribe(b"q"), reserve(b"q"), "a reserve on a leased connection"),
-        (subscribe(b"q"), leased_subscribe(b"r"), "a leased subscribe on a connection with a"),
+        (
+            subscribe(b"q"),
+            leased_subscribe(b"r"),
+            "a leased subscribe on a connection that sent a plain",
+        ),
+        (subscribe(b"q"), reserve(b"q"), "a reserve on a connection that sent a plain subscribe"),
+        (subscribe(b"q"), ack(1), "an ack on a connection that sent a plain subscribe (decision"),
+        (reserve(b"none"), subscribe(b"q"), "a plain subscribe on a connection that sent lease"),
+        (release(1), subscribe(b"q"), "a plain subscribe on a connection that sent lease"),
     ],
 )
-async def test_decision_18_closes_the_connection_after_what_came_before(
+async def test_decisions_18_and_20_close_the_connection_after_what_came_before(
     live: LiveServer,
     caplog: pytest.LogCaptureFixture,
     opening: bytes,
@@ -112,8 +120,11 @@ async def test_decision_18_closes_the_connection_after_what_came_before(
     peer, other = await live.connect(), await live.connect()
     with caplog.at_level(logging.WARNING, logger="pinpriq.server"):
         await peer.send(opening + b"\x21" + offending + push(b"q", b"after", b""))
-        sync_answer = bytes(11) if opening[0] == 0x53 else bytes(2)
-        assert await peer.receive_exactly(len(sync_answer)) == sync_answer
+        # The answers to what came before: a reserve of nothing or a release of no lease has
+        # 11 bytes, then the sync's (eleven zero bytes on a leased connection, decision 18).
+        owed = {0x53: bytes(11), 0x52: bytes(13), 0x4E: status(1, False) + bytes(2)}
+        answers = owed.get(opening[0], bytes(2))
+        assert await peer.receive_exactly(len(answers)) == answers
         await peer.expect_closed()
     assert await other.request(pop(b"q")) == []  # the push after it was never applied
     [record] = [r for r in caplog.records if r.name == "pinpriq.server"]

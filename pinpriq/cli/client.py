@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Iterable
 from typing import NamedTuple, TextIO
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote_to_bytes, urlsplit
 
 from pinpriq import __version__
 from pinpriq._client_core import (
@@ -82,16 +82,21 @@ class ServerUrl(NamedTuple):
 
 def parse_url(text: str) -> ServerUrl:
     """``pinpriq://HOST:PORT`` (port optional; IPv6 hosts in brackets), with ``:TOKEN@``
-    before the host to give a token (percent-encoded where it must be), or ``pinpriqs://`` for
-    TLS."""
+    before the host to give a token (percent-encoded: ``%XX`` is the byte XX, so a token may be
+    any bytes), or ``pinpriqs://`` for TLS."""
     usage = f"{URL_VARIABLE} must look like pinpriq://HOST:PORT or pinpriqs://:TOKEN@HOST:PORT"
     parts = urlsplit(text)
-    extra = parts.path.strip("/") or parts.query or parts.fragment or parts.username
+    extra = parts.path.strip("/") or parts.query or parts.fragment
     if parts.scheme not in ("pinpriq", "pinpriqs") or not parts.hostname or extra:
         raise ValueError(usage)  # never the URL itself: it may hold a token
+    if parts.username:
+        raise ValueError(
+            f"{URL_VARIABLE}: pinpriq has no user names: write the token after a ':', as in "
+            "pinpriq://:TOKEN@HOST:PORT"
+        )
     token = None
     if parts.password is not None:
-        token = os.fsencode(unquote(parts.password))
+        token = unquote_to_bytes(parts.password)
         if not token:
             raise ValueError(f"{URL_VARIABLE}: the token after ':' is empty")
     tls = parts.scheme == "pinpriqs"

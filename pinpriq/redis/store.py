@@ -387,7 +387,7 @@ class RedisStore:
         order, as one pipeline, leaving their answers in ``leases.results[session.holder]`` for
         ``Session.receive``. The driver cuts the frames (``server._lease_segment_end``) so that
         every ack, release and touch names a lease made before them; a frame the session will
-        refuse (a reserve on a leased connection) runs nothing."""
+        refuse (a reserve on a leased or plainly subscribed connection) runs nothing."""
         leases = self.leases
         assert leases is not None
         holder = session.holder
@@ -400,7 +400,7 @@ class RedisStore:
             kind = frame.__class__
             if kind is Reserve:
                 reserve = cast(Reserve, frame)
-                if session.leased or not session.authenticated:
+                if not session.may_reserve:  # refused (decisions 12, 18, 20): take nothing
                     plan.append(("fixed", None, None))
                     continue
                 call, handle = self._reserve_call(reserve.queue, reserve.lease_ms)

@@ -396,6 +396,21 @@ describe('leases (protocol 1.1)', () => {
     assert.equal(await none.ack(), false);
   });
 
+  test('a lease and a plain subscription of one client never share a connection', async () => {
+    // Decision 20: the server closes a connection that mixes them; the subscription has a
+    // connection of its own, so the client's lease frames go on working beside it.
+    const q = fresh('mixing');
+    const events = fresh('mixing-events');
+    await client.push(q, 'k', 'v');
+    const job = await client.reserve(q);
+    const subscription = await client.subscribe(events);
+    await client.push(events, 'e', '1');
+    const { value } = await subscription.next();
+    assert.deepEqual(text(value), [['e', '1']]);
+    assert.equal(await job.ack(), true);
+    await subscription.close();
+  });
+
   test('a released job comes back in its place, on its next attempt, after its delay', async () => {
     const q = fresh('release');
     await client.push(q, 'old', '', { prio: 2 });
