@@ -133,7 +133,9 @@ class _Link:
                 raise PinpriqConnectionError(
                     f"cannot connect to {address}: {TLS_HANDSHAKE_FAILED}: {reason}", host, port
                 ) from None
-        link = cls(sock, Exchange(host, port, time.monotonic()), timeout, tls, token)
+        link = cls(
+            sock, Exchange(host, port, time.monotonic(), tls=tls is not None), timeout, tls, token
+        )
         if token is not None:
             try:
                 slot = link.exchange.expect(Expect.AUTH)

@@ -375,6 +375,20 @@ def test_a_wrong_token_is_one_line_that_does_not_show_it(secured: tuple[int, Pat
     )
 
 
+def test_a_plain_client_with_the_right_token_on_a_tls_port_is_told_it_may_need_tls(
+    secured: tuple[int, Path],
+) -> None:
+    port, _ = secured
+    done = pinpriq(port, "ping", PINPRIQ_AUTH_TOKEN=SECRET)
+    assert done.returncode == 1
+    # Closed at once: a token the server refuses is closed after about half a second.
+    assert done.stderr == (
+        f"pinpriq: 127.0.0.1:{port}: the server closed the connection at once, without judging "
+        "the token (it may speak TLS only, which this client did not; or be at its connection "
+        "limit, refuse clients from other hosts, or speak protocol 1.0, which has no auth)\n"
+    )
+
+
 def test_tls_without_trusting_the_ca_is_one_line(secured: tuple[int, Path]) -> None:
     port, _ = secured
     done = pinpriq(port, "--tls", "pop", "q", PINPRIQ_AUTH_TOKEN=SECRET)
