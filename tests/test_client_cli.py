@@ -449,6 +449,23 @@ def test_work_gives_a_key_group_to_one_command_run(port: int) -> None:
     assert [json.loads(line) for line in lines] == [{"key": "k", "payload": "x"}]
 
 
+SPLIT_SCRIPT = """
+import json, os, sys
+data, parts = sys.stdin.buffer.read(), []
+for size in map(int, os.environ["PINPRIQ_PAYLOAD_SIZES"].split(",")):
+    parts.append(data[:size].decode())
+    data = data[size:]
+print(json.dumps(parts + [data.decode()]))
+"""
+
+
+def test_work_says_where_each_payload_of_a_key_group_ends(port: int) -> None:
+    for payload, prio in (("one\ntwo", "1"), ("", "0"), ("3,4", "0")):
+        ok(port, "push", "work-split", "k", payload, "--prio", prio)
+    out = ok(port, "work", "work-split", "--count", "1", "--", sys.executable, "-c", SPLIT_SCRIPT)
+    assert json.loads(out) == ["one\ntwo", "", "3,4", ""]  # nothing after the last
+
+
 def test_a_worker_interrupted_mid_job_gives_the_job_back(port: int) -> None:
     with subprocess.Popen(
         [
@@ -474,5 +491,42 @@ def test_a_worker_interrupted_mid_job_gives_the_job_back(port: int) -> None:
         assert worker.wait(TIMEOUT) == 130
     deadline = time.monotonic() + TIMEOUT
     while not (popped := ok(port, "pop", "work-int")):  # the server has seen the close
+        assert time.monotonic() < deadline, "the job never came back"
+    assert popped == "k\tv\n"
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie nobody reaped has ended too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize(("stop", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_worker_stopped_ends_its_command_and_what_it_started(
+    port: int, stop: signal.Signals, status: int
+) -> None:
+    queue = f"work-stop-{stop.name}"
+    # The command starts a process of its own and reports both: the shell's and the sleep's ids.
+    script = "sleep 60 & echo $$ $!; wait"
+    with subprocess.Popen(
+        [PINPRIQ, "--port", str(port), "work", queue, "--", "sh", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env(),
+    ) as worker:
+        assert worker.stdout is not None
+        ok(port, "push", queue, "k", "v")
+        started = read_line(worker.stdout, time.monotonic() + TIMEOUT)
+        worker.send_signal(stop)  # to the worker alone, as a service manager or kill does
+        assert worker.wait(TIMEOUT) == status
+    deadline = time.monotonic() + TIMEOUT
+    for pid in map(int, started.split()):
+        while not gone(pid):  # a signalled process takes a moment to end
+            assert time.monotonic() < deadline, f"process {pid} outlived its worker"
+            time.sleep(0.01)
+    while not (popped := ok(port, "pop", queue)):  # the server has seen the close
         assert time.monotonic() < deadline, "the job never came back"
     assert popped == "k\tv\n"

@@ -8,6 +8,7 @@ traceback reaches the user.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -43,6 +44,10 @@ __all__ = ["client_parser", "main"]
 URL_VARIABLE = "PINPRIQ_URL"
 #: Exit status after Ctrl-C, as shells report a process ended by SIGINT.
 INTERRUPTED = 130
+#: Exit status of a worker stopped by SIGTERM, as shells report a process it ended.
+TERMINATED = 128 + signal.SIGTERM
+#: Seconds a worker's command has to exit after SIGTERM before its process group is killed.
+END_GRACE_SECONDS = 5.0
 
 CLIENT_EPILOG = f"""\
 The server is --host and --port if given, else the {URL_VARIABLE} environment variable
@@ -60,10 +65,14 @@ escapes for bytes that are not printable text. With --json, each line is a JSON 
 
 `work QUEUE -- COMMAND [ARG...]` takes jobs on a lease, one at a time, and runs COMMAND for
 each with the job's payload on stdin (the payloads of every packet of its key group, one after
-the other; with --json, one JSON object per packet per line) and PINPRIQ_QUEUE, PINPRIQ_KEY,
-PINPRIQ_ATTEMPT and PINPRIQ_PACKETS in its environment. Exit status 0 acks the job; anything
-else releases it, to be tried again (after the server's --max-deliveries attempts it goes to
-QUEUE.dead). The lease is touched while COMMAND runs; a job whose worker dies comes back.
+the other, with nothing between them: PINPRIQ_PAYLOAD_SIZES lists their sizes in bytes, comma-
+separated, to split them by; with --json, one JSON object per packet per line) and
+PINPRIQ_QUEUE, PINPRIQ_KEY, PINPRIQ_ATTEMPT and PINPRIQ_PACKETS in its environment. Exit
+status 0 acks the job; anything else releases it, to be tried again (after the server's
+--max-deliveries attempts it goes to QUEUE.dead). The lease is touched while COMMAND runs; a
+job whose worker dies comes back. COMMAND runs in a process group of its own: Ctrl-C or
+SIGTERM stops the worker after ending that group (SIGTERM, then SIGKILL after
+{END_GRACE_SECONDS:g} s), and the job goes back (exit status {INTERRUPTED} or {TERMINATED}).
 
 `stats`, `queues`, `peek`, `purge` and `health` ask the server's admin listener over HTTP
 instead: --admin URL, else the PINPRIQ_ADMIN_URL environment variable, else
@@ -317,6 +326,41 @@ def _without_traceback(record: logging.LogRecord) -> bool:
     return True
 
 
+class Terminated(BaseException):
+    """SIGTERM: the worker stops as on Ctrl-C, ending its command first."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def run_in_own_group(command: list[str], stdin: bytes, environment: dict[str, str]) -> int:
+    """Run ``command`` with ``stdin``; its exit status (negative: the signal that killed it).
+
+    It runs in a process group of its own, so that a worker stopped by Ctrl-C or SIGTERM can
+    end it and whatever it started: left running, it would do the job while the job, given
+    back, runs again elsewhere."""
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, env=environment, process_group=0)
+    try:
+        process.communicate(stdin)
+    except BaseException:
+        _end_group(process)
+        raise
+    return process.returncode
+
+
+def _end_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the command's process group; SIGKILL to what is left of it once the command
+    has exited, or after ``END_GRACE_SECONDS``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(END_GRACE_SECONDS)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
 def run_worker(client: BlockingPinpriqClient, args: argparse.Namespace, as_json: bool) -> None:
     """``pinpriq work``: COMMAND for each job, on a lease kept alive while it runs."""
     command = args.program
@@ -338,8 +382,10 @@ def run_worker(client: BlockingPinpriqClient, args: argparse.Namespace, as_json:
             "PINPRIQ_KEY": os.fsdecode(job.packets[0].key),
             "PINPRIQ_ATTEMPT": str(job.attempt),
             "PINPRIQ_PACKETS": str(len(job.packets)),
+            # Where one payload ends and the next begins on stdin: any bytes may be in them.
+            "PINPRIQ_PAYLOAD_SIZES": ",".join(str(len(p.payload)) for p in job.packets),
         }
-        status = subprocess.run(command, input=stdin, env=environment, check=False).returncode
+        status = run_in_own_group(command, stdin, environment)
         if status < 0:
             raise JobFailed(f"{shlex.quote(command[0])} was killed by {signal.strsignal(-status)}")
         if status:
@@ -391,6 +437,7 @@ def main(argv: list[str] | None = None) -> None:
             return
         if args.command == "work":
             check_work_command(parser, args)
+            signal.signal(signal.SIGTERM, _terminated)
         run_client(args, url, tls, sys.stdout)
     except (ArgumentError, ArgumentTypeError) as error:  # a field longer than the protocol allows
         parser.exit(2, f"pinpriq: error: {error}\n")
@@ -400,6 +447,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"pinpriq: {error}")
     except KeyboardInterrupt:
         sys.exit(INTERRUPTED)
+    except Terminated:
+        sys.exit(TERMINATED)
     except BrokenPipeError:
         # The reader went away (pinpriq subscribe q | head -1). Point stdout at /dev/null so
         # the interpreter's final flush does not complain a second time.
