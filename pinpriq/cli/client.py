@@ -76,8 +76,9 @@ SIGTERM stops the worker after ending that group (SIGTERM, then SIGKILL after
 
 `stats`, `queues`, `peek`, `purge` and `health` ask the server's admin listener over HTTP
 instead: --admin URL, else the PINPRIQ_ADMIN_URL environment variable, else
-http://127.0.0.1:7001 (https:// for a server with TLS, trusting --tls-ca), with the token in
-PINPRIQ_AUTH_TOKEN if the server has one. Queue names are shown as keys and payloads are;
+http://127.0.0.1:7001 (https:// for a server with TLS, trusting --tls-ca), with the token of
+PINPRIQ_URL, else PINPRIQ_AUTH_TOKEN, if the server has one. Queue names are shown as keys and
+payloads are; `stats`, `peek` and `purge` take a name in that form back with --escaped.
 --json prints the admin listener's JSON. `health` exits 0 when the server is serving (with
 --ready: ready for clients) and 1 otherwise, for container health checks."""
 
@@ -433,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as error:
             parser.error(str(error))
         if args.command in ADMIN_COMMANDS:  # HTTP to the admin listener, not the data port
-            run_admin(args, sys.stdout, tls)
+            run_admin(args, sys.stdout, tls, url.token)
             return
         if args.command == "work":
             check_work_command(parser, args)
