@@ -246,11 +246,53 @@ def silent_server() -> Iterator[socket.socket]:
         yield listener
 
 
+NOT_PINPRIQ = "it may not be a pinpriq server (it took the connection and answered nothing)"
+
+
 def test_push_fails_unless_the_server_confirms_it(silent_server: socket.socket) -> None:
     port = silent_server.getsockname()[1]
     done = pinpriq(port, "--timeout", "0.3", "push", "q", "k", "v")
     assert done.returncode == 1
-    assert done.stderr == f"pinpriq: push to 127.0.0.1:{port}: no answer within 0.3 s\n"
+    assert (
+        done.stderr == f"pinpriq: push to 127.0.0.1:{port}: no answer within 0.3 s: {NOT_PINPRIQ}\n"
+    )
+
+
+def test_ping_at_something_silent_says_it_may_not_be_pinpriq(silent_server: socket.socket) -> None:
+    port = silent_server.getsockname()[1]
+    done = pinpriq(port, "--timeout", "0.3", "ping")
+    assert done.returncode == 1
+    assert (
+        done.stderr
+        == f"pinpriq: sync with 127.0.0.1:{port}: no answer within 0.3 s: {NOT_PINPRIQ}\n"
+    )
+
+
+def test_a_push_held_at_the_memory_cap_says_so() -> None:
+    server = subprocess.Popen(
+        [str(BIN / "pinpriq-server"), "--port", "0", "--http-port", "off", "--max-memory", "2000"],
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    assert server.stderr is not None
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while b"listening on" not in (line := read_line(server.stderr, deadline)):
+            pass
+        port = int(line.split()[-1])
+        for key in ("k1", "k2"):  # a push is taken while the cap is not reached: over it
+            ok(port, "push", "full", key, "x" * 1000)
+        done = pinpriq(port, "--timeout", "0.5", "push", "full", "k3", "x")
+    finally:
+        server.kill()
+        server.wait(TIMEOUT)
+        server.stderr.close()
+    assert done.returncode == 1
+    assert done.stderr == (
+        f"pinpriq: push to 127.0.0.1:{port}: no answer within 0.5 s: the server answers a ping, "
+        "so it holds the push: it is most likely at its memory cap (--max-memory), where pushes "
+        "wait until pops or expiry free room\n"
+    )
 
 
 def test_push_to_something_that_is_not_pinpriq_fails_loudly() -> None:

@@ -36,7 +36,7 @@ from pinpriq.blocking import BlockingLease, BlockingPinpriqClient
 from pinpriq.cli.admin import ADMIN_COMMANDS, AdminError, add_admin_commands, run_admin
 from pinpriq.cli.args import OneLineParser, client_port, int_in, seconds
 from pinpriq.display import escape, json_value
-from pinpriq.errors import ArgumentError, ArgumentTypeError, PinpriqError
+from pinpriq.errors import ArgumentError, ArgumentTypeError, PinpriqError, PinpriqTimeoutError
 from pinpriq.wire import MAX_LEASE_MS, MAX_PRIO, MAX_TTL_MS, Packet
 
 __all__ = ["client_parser", "main"]
@@ -298,14 +298,20 @@ def run_client(
     ) as client:
         if args.command == "push":
             queue, key, payload = (os.fsencode(arg) for arg in (args.queue, args.key, args.payload))
-            client.push(queue, key, payload, ttl_ms=args.ttl, prio=args.prio, confirm=True)
+            try:
+                client.push(queue, key, payload, ttl_ms=args.ttl, prio=args.prio, confirm=True)
+            except PinpriqTimeoutError as error:
+                raise PinpriqTimeoutError(f"{error}: {why_unconfirmed(url, tls)}") from None
         elif args.command == "pop":
             print_packets(client.pop(os.fsencode(args.queue)), as_json, out)
         elif args.command == "work":
             run_worker(client, args, as_json)
         elif args.command == "ping":
             started = time.perf_counter()
-            client.sync()
+            try:
+                client.sync()
+            except PinpriqTimeoutError as error:
+                raise PinpriqTimeoutError(f"{error}: {NOT_PINPRIQ}") from None
             elapsed_ms = (time.perf_counter() - started) * 1000
             out.write(f"pong from {client.address} in {elapsed_ms:.1f} ms\n")
         else:
@@ -315,6 +321,28 @@ def run_client(
             with subscription as deliveries:
                 for packets in deliveries:
                     print_packets(packets, as_json, out)
+
+
+#: Why a server that takes connections would not answer a sync, which every 1.1 server answers.
+NOT_PINPRIQ = "it may not be a pinpriq server (it took the connection and answered nothing)"
+#: Seconds a second connection waits for its ping when a push was not confirmed.
+PROBE_SECONDS = 1.0
+
+
+def why_unconfirmed(url: ServerUrl, tls: ssl.SSLContext | None) -> str:
+    """Why a push was not confirmed in time, judged by a ping on a connection of its own: a
+    server at its memory cap holds the push (and the sync after it) but answers a lone sync."""
+    try:
+        with BlockingPinpriqClient.connect(
+            url.host, url.port, timeout=PROBE_SECONDS, token=url.token, tls=tls or False
+        ) as probe:
+            probe.sync()
+    except PinpriqError:
+        return NOT_PINPRIQ
+    return (
+        "the server answers a ping, so it holds the push: it is most likely at its memory cap "
+        "(--max-memory), where pushes wait until pops or expiry free room"
+    )
 
 
 class JobFailed(Exception):
