@@ -98,6 +98,7 @@ def test_queues_and_stats_are_aligned_tables(server: Server) -> None:
     assert header.split() == [
         "QUEUE",
         "PACKETS",
+        "LEASED",
         "BYTES",
         "SUBSCRIBERS",
         "OLDEST",
@@ -107,7 +108,7 @@ def test_queues_and_stats_are_aligned_tables(server: Server) -> None:
         "PRIORITY",
     ]
     row = next(line for line in table if line.startswith("tables "))
-    assert row.split()[:4] == ["tables", "4", f"{3 * (2 + 7 + 256) + (1 + 1 + 256):,}", "0"]
+    assert row.split()[:5] == ["tables", "4", "0", f"{3 * (2 + 7 + 256) + (1 + 1 + 256):,}", "0"]
     assert row.endswith("0: 1, 1: 1, 2: 1, 3: 1")
     # Aligned: every row's PACKETS column ends where the header's does.
     end = header.index("PACKETS") + len("PACKETS")
@@ -125,6 +126,22 @@ def test_queues_and_stats_are_aligned_tables(server: Server) -> None:
     one = ok("stats", "tables", "--admin", server.admin)
     assert re.search(r"^packets\s+4$", one, re.MULTILINE)
     assert re.search(r"^by priority\s+0: 1, 1: 1, 2: 1, 3: 1$", one, re.MULTILINE)
+
+
+def test_queues_and_stats_count_leased_packets(server: Server) -> None:
+    for key in ("a", "b", "c"):
+        push(server, "leasing", key, "job")
+    with BlockingPinpriqClient.connect("127.0.0.1", server.port) as client:
+        lease = client.reserve("leasing")  # held until the block ends: out of the queue
+        row = next(
+            line.split()
+            for line in ok("queues", "--admin", server.admin).splitlines()
+            if line.startswith("leasing ")
+        )
+        assert (row[1], row[2]) == ("2", "1")  # PACKETS, LEASED
+        one = ok("stats", "leasing", "--admin", server.admin)
+        assert re.search(r"^leased\s+1$", one, re.MULTILINE), one
+        lease.ack()
 
 
 def test_json_is_the_admin_listeners_json(server: Server) -> None:

@@ -221,6 +221,11 @@ def _table(rows: Sequence[Sequence[str]], numbers: Sequence[int] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _count(count: int | None) -> str:
+    """A count the server may not know (``None``, or absent from an older server's JSON)."""
+    return "-" if count is None else f"{count:,}"
+
+
 def _duration(ms: int | None) -> str:
     if ms is None:
         return "-"
@@ -252,11 +257,21 @@ def _print_queues(queues: list[dict[str, Any]], as_json: bool, out: TextIO) -> N
     if as_json:
         out.writelines(json.dumps(queue, ensure_ascii=False) + "\n" for queue in queues)
         return
-    header = ("QUEUE", "PACKETS", "BYTES", "SUBSCRIBERS", "OLDEST", "NEXT EXPIRY", "BY PRIORITY")
+    header = (
+        "QUEUE",
+        "PACKETS",
+        "LEASED",
+        "BYTES",
+        "SUBSCRIBERS",
+        "OLDEST",
+        "NEXT EXPIRY",
+        "BY PRIORITY",
+    )
     rows = [
         (
             q["name"],
             f"{q['packets']:,}",
+            _count(q.get("leased")),
             f"{q['bytes']:,}",
             f"{q['subscribers']:,}",
             _duration(q["oldest_age_ms"]),
@@ -266,7 +281,7 @@ def _print_queues(queues: list[dict[str, Any]], as_json: bool, out: TextIO) -> N
         for q in queues
     ]
     if rows:
-        out.write(_table([header, *rows], numbers=(1, 2, 3, 4, 5)))
+        out.write(_table([header, *rows], numbers=(1, 2, 3, 4, 5, 6)))
     else:
         out.write("no queue holds packets or has subscribers\n")
 
@@ -278,6 +293,7 @@ def _print_queue(queue: dict[str, Any], as_json: bool, out: TextIO) -> None:
     rows = [
         ("queue", queue["name"]),
         ("packets", f"{queue['packets']:,}"),
+        ("leased", _count(queue.get("leased"))),
         ("bytes", f"{queue['bytes']:,}"),
         ("by priority", _priorities(queue["by_priority"])),
         ("subscribers", f"{queue['subscribers']:,}"),
