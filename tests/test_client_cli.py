@@ -3,6 +3,7 @@ subprocess on an ephemeral loopback port."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -39,11 +40,13 @@ def read_line(stream: IO[bytes], deadline: float) -> bytes:
     return line
 
 
-@pytest.fixture(scope="module")
-def port() -> Iterator[int]:
-    """A ``pinpriq-server --port 0`` subprocess; the port is parsed from its log line."""
+@contextlib.contextmanager
+def server_process(*options: str) -> Iterator[int]:
+    """A ``pinpriq-server --port 0`` subprocess with ``options``, stopped at the end; its port
+    is parsed from its log line."""
+    command = [str(BIN / "pinpriq-server"), "--host", "127.0.0.1", "--port", "0"]
     server = subprocess.Popen(
-        [str(BIN / "pinpriq-server"), "--host", "127.0.0.1", "--port", "0", "--http-port", "off"],
+        [*command, "--http-port", "off", *options],
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
     )
@@ -60,6 +63,12 @@ def port() -> Iterator[int]:
         finally:
             server.kill()
             server.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    with server_process() as listening:
+        yield listening
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -269,24 +278,10 @@ def test_ping_at_something_silent_says_it_may_not_be_pinpriq(silent_server: sock
 
 
 def test_a_push_held_at_the_memory_cap_says_so() -> None:
-    server = subprocess.Popen(
-        [str(BIN / "pinpriq-server"), "--port", "0", "--http-port", "off", "--max-memory", "2000"],
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-    )
-    assert server.stderr is not None
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while b"listening on" not in (line := read_line(server.stderr, deadline)):
-            pass
-        port = int(line.split()[-1])
+    with server_process("--max-memory", "2000") as port:
         for key in ("k1", "k2"):  # a push is taken while the cap is not reached: over it
             ok(port, "push", "full", key, "x" * 1000)
         done = pinpriq(port, "--timeout", "0.5", "push", "full", "k3", "x")
-    finally:
-        server.kill()
-        server.wait(TIMEOUT)
-        server.stderr.close()
     assert done.returncode == 1
     assert done.stderr == (
         f"pinpriq: push to 127.0.0.1:{port}: no answer within 0.5 s: the server answers a ping, "
@@ -314,32 +309,13 @@ def test_push_to_something_that_is_not_pinpriq_fails_loudly() -> None:
 
 
 def test_push_to_a_server_at_its_connection_limit_says_so() -> None:
-    server = subprocess.Popen(
-        [
-            str(BIN / "pinpriq-server"),
-            "--port",
-            "0",
-            "--http-port",
-            "off",
-            *["--max-connections", "1"],
-        ],
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-    )
-    assert server.stderr is not None
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while b"listening on" not in (line := read_line(server.stderr, deadline)):
-            pass
-        port = int(line.split()[-1])
-        with socket.create_connection(("127.0.0.1", port)) as holder:
-            holder.sendall(b"\x21")
-            assert holder.recv(2) == b"\x00\x00"  # it holds the one slot
-            done = pinpriq(port, "push", "q", "k", "v")
-    finally:
-        server.kill()
-        server.wait(TIMEOUT)
-        server.stderr.close()
+    with (
+        server_process("--max-connections", "1") as port,
+        socket.create_connection(("127.0.0.1", port)) as holder,
+    ):
+        holder.sendall(b"\x21")
+        assert holder.recv(2) == b"\x00\x00"  # it holds the one slot
+        done = pinpriq(port, "push", "q", "k", "v")
     assert done.returncode == 1
     assert done.stderr == (
         f"pinpriq: 127.0.0.1:{port}: the server closed the connection at once (it may be at "

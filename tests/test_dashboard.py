@@ -23,6 +23,7 @@ from tests.conftest import StartServer
 from tests.rawpeer import READY, ack, lease_reply, push, reserve, status, subscribe
 from tests.test_admin import applied, start_admin
 from tests.test_load_shapes import wait_until
+from tests.test_store import FakeClock
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None and os.environ.get("CI") == "true":
@@ -104,20 +105,10 @@ async def render(url: str) -> Rendered:
     return page
 
 
-class SampleClock:
-    """The sampler's seconds, moved by the test alone: the chart's samples are the test's."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     start_server: StartServer, nursery: trio.Nursery
 ) -> None:
-    server, clock = PinpriqServer(), SampleClock()
+    server, clock = PinpriqServer(), FakeClock()  # the sampler's: the test moves it
     # The test ticks the sampler: a fast browser renders before a second-apart second sample.
     sampler = Sampler(server.broker, clock)
     admin = await start_admin(start_server, nursery, server, sampler=sampler)
@@ -135,8 +126,8 @@ async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     expected = lease_reply(1, 1, (b"b", b"")) + lease_reply(2, 1, (b"a", b"")) + status(1, True)
     assert await worker.receive_exactly(len(expected)) == expected
     await wait_until(lambda: admin.live.broker.subscriptions.subscriber_count == 1, "subscribed")
-    for second in (1.0, 2.0):  # 11 pushes and 1 delivery in the first second, none in the next
-        clock.now = second
+    for _ in range(2):  # 11 pushes and 1 delivery in the first second, none in the next
+        clock.advance(1.0)
         sampler.tick()
 
     page = await render(f"http://127.0.0.1:{admin.port}/")
