@@ -70,6 +70,10 @@ MAX_PREFETCH = 0xFFFF
 #: A server that closes a connection this soon after it opened, having sent nothing, most
 #: likely refused it (a server at its connection limit accepts and closes at once).
 AT_ONCE_SECONDS = 1.0
+#: A server that refuses a token closes the connection about half a second after the auth
+#: (``broker.REJECT_DELAY``: tokens cannot be guessed fast); a close in answer to auth that
+#: comes sooner did not judge the token: a TLS port, the connection limit, a 1.0 server.
+TOKEN_JUDGED_SECONDS = 0.4
 #: The lease time a worker asks for: the server's own default, said explicitly, since a worker
 #: touches its lease at half of it and must know how long that is.
 DEFAULT_WORK_LEASE_MS = 30_000
@@ -263,10 +267,12 @@ class Slot:
 class Exchange:
     """One connection's requests awaiting replies, in order, and the decoder of its replies."""
 
-    def __init__(self, host: str, port: int, opened_at: float) -> None:
-        """``opened_at``: when the connection was made, in ``time.monotonic`` seconds."""
+    def __init__(self, host: str, port: int, opened_at: float, *, tls: bool = False) -> None:
+        """``opened_at``: when the connection was made, in ``time.monotonic`` seconds;
+        ``tls``: whether it speaks TLS."""
         self.host = host
         self.port = port
+        self.tls = tls
         self.address = format_address(host, port)
         self._opened_at = opened_at
         self._decoder = wire.ReplyDecoder()
@@ -330,6 +336,8 @@ class Exchange:
     def closed_by_server(self, now: float) -> str:
         """Why the connection ended, when the server closed it at ``now``."""
         if self._waiting and self._waiting[0].expect is Expect.AUTH:
+            if not self.received_any and now - self._opened_at < TOKEN_JUDGED_SECONDS:
+                return self._closed_before_judging()
             return (
                 f"{self.address} closed the connection in answer to auth: it does not take "
                 "this token (or speaks protocol 1.0, which has no auth)"
@@ -343,6 +351,16 @@ class Exchange:
                 why += ", or not speak protocol 1.1, which sync needs"
             return f"{self.address}: {why})"
         return f"connection to {self.address} was closed by the server"
+
+    def _closed_before_judging(self) -> str:
+        causes = "be at its connection limit, refuse clients from other hosts, or speak protocol "
+        causes += "1.0, which has no auth"
+        if not self.tls:  # a TLS port closes a plain client at once, whatever it sends
+            causes = f"speak TLS only, which this client did not; or {causes}"
+        return (
+            f"{self.address}: the server closed the connection at once, without judging the "
+            f"token (it may {causes})"
+        )
 
     def broken(self, now: float, error: BaseException | None) -> PinpriqConnectionError:
         """The error for a connection the server closed (``error`` None) or reset, or that

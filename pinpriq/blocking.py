@@ -133,7 +133,9 @@ class _Link:
                 raise PinpriqConnectionError(
                     f"cannot connect to {address}: {TLS_HANDSHAKE_FAILED}: {reason}", host, port
                 ) from None
-        link = cls(sock, Exchange(host, port, time.monotonic()), timeout, tls, token)
+        link = cls(
+            sock, Exchange(host, port, time.monotonic(), tls=tls is not None), timeout, tls, token
+        )
         if token is not None:
             try:
                 slot = link.exchange.expect(Expect.AUTH)
@@ -447,18 +449,13 @@ class BlockingSubscription:
         credits = self._credits
         if credits.done or self._closed:
             raise StopIteration
-        if credit := credits.to_return():
-            link = self._link
-            link.send(credit, link.deadline(), "subscription at")
-            credits.returned()
-        while (reply := self._decoder.next_reply()) is None:
-            try:
-                data = self._link.receive(None, "subscription at")
-            except PinpriqConnectionError:
-                if self._closed:
-                    raise StopIteration from None  # close() from another thread ends the loop
-                raise
-            self._decoder.feed(data)
+        with _EndedByClose(self):
+            if credit := credits.to_return():
+                link = self._link
+                link.send(credit, link.deadline(), "subscription at")
+                credits.returned()
+            while (reply := self._decoder.next_reply()) is None:
+                self._decoder.feed(self._link.receive(None, "subscription at"))
         credits.delivered()
         return reply
 
@@ -478,6 +475,27 @@ class BlockingSubscription:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class _EndedByClose:
+    """Turn the connection error of a ``close()`` from another thread into the end of the
+    iteration: the close may land while a credit goes out as well as while a delivery is
+    awaited."""
+
+    def __init__(self, subscription: BlockingSubscription | BlockingLeasedSubscription) -> None:
+        self.subscription = subscription
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if isinstance(error, PinpriqConnectionError) and self.subscription._closed:
+            raise StopIteration from None
 
 
 def _keep_alive(job: BlockingLease, lease_ms: int, done: threading.Event) -> None:
@@ -569,17 +587,13 @@ class BlockingLeasedSubscription:
         credits = self._credits
         if credits.done or self._closed:
             raise StopIteration
-        if credit := credits.to_return():
-            with self._send_lock:
-                self._link.send(credit, self._link.deadline(), "subscription at")
-            credits.returned()
         deliveries = self._stream.deliveries
-        try:
+        with _EndedByClose(self):
+            if credit := credits.to_return():
+                with self._send_lock:
+                    self._link.send(credit, self._link.deadline(), "subscription at")
+                credits.returned()
             self._until(lambda: bool(deliveries), None)
-        except PinpriqConnectionError:
-            if self._closed:
-                raise StopIteration from None  # close() from another thread ends the loop
-            raise
         credits.delivered()
         return BlockingLease(deliveries.popleft(), self._answer)
 

@@ -171,7 +171,13 @@ async def _open_link(
                         host,
                         port,
                     ) from None
-            link = _Link(stream, Exchange(host, port, time.monotonic()), seconds, tls, token)
+            link = _Link(
+                stream,
+                Exchange(host, port, time.monotonic(), tls=tls is not None),
+                seconds,
+                tls,
+                token,
+            )
             if token is not None:
                 try:
                     slot = link.exchange.expect(Expect.AUTH)

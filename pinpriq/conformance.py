@@ -666,6 +666,33 @@ async def _check_reachable(
     return f"cannot connect to {host}:{port}: no answer within {step_timeout:g} s"
 
 
+#: The hint for a server that closed the probe's connection unanswered, the runner having no token.
+TOKEN_HINT = (
+    "the server closed the connection without answering a sync (21): does it need --token? "
+    "(or PINPRIQ_AUTH_TOKEN; a protocol 1.0 server, which has no sync, closes it too)"
+)
+
+
+async def _closes_a_sync(
+    host: str, port: int, step_timeout: float, tls: ssl.SSLContext | None
+) -> bool:
+    """Whether the server closes a connection whose first frame is a lone sync (``21``)
+    without answering it, as a server with a token does with anything but auth first."""
+    with trio.move_on_after(step_timeout):
+        try:
+            conn = _Link("probe", await _Player(host, port, step_timeout, tls)._open())
+        except StepFailed:
+            return False  # the fixtures meet the same failure and report it
+        try:
+            await conn.send(b"\x21", step_timeout)
+            return not await conn.receive()
+        except StepFailed:
+            return True  # closed before it could even take the byte
+        finally:
+            await trio.aclose_forcefully(conn.stream)
+    return False
+
+
 def _print(result: Result) -> None:
     print(result.line(), flush=True)
 
@@ -682,6 +709,7 @@ async def _main(
     if problem:
         print(f"{PROG}: {problem}", file=sys.stderr)
         return 2
+    closes_a_sync = token is None and await _closes_a_sync(host, port, step_timeout, tls)
     start = trio.current_time()
     results = await run_suite(
         fixtures, host, port, step_timeout=step_timeout, report=_print, token=token, tls=tls
@@ -694,6 +722,8 @@ async def _main(
     passed = total - failed - skipped
     not_run = f", {skipped} not run" if skipped else ""
     print(f"{total} {noun}: {passed} passed, {failed} failed{not_run} ({seconds:.2f} s)")
+    if failed and closes_a_sync:  # after the failures it explains, where a reader looks
+        print(f"{PROG}: {TOKEN_HINT}", file=sys.stderr)
     return 1 if failed else 0
 
 

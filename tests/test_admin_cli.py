@@ -13,10 +13,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
+from urllib.parse import quote
 
 import pytest
 import trustme
 
+from pinpriq import BlockingPinpriqClient
 from tests.test_client_cli import BIN, PINPRIQ, TIMEOUT, read_line
 
 TOKEN = "t0ken"
@@ -96,6 +98,7 @@ def test_queues_and_stats_are_aligned_tables(server: Server) -> None:
     assert header.split() == [
         "QUEUE",
         "PACKETS",
+        "LEASED",
         "BYTES",
         "SUBSCRIBERS",
         "OLDEST",
@@ -105,7 +108,7 @@ def test_queues_and_stats_are_aligned_tables(server: Server) -> None:
         "PRIORITY",
     ]
     row = next(line for line in table if line.startswith("tables "))
-    assert row.split()[:4] == ["tables", "4", f"{3 * (2 + 7 + 256) + (1 + 1 + 256):,}", "0"]
+    assert row.split()[:5] == ["tables", "4", "0", f"{3 * (2 + 7 + 256) + (1 + 1 + 256):,}", "0"]
     assert row.endswith("0: 1, 1: 1, 2: 1, 3: 1")
     # Aligned: every row's PACKETS column ends where the header's does.
     end = header.index("PACKETS") + len("PACKETS")
@@ -123,6 +126,22 @@ def test_queues_and_stats_are_aligned_tables(server: Server) -> None:
     one = ok("stats", "tables", "--admin", server.admin)
     assert re.search(r"^packets\s+4$", one, re.MULTILINE)
     assert re.search(r"^by priority\s+0: 1, 1: 1, 2: 1, 3: 1$", one, re.MULTILINE)
+
+
+def test_queues_and_stats_count_leased_packets(server: Server) -> None:
+    for key in ("a", "b", "c"):
+        push(server, "leasing", key, "job")
+    with BlockingPinpriqClient.connect("127.0.0.1", server.port) as client:
+        lease = client.reserve("leasing")  # held until the block ends: out of the queue
+        row = next(
+            line.split()
+            for line in ok("queues", "--admin", server.admin).splitlines()
+            if line.startswith("leasing ")
+        )
+        assert (row[1], row[2]) == ("2", "1")  # PACKETS, LEASED
+        one = ok("stats", "leasing", "--admin", server.admin)
+        assert re.search(r"^leased\s+1$", one, re.MULTILINE), one
+        lease.ack()
 
 
 def test_json_is_the_admin_listeners_json(server: Server) -> None:
@@ -169,6 +188,26 @@ def test_names_that_need_encoding_reach_the_right_queue(server: Server) -> None:
     assert ok("purge", name, "--admin", server.admin) == "purged 1 packets from a/b c?d%20\\\\\n"
 
 
+def test_a_name_as_the_tables_show_it_is_taken_back_with_escaped(server: Server) -> None:
+    with BlockingPinpriqClient.connect("127.0.0.1", server.port) as client:
+        client.push(b"bad\xff\x00name\n", b"k", b"v", confirm=True)  # a NUL: no argv holds it
+    shown = next(
+        line.split()[0]
+        for line in ok("queues", "--admin", server.admin).splitlines()
+        if line.startswith("bad")
+    )
+    assert shown == "bad\\xff\\x00name\\n"
+    assert ok("peek", "--escaped", shown, "--admin", server.admin).splitlines()[1].split() == [
+        "1",
+        "k",
+        "v",
+    ]
+    purged = ok("purge", shown, "--escaped", "--admin", server.admin)
+    assert purged == f"purged 1 packets from {shown}\n"
+    # Without --escaped, the name is the bytes the shell passed: another queue.
+    assert "purged 0 packets" in ok("purge", shown, "--admin", server.admin)
+
+
 @pytest.mark.parametrize(
     ("args", "env", "message"),
     [
@@ -206,6 +245,20 @@ def test_the_token_comes_from_the_environment() -> None:
         done = pinpriq("stats", "--admin", server.admin, PINPRIQ_AUTH_TOKEN="wrong")
         assert done.returncode == 1
         assert "packets" in ok("stats", "--admin", server.admin, PINPRIQ_AUTH_TOKEN=TOKEN)
+    finally:
+        stop(server)
+
+
+def test_the_token_in_pinpriq_url_is_the_admin_commands_token_too() -> None:
+    token = "t0ken/with:odd@chars"
+    server = start(env={"PATH": str(BIN), "PINPRIQ_AUTH_TOKEN": token})
+    try:
+        url = f"pinpriq://:{quote(token, safe='')}@127.0.0.1:{server.port}"
+        assert "packets" in ok("stats", "--admin", server.admin, PINPRIQ_URL=url)
+        # PINPRIQ_URL's token wins over PINPRIQ_AUTH_TOKEN, as for the data port's commands.
+        assert "packets" in ok(
+            "stats", "--admin", server.admin, PINPRIQ_URL=url, PINPRIQ_AUTH_TOKEN="x"
+        )
     finally:
         stop(server)
 
@@ -273,7 +326,11 @@ def test_with_tls_the_admin_listener_speaks_https_with_the_data_ports_certificat
         assert "secured" in ok("queues", "--admin", server.admin, "--tls-ca", trust)
         untrusted = pinpriq("health", "--admin", server.admin)  # the system's CAs: no
         assert untrusted.returncode == 1
-        assert "CERTIFICATE_VERIFY_FAILED" in untrusted.stderr
+        assert untrusted.stderr == (
+            f"pinpriq: cannot reach the admin listener at {server.admin}: TLS handshake failed: "
+            "certificate verify failed: unable to get local issuer certificate; if the server's "
+            "certificate comes from a private CA, trust it with --tls-ca FILE\n"
+        )
         plain = pinpriq("health", "--admin", server.admin.replace("https:", "http:"))
         assert plain.returncode == 1  # plain HTTP to a TLS port gets no answer
         assert plain.stderr.count("\n") == 1

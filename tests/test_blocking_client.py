@@ -283,6 +283,26 @@ def test_close_from_another_thread_ends_a_subscription(live: ThreadServer) -> No
     assert got == [[Packet(b"k", b"v")]]
 
 
+@pytest.mark.parametrize("lease_ms", [None, 60_000], ids=["plain", "leased"])
+def test_a_close_landing_while_the_credit_goes_out_ends_a_subscription(
+    live: ThreadServer, monkeypatch: pytest.MonkeyPatch, lease_ms: int | None
+) -> None:
+    with connect(live.port) as client, client.subscribe("q", lease_ms=lease_ms) as deliveries:
+        client.push("q", "k", "v")
+        assert next(deliveries)  # the next one returns its credit first
+        link = deliveries._link
+        send = link.send
+
+        def closed_meanwhile(data: bytes, deadline: float | None, what: str) -> None:
+            # Another thread's close(), landing after next() checked for one: the race the
+            # threaded test above loses now and then, made certain.
+            deliveries.close()
+            send(data, deadline, what)
+
+        monkeypatch.setattr(link, "send", closed_meanwhile)
+        assert list(deliveries) == []  # ends the loop: no PinpriqConnectionError
+
+
 # -- arguments and connection errors ----------------------------------------------------------
 
 TOO_LONG = b"x" * 65536

@@ -3,6 +3,7 @@ subprocess on an ephemeral loopback port."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -41,11 +42,13 @@ def read_line(stream: IO[bytes], deadline: float) -> bytes:
     return line
 
 
-@pytest.fixture(scope="module")
-def port() -> Iterator[int]:
-    """A ``pinpriq-server --port 0`` subprocess; the port is parsed from its log line."""
+@contextlib.contextmanager
+def server_process(*options: str) -> Iterator[int]:
+    """A ``pinpriq-server --port 0`` subprocess with ``options``, stopped at the end; its port
+    is parsed from its log line."""
+    command = [str(BIN / "pinpriq-server"), "--host", "127.0.0.1", "--port", "0"]
     server = subprocess.Popen(
-        [str(BIN / "pinpriq-server"), "--host", "127.0.0.1", "--port", "0", "--http-port", "off"],
+        [*command, "--http-port", "off", *options],
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
     )
@@ -62,6 +65,12 @@ def port() -> Iterator[int]:
         finally:
             server.kill()
             server.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    with server_process() as listening:
+        yield listening
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -248,11 +257,39 @@ def silent_server() -> Iterator[socket.socket]:
         yield listener
 
 
+NOT_PINPRIQ = "it may not be a pinpriq server (it took the connection and answered nothing)"
+
+
 def test_push_fails_unless_the_server_confirms_it(silent_server: socket.socket) -> None:
     port = silent_server.getsockname()[1]
     done = pinpriq(port, "--timeout", "0.3", "push", "q", "k", "v")
     assert done.returncode == 1
-    assert done.stderr == f"pinpriq: push to 127.0.0.1:{port}: no answer within 0.3 s\n"
+    assert (
+        done.stderr == f"pinpriq: push to 127.0.0.1:{port}: no answer within 0.3 s: {NOT_PINPRIQ}\n"
+    )
+
+
+def test_ping_at_something_silent_says_it_may_not_be_pinpriq(silent_server: socket.socket) -> None:
+    port = silent_server.getsockname()[1]
+    done = pinpriq(port, "--timeout", "0.3", "ping")
+    assert done.returncode == 1
+    assert (
+        done.stderr
+        == f"pinpriq: sync with 127.0.0.1:{port}: no answer within 0.3 s: {NOT_PINPRIQ}\n"
+    )
+
+
+def test_a_push_held_at_the_memory_cap_says_so() -> None:
+    with server_process("--max-memory", "2000") as port:
+        for key in ("k1", "k2"):  # a push is taken while the cap is not reached: over it
+            ok(port, "push", "full", key, "x" * 1000)
+        done = pinpriq(port, "--timeout", "0.5", "push", "full", "k3", "x")
+    assert done.returncode == 1
+    assert done.stderr == (
+        f"pinpriq: push to 127.0.0.1:{port}: no answer within 0.5 s: the server answers a ping, "
+        "so it holds the push: it is most likely at its memory cap (--max-memory), where pushes "
+        "wait until pops or expiry free room\n"
+    )
 
 
 def test_push_to_something_that_is_not_pinpriq_fails_loudly() -> None:
@@ -274,32 +311,13 @@ def test_push_to_something_that_is_not_pinpriq_fails_loudly() -> None:
 
 
 def test_push_to_a_server_at_its_connection_limit_says_so() -> None:
-    server = subprocess.Popen(
-        [
-            str(BIN / "pinpriq-server"),
-            "--port",
-            "0",
-            "--http-port",
-            "off",
-            *["--max-connections", "1"],
-        ],
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-    )
-    assert server.stderr is not None
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while b"listening on" not in (line := read_line(server.stderr, deadline)):
-            pass
-        port = int(line.split()[-1])
-        with socket.create_connection(("127.0.0.1", port)) as holder:
-            holder.sendall(b"\x21")
-            assert holder.recv(2) == b"\x00\x00"  # it holds the one slot
-            done = pinpriq(port, "push", "q", "k", "v")
-    finally:
-        server.kill()
-        server.wait(TIMEOUT)
-        server.stderr.close()
+    with (
+        server_process("--max-connections", "1") as port,
+        socket.create_connection(("127.0.0.1", port)) as holder,
+    ):
+        holder.sendall(b"\x21")
+        assert holder.recv(2) == b"\x00\x00"  # it holds the one slot
+        done = pinpriq(port, "push", "q", "k", "v")
     assert done.returncode == 1
     assert done.stderr == (
         f"pinpriq: 127.0.0.1:{port}: the server closed the connection at once (it may be at "
@@ -374,6 +392,20 @@ def test_a_wrong_token_is_one_line_that_does_not_show_it(secured: tuple[int, Pat
     assert done.stderr == (
         f"pinpriq: 127.0.0.1:{port} closed the connection in answer to auth: it does not take "
         "this token (or speaks protocol 1.0, which has no auth)\n"
+    )
+
+
+def test_a_plain_client_with_the_right_token_on_a_tls_port_is_told_it_may_need_tls(
+    secured: tuple[int, Path],
+) -> None:
+    port, _ = secured
+    done = pinpriq(port, "ping", PINPRIQ_AUTH_TOKEN=SECRET)
+    assert done.returncode == 1
+    # Closed at once: a token the server refuses is closed after about half a second.
+    assert done.stderr == (
+        f"pinpriq: 127.0.0.1:{port}: the server closed the connection at once, without judging "
+        "the token (it may speak TLS only, which this client did not; or be at its connection "
+        "limit, refuse clients from other hosts, or speak protocol 1.0, which has no auth)\n"
     )
 
 
@@ -454,6 +486,23 @@ def test_work_gives_a_key_group_to_one_command_run(port: int) -> None:
     assert [json.loads(line) for line in lines] == [{"key": "k", "payload": "x"}]
 
 
+SPLIT_SCRIPT = """
+import json, os, sys
+data, parts = sys.stdin.buffer.read(), []
+for size in map(int, os.environ["PINPRIQ_PAYLOAD_SIZES"].split(",")):
+    parts.append(data[:size].decode())
+    data = data[size:]
+print(json.dumps(parts + [data.decode()]))
+"""
+
+
+def test_work_says_where_each_payload_of_a_key_group_ends(port: int) -> None:
+    for payload, prio in (("one\ntwo", "1"), ("", "0"), ("3,4", "0")):
+        ok(port, "push", "work-split", "k", payload, "--prio", prio)
+    out = ok(port, "work", "work-split", "--count", "1", "--", sys.executable, "-c", SPLIT_SCRIPT)
+    assert json.loads(out) == ["one\ntwo", "", "3,4", ""]  # nothing after the last
+
+
 def test_a_worker_interrupted_mid_job_gives_the_job_back(port: int) -> None:
     with subprocess.Popen(
         [
@@ -479,5 +528,42 @@ def test_a_worker_interrupted_mid_job_gives_the_job_back(port: int) -> None:
         assert worker.wait(TIMEOUT) == 130
     deadline = time.monotonic() + TIMEOUT
     while not (popped := ok(port, "pop", "work-int")):  # the server has seen the close
+        assert time.monotonic() < deadline, "the job never came back"
+    assert popped == "k\tv\n"
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie nobody reaped has ended too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize(("stop", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_worker_stopped_ends_its_command_and_what_it_started(
+    port: int, stop: signal.Signals, status: int
+) -> None:
+    queue = f"work-stop-{stop.name}"
+    # The command starts a process of its own and reports both: the shell's and the sleep's ids.
+    script = "sleep 60 & echo $$ $!; wait"
+    with subprocess.Popen(
+        [PINPRIQ, "--port", str(port), "work", queue, "--", "sh", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env(),
+    ) as worker:
+        assert worker.stdout is not None
+        ok(port, "push", queue, "k", "v")
+        started = read_line(worker.stdout, time.monotonic() + TIMEOUT)
+        worker.send_signal(stop)  # to the worker alone, as a service manager or kill does
+        assert worker.wait(TIMEOUT) == status
+    deadline = time.monotonic() + TIMEOUT
+    for pid in map(int, started.split()):
+        while not gone(pid):  # a signalled process takes a moment to end
+            assert time.monotonic() < deadline, f"process {pid} outlived its worker"
+            time.sleep(0.01)
+    while not (popped := ok(port, "pop", queue)):  # the server has seen the close
         assert time.monotonic() < deadline, "the job never came back"
     assert popped == "k\tv\n"

@@ -116,6 +116,17 @@ async def test_plain_to_a_tls_server_fails_at_the_first_call(secured: LiveServer
         assert "TLS" in message
 
 
+async def test_plain_with_the_right_token_to_a_tls_server_is_told_it_may_need_tls(
+    secured: LiveServer,
+) -> None:
+    # Not "it does not take this token": that close comes after about half a second.
+    for message in await connect_both(secured.port, token=TOKEN):
+        assert message.startswith(
+            f"127.0.0.1:{secured.port}: the server closed the connection at once, without "
+            "judging the token (it may speak TLS only, which this client did not; "
+        )
+
+
 @pytest.mark.parametrize(("token", "error"), [(3, TypeError), ("x" * 65536, ValueError)])
 async def test_a_token_that_cannot_be_sent_is_an_argument_error(
     live: LiveServer, token: object, error: type[Exception]

@@ -959,6 +959,20 @@ async def test_command_line_reports_fixtures_for_another_server_as_not_run(
     )
 
 
+async def test_command_line_without_a_token_for_a_server_with_one_asks_for_it(
+    nursery: trio.Nursery,
+) -> None:
+    port = await start(nursery, PinpriqServer(token=TOKEN))
+    done = await conformance(f"{HOST}:{port}", "push-pop", "key-group")
+    assert done.returncode == 1
+    assert done.stdout.decode().splitlines()[-1].startswith("2 fixtures: 0 passed, 2 failed")
+    assert done.stderr.decode() == (
+        "pinpriq-conformance: the server closed the connection without answering a sync (21): "
+        "does it need --token? (or PINPRIQ_AUTH_TOKEN; a protocol 1.0 server, which has no "
+        "sync, closes it too)\n"
+    )
+
+
 async def test_command_line_fails_against_a_wrong_server(nursery: trio.Nursery) -> None:
     port = await start(nursery, PinpriqServer(OldestWinsTies(clock)))
     done = await conformance(f"{HOST}:{port}", "push-pop", "newest-wins-ties")
@@ -968,6 +982,7 @@ async def test_command_line_fails_against_a_wrong_server(nursery: trio.Nursery) 
     assert "expected" in lines[1]
     assert "received" in lines[1]
     assert lines[-1].startswith("2 fixtures: 1 passed, 1 failed")
+    assert done.stderr == b""  # it answered the runner's sync: no hint about a token
 
 
 @pytest.mark.parametrize(

@@ -16,12 +16,14 @@ from html.parser import HTMLParser
 import pytest
 import trio
 
+from pinpriq.admin.stats import Sampler
 from pinpriq.display import escape
 from pinpriq.server import PinpriqServer
 from tests.conftest import StartServer
 from tests.rawpeer import READY, ack, lease_reply, push, reserve, status, subscribe
 from tests.test_admin import applied, start_admin
 from tests.test_load_shapes import wait_until
+from tests.test_store import FakeClock
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None and os.environ.get("CI") == "true":
@@ -106,7 +108,11 @@ async def render(url: str) -> Rendered:
 async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     start_server: StartServer, nursery: trio.Nursery
 ) -> None:
-    admin = await start_admin(start_server, nursery, PinpriqServer())
+    server, clock = PinpriqServer(), FakeClock()  # the sampler's: the test moves it
+    # The test ticks the sampler: a fast browser renders before a second-apart second sample.
+    sampler = Sampler(server.broker, clock)
+    admin = await start_admin(start_server, nursery, server, sampler=sampler)
+    sampler.tick()  # at 0 s: nothing yet
     producer, subscriber = await admin.live.connect(), await admin.live.connect()
     odd = "<b>café</b>\\".encode() + b"\xff"  # markup, a backslash and a byte that is not UTF-8
     frames = [push(b"orders", b"k%d" % i, b"x" * 10, prio=1 + i % 3) for i in range(7)]
@@ -120,6 +126,9 @@ async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     expected = lease_reply(1, 1, (b"b", b"")) + lease_reply(2, 1, (b"a", b"")) + status(1, True)
     assert await worker.receive_exactly(len(expected)) == expected
     await wait_until(lambda: admin.live.broker.subscriptions.subscriber_count == 1, "subscribed")
+    for _ in range(2):  # 11 pushes and 1 delivery in the first second, none in the next
+        clock.advance(1.0)
+        sampler.tick()
 
     page = await render(f"http://127.0.0.1:{admin.port}/")
 
@@ -138,9 +147,13 @@ async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     assert "b" not in page.tags_in_table  # never as markup
     assert page.prios[escape(odd)] == {"9": "1"}
     assert page.rows["empty"]["packets"] == "0"
-    assert int(page.chart["data-samples"] or 0) >= 1
-    assert set(page.lines) == {"packets", "pushed", "popped"}
-    assert page.lines["packets"]  # drawn: at least one point
+    assert page.chart["data-samples"] == "2"
+    assert page.by_id["chart-scale"] == "last 2.0 s; top: 8 packets, 11/s"
+    assert page.lines == {  # 600 x 150 px from y = 158 up, each line scaled to its top
+        "packets": "0.0,8.0 600.0,8.0",
+        "pushed": "0.0,8.0 600.0,158.0",
+        "popped": "0.0,144.4 600.0,158.0",
+    }
 
 
 async def test_the_dashboard_asks_for_the_token_when_the_server_has_one(

@@ -107,3 +107,13 @@ async def test_shell_transcript_runs(live: LiveServer, steps: list[tuple[str, st
         assert (status, stderr) == (0, ""), command
         # Tabs in the README may have become spaces in an editor; compare what a reader sees.
         assert stdout.expandtabs() == expected.expandtabs(), command
+
+
+def test_the_quick_starts_data_directory_is_git_ignored() -> None:
+    """The quick start runs the server in the checkout: its log must not show up as files to
+    commit."""
+    _, install_and_start, _ = blocks("Quick start")[0]
+    started = re.search(r"--data-dir (\S+)", install_and_start)
+    assert started is not None  # the quick start keeps a log
+    ignored = (README.parent / ".gitignore").read_text(encoding="utf-8").splitlines()
+    assert started[1].removeprefix("./").rstrip("/") + "/" in ignored

@@ -3,12 +3,12 @@ the shell.
 
 They speak HTTP to the server's admin listener (``--admin URL``, else ``PINPRIQ_ADMIN_URL``,
 else http://127.0.0.1:7001; https:// for a server with TLS, trusting ``--tls-ca``), with the
-standard library's ``urllib``: a handful of small JSON
-requests needs no other client. The token, if the server has one, comes from
-``PINPRIQ_AUTH_TOKEN`` (never from the command line, which ``ps`` shows) and goes as
-``Authorization: Bearer``. A purge carries ``X-Pinpriq-Action``, which the listener requires of
-every change. Output is aligned tables for people, JSON with ``--json``; errors are one line and
-exit 1.
+standard library's ``urllib``: a handful of small JSON requests needs no other client. The
+token, if the server has one, comes from ``PINPRIQ_URL`` (``pinpriq://:TOKEN@HOST``, as for the
+data port's commands), else ``PINPRIQ_AUTH_TOKEN`` (never from the command line, which ``ps``
+shows) and goes as ``Authorization: Bearer``. A purge carries ``X-Pinpriq-Action``, which the
+listener requires of every change. Output is aligned tables for people, JSON with ``--json``;
+errors are one line and exit 1.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from pinpriq._client_core import DEFAULT_TIMEOUT
 from pinpriq.admin.app import ACTION_HEADER, DEFAULT_PEEK, MAX_PEEK
 from pinpriq.auth import TOKEN_VARIABLE
 from pinpriq.cli.args import int_in
-from pinpriq.display import escape
+from pinpriq.display import escape, unescape
+from pinpriq.tls import describe_tls_error
 
 __all__ = ["ADMIN_COMMANDS", "ADMIN_URL_VARIABLE", "AdminError", "add_admin_commands", "run_admin"]
 
@@ -63,16 +64,28 @@ def add_admin_commands(
             default=argparse.SUPPRESS,
             metavar="URL",
             help=f"the server's admin listener (default: {ADMIN_URL_VARIABLE}, else "
-            f"{DEFAULT_ADMIN_URL}); a token is read from {TOKEN_VARIABLE}",
+            f"{DEFAULT_ADMIN_URL}); a token is read from PINPRIQ_URL, else {TOKEN_VARIABLE}",
         )
     parents = [common, options]
+    # A name as the tables show it (escape()), for the names that are not plain text.
+    escaped = argparse.ArgumentParser(add_help=False)
+    escaped.add_argument(
+        "--escaped",
+        action="store_true",
+        help="QUEUE is written as `queues` shows names: \\\\, \\t, \\n, \\r and \\xNN "
+        "stand for bytes",
+    )
     stats = commands.add_parser(
-        "stats", parents=parents, help="the server's figures and its queues', or one queue's"
+        "stats",
+        parents=[*parents, escaped],
+        help="the server's figures and its queues', or one queue's",
     )
     stats.add_argument("queue", nargs="?", metavar="QUEUE")
     commands.add_parser("queues", parents=parents, help="the queues, deepest first")
     peek = commands.add_parser(
-        "peek", parents=parents, help="show the next packets pops would return; removes nothing"
+        "peek",
+        parents=[*parents, escaped],
+        help="show the next packets pops would return; removes nothing",
     )
     peek.add_argument("queue", metavar="QUEUE")
     peek.add_argument(
@@ -83,7 +96,7 @@ def add_admin_commands(
         help="how many packets (default: %(default)s)",
     )
     purge = commands.add_parser(
-        "purge", parents=parents, help="remove every packet of a queue, prio 0 included"
+        "purge", parents=[*parents, escaped], help="remove every packet of a queue, prio 0 included"
     )
     purge.add_argument("queue", metavar="QUEUE")
     health = commands.add_parser(
@@ -99,22 +112,26 @@ def add_admin_commands(
     )
 
 
-def run_admin(args: argparse.Namespace, out: TextIO, tls: ssl.SSLContext | None = None) -> None:
+def run_admin(
+    args: argparse.Namespace,
+    out: TextIO,
+    tls: ssl.SSLContext | None = None,
+    token: bytes | None = None,
+) -> None:
     """Carry out an admin command; raises ``AdminError`` if it cannot. ``tls`` is the context
-    for an https:// admin listener (default: the system's CAs)."""
+    for an https:// admin listener (default: the system's CAs); ``token`` the server's (default:
+    ``PINPRIQ_AUTH_TOKEN``'s)."""
     base = getattr(args, "admin", None) or os.environ.get(ADMIN_URL_VARIABLE) or DEFAULT_ADMIN_URL
     if "admin" not in args:
         try:
             base = admin_url(base)
         except argparse.ArgumentTypeError as error:
             raise AdminError(f"{ADMIN_URL_VARIABLE}: {error}") from None
-    client = _Client(base, getattr(args, "timeout", DEFAULT_TIMEOUT), tls)
+    if token is None and (variable := os.environ.get(TOKEN_VARIABLE)):
+        token = os.fsencode(variable)
+    client = _Client(base, getattr(args, "timeout", DEFAULT_TIMEOUT), tls, token)
     as_json = getattr(args, "json", False)
-    queue = (
-        None
-        if getattr(args, "queue", None) is None
-        else quote_from_bytes(os.fsencode(args.queue), safe="")
-    )
+    queue = None if getattr(args, "queue", None) is None else quote_from_bytes(_name(args), safe="")
     if args.command == "stats" and queue is not None:
         _print_queue(client.get(f"/queues/{queue}"), as_json, out)
     elif args.command == "stats":
@@ -135,13 +152,20 @@ def run_admin(args: argparse.Namespace, out: TextIO, tls: ssl.SSLContext | None 
             out.write(f"purged {purged['purged']:,} packets from {purged['queue']}\n")
 
 
+def _name(args: argparse.Namespace) -> bytes:
+    """QUEUE's bytes: as the shell passed them, or read back from the escaped form."""
+    return unescape(args.queue) if args.escaped else os.fsencode(args.queue)
+
+
 class _Client:
-    def __init__(self, base: str, timeout: float, tls: ssl.SSLContext | None) -> None:
+    def __init__(
+        self, base: str, timeout: float, tls: ssl.SSLContext | None, token: bytes | None
+    ) -> None:
         self.base = base
         self.timeout = timeout
         self.tls = tls
-        token = os.environ.get(TOKEN_VARIABLE)
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # latin-1: http.client sends header values as bytes in it, so any token goes as it is.
+        self.headers = {"Authorization": f"Bearer {token.decode('latin-1')}"} if token else {}
 
     def get(self, path: str) -> Any:
         return self.request("GET", path)
@@ -159,6 +183,8 @@ class _Client:
             raise AdminError(message) from None
         except (urllib.error.URLError, OSError) as error:
             reason = getattr(error, "reason", error)
+            if isinstance(reason, ssl.SSLError):
+                raise AdminError(self._tls_failed(reason)) from None
             raise AdminError(
                 f"cannot reach the admin listener at {self.base} ({reason}); is the server "
                 f"running with its admin listener on (--http-port)? Set --admin or "
@@ -166,6 +192,14 @@ class _Client:
             ) from None
         except ValueError:
             raise AdminError(f"{self.base} answered something that is not JSON") from None
+
+    def _tls_failed(self, error: ssl.SSLError) -> str:
+        message = f"cannot reach the admin listener at {self.base}: TLS handshake failed: "
+        message += describe_tls_error(error)
+        if isinstance(error, ssl.SSLCertVerificationError):
+            message += "; if the server's certificate comes from a private CA, trust it with "
+            message += "--tls-ca FILE"
+        return message
 
 
 def _reason(error: urllib.error.HTTPError) -> str:
@@ -190,6 +224,11 @@ def _table(rows: Sequence[Sequence[str]], numbers: Sequence[int] = ()) -> str:
         ]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines) + "\n"
+
+
+def _count(count: int | None) -> str:
+    """A count the server may not know (``None``, or absent from an older server's JSON)."""
+    return "-" if count is None else f"{count:,}"
 
 
 def _duration(ms: int | None) -> str:
@@ -223,11 +262,21 @@ def _print_queues(queues: list[dict[str, Any]], as_json: bool, out: TextIO) -> N
     if as_json:
         out.writelines(json.dumps(queue, ensure_ascii=False) + "\n" for queue in queues)
         return
-    header = ("QUEUE", "PACKETS", "BYTES", "SUBSCRIBERS", "OLDEST", "NEXT EXPIRY", "BY PRIORITY")
+    header = (
+        "QUEUE",
+        "PACKETS",
+        "LEASED",
+        "BYTES",
+        "SUBSCRIBERS",
+        "OLDEST",
+        "NEXT EXPIRY",
+        "BY PRIORITY",
+    )
     rows = [
         (
             q["name"],
             f"{q['packets']:,}",
+            _count(q.get("leased")),
             f"{q['bytes']:,}",
             f"{q['subscribers']:,}",
             _duration(q["oldest_age_ms"]),
@@ -237,7 +286,7 @@ def _print_queues(queues: list[dict[str, Any]], as_json: bool, out: TextIO) -> N
         for q in queues
     ]
     if rows:
-        out.write(_table([header, *rows], numbers=(1, 2, 3, 4, 5)))
+        out.write(_table([header, *rows], numbers=(1, 2, 3, 4, 5, 6)))
     else:
         out.write("no queue holds packets or has subscribers\n")
 
@@ -249,6 +298,7 @@ def _print_queue(queue: dict[str, Any], as_json: bool, out: TextIO) -> None:
     rows = [
         ("queue", queue["name"]),
         ("packets", f"{queue['packets']:,}"),
+        ("leased", _count(queue.get("leased"))),
         ("bytes", f"{queue['bytes']:,}"),
         ("by priority", _priorities(queue["by_priority"])),
         ("subscribers", f"{queue['subscribers']:,}"),

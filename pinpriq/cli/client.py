@@ -8,6 +8,7 @@ traceback reaches the user.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ from pinpriq.blocking import BlockingLease, BlockingPinpriqClient
 from pinpriq.cli.admin import ADMIN_COMMANDS, AdminError, add_admin_commands, run_admin
 from pinpriq.cli.args import OneLineParser, client_port, int_in, seconds
 from pinpriq.display import escape, json_value
-from pinpriq.errors import ArgumentError, ArgumentTypeError, PinpriqError
+from pinpriq.errors import ArgumentError, ArgumentTypeError, PinpriqError, PinpriqTimeoutError
 from pinpriq.wire import MAX_LEASE_MS, MAX_PRIO, MAX_TTL_MS, Packet
 
 __all__ = ["client_parser", "main"]
@@ -43,6 +44,10 @@ __all__ = ["client_parser", "main"]
 URL_VARIABLE = "PINPRIQ_URL"
 #: Exit status after Ctrl-C, as shells report a process ended by SIGINT.
 INTERRUPTED = 130
+#: Exit status of a worker stopped by SIGTERM, as shells report a process it ended.
+TERMINATED = 128 + signal.SIGTERM
+#: Seconds a worker's command has to exit after SIGTERM before its process group is killed.
+END_GRACE_SECONDS = 5.0
 
 CLIENT_EPILOG = f"""\
 The server is --host and --port if given, else the {URL_VARIABLE} environment variable
@@ -60,15 +65,20 @@ escapes for bytes that are not printable text. With --json, each line is a JSON 
 
 `work QUEUE -- COMMAND [ARG...]` takes jobs on a lease, one at a time, and runs COMMAND for
 each with the job's payload on stdin (the payloads of every packet of its key group, one after
-the other; with --json, one JSON object per packet per line) and PINPRIQ_QUEUE, PINPRIQ_KEY,
-PINPRIQ_ATTEMPT and PINPRIQ_PACKETS in its environment. Exit status 0 acks the job; anything
-else releases it, to be tried again (after the server's --max-deliveries attempts it goes to
-QUEUE.dead). The lease is touched while COMMAND runs; a job whose worker dies comes back.
+the other, with nothing between them: PINPRIQ_PAYLOAD_SIZES lists their sizes in bytes, comma-
+separated, to split them by; with --json, one JSON object per packet per line) and
+PINPRIQ_QUEUE, PINPRIQ_KEY, PINPRIQ_ATTEMPT and PINPRIQ_PACKETS in its environment. Exit
+status 0 acks the job; anything else releases it, to be tried again (after the server's
+--max-deliveries attempts it goes to QUEUE.dead). The lease is touched while COMMAND runs; a
+job whose worker dies comes back. COMMAND runs in a process group of its own: Ctrl-C or
+SIGTERM stops the worker after ending that group (SIGTERM, then SIGKILL after
+{END_GRACE_SECONDS:g} s), and the job goes back (exit status {INTERRUPTED} or {TERMINATED}).
 
 `stats`, `queues`, `peek`, `purge` and `health` ask the server's admin listener over HTTP
 instead: --admin URL, else the PINPRIQ_ADMIN_URL environment variable, else
-http://127.0.0.1:7001 (https:// for a server with TLS, trusting --tls-ca), with the token in
-PINPRIQ_AUTH_TOKEN if the server has one. Queue names are shown as keys and payloads are;
+http://127.0.0.1:7001 (https:// for a server with TLS, trusting --tls-ca), with the token of
+PINPRIQ_URL, else PINPRIQ_AUTH_TOKEN, if the server has one. Queue names are shown as keys and
+payloads are; `stats`, `peek` and `purge` take a name in that form back with --escaped.
 --json prints the admin listener's JSON. `health` exits 0 when the server is serving (with
 --ready: ready for clients) and 1 otherwise, for container health checks."""
 
@@ -293,14 +303,20 @@ def run_client(
     ) as client:
         if args.command == "push":
             queue, key, payload = (os.fsencode(arg) for arg in (args.queue, args.key, args.payload))
-            client.push(queue, key, payload, ttl_ms=args.ttl, prio=args.prio, confirm=True)
+            try:
+                client.push(queue, key, payload, ttl_ms=args.ttl, prio=args.prio, confirm=True)
+            except PinpriqTimeoutError as error:
+                raise PinpriqTimeoutError(f"{error}: {why_unconfirmed(url, tls)}") from None
         elif args.command == "pop":
             print_packets(client.pop(os.fsencode(args.queue)), as_json, out)
         elif args.command == "work":
             run_worker(client, args, as_json)
         elif args.command == "ping":
             started = time.perf_counter()
-            client.sync()
+            try:
+                client.sync()
+            except PinpriqTimeoutError as error:
+                raise PinpriqTimeoutError(f"{error}: {NOT_PINPRIQ}") from None
             elapsed_ms = (time.perf_counter() - started) * 1000
             out.write(f"pong from {client.address} in {elapsed_ms:.1f} ms\n")
         else:
@@ -312,6 +328,28 @@ def run_client(
                     print_packets(packets, as_json, out)
 
 
+#: Why a server that takes connections would not answer a sync, which every 1.1 server answers.
+NOT_PINPRIQ = "it may not be a pinpriq server (it took the connection and answered nothing)"
+#: Seconds a second connection waits for its ping when a push was not confirmed.
+PROBE_SECONDS = 1.0
+
+
+def why_unconfirmed(url: ServerUrl, tls: ssl.SSLContext | None) -> str:
+    """Why a push was not confirmed in time, judged by a ping on a connection of its own: a
+    server at its memory cap holds the push (and the sync after it) but answers a lone sync."""
+    try:
+        with BlockingPinpriqClient.connect(
+            url.host, url.port, timeout=PROBE_SECONDS, token=url.token, tls=tls or False
+        ) as probe:
+            probe.sync()
+    except PinpriqError:
+        return NOT_PINPRIQ
+    return (
+        "the server answers a ping, so it holds the push: it is most likely at its memory cap "
+        "(--max-memory), where pushes wait until pops or expiry free room"
+    )
+
+
 class JobFailed(Exception):
     """COMMAND exited with a status other than 0: the job is released."""
 
@@ -320,6 +358,41 @@ def _without_traceback(record: logging.LogRecord) -> bool:
     """A failed COMMAND is one line on stderr, not a traceback."""
     record.exc_info = record.exc_text = None
     return True
+
+
+class Terminated(BaseException):
+    """SIGTERM: the worker stops as on Ctrl-C, ending its command first."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def run_in_own_group(command: list[str], stdin: bytes, environment: dict[str, str]) -> int:
+    """Run ``command`` with ``stdin``; its exit status (negative: the signal that killed it).
+
+    It runs in a process group of its own, so that a worker stopped by Ctrl-C or SIGTERM can
+    end it and whatever it started: left running, it would do the job while the job, given
+    back, runs again elsewhere."""
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, env=environment, process_group=0)
+    try:
+        process.communicate(stdin)
+    except BaseException:
+        _end_group(process)
+        raise
+    return process.returncode
+
+
+def _end_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the command's process group; SIGKILL to what is left of it once the command
+    has exited, or after ``END_GRACE_SECONDS``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(END_GRACE_SECONDS)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def run_worker(client: BlockingPinpriqClient, args: argparse.Namespace, as_json: bool) -> None:
@@ -343,8 +416,10 @@ def run_worker(client: BlockingPinpriqClient, args: argparse.Namespace, as_json:
             "PINPRIQ_KEY": os.fsdecode(job.packets[0].key),
             "PINPRIQ_ATTEMPT": str(job.attempt),
             "PINPRIQ_PACKETS": str(len(job.packets)),
+            # Where one payload ends and the next begins on stdin: any bytes may be in them.
+            "PINPRIQ_PAYLOAD_SIZES": ",".join(str(len(p.payload)) for p in job.packets),
         }
-        status = subprocess.run(command, input=stdin, env=environment, check=False).returncode
+        status = run_in_own_group(command, stdin, environment)
         if status < 0:
             raise JobFailed(f"{shlex.quote(command[0])} was killed by {signal.strsignal(-status)}")
         if status:
@@ -392,10 +467,11 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as error:
             parser.error(str(error))
         if args.command in ADMIN_COMMANDS:  # HTTP to the admin listener, not the data port
-            run_admin(args, sys.stdout, tls)
+            run_admin(args, sys.stdout, tls, url.token)
             return
         if args.command == "work":
             check_work_command(parser, args)
+            signal.signal(signal.SIGTERM, _terminated)
         run_client(args, url, tls, sys.stdout)
     except (ArgumentError, ArgumentTypeError) as error:  # a field longer than the protocol allows
         parser.exit(2, f"pinpriq: error: {error}\n")
@@ -405,6 +481,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"pinpriq: {error}")
     except KeyboardInterrupt:
         sys.exit(INTERRUPTED)
+    except Terminated:
+        sys.exit(TERMINATED)
     except BrokenPipeError:
         # The reader went away (pinpriq subscribe q | head -1). Point stdout at /dev/null so
         # the interpreter's final flush does not complain a second time.

@@ -46,6 +46,9 @@ const MAX_TIMER_MS = 2 ** 31 - 1;
 const CLOSED_AT_ONCE_MS = 1000;
 const CLOSED_AT_ONCE = 'the server closed the connection at once (it may be at its connection '
   + 'limit, want a token or TLS, or refuse clients from other hosts)';
+// A server that refuses a token closes the connection about 500 ms after the auth, so that
+// tokens cannot be guessed fast: a close sooner than this did not judge the token.
+const TOKEN_JUDGED_MS = 400;
 /** The environment variable the token is read from when the `token` option is not given. */
 export const TOKEN_VARIABLE = 'PINPRIQ_AUTH_TOKEN';
 
@@ -261,10 +264,11 @@ class Endpoint {
           ));
         }
       };
-      handlers.error = (error) => reject(this.#refused(error));
-      handlers.close = () => reject(this.#refused(null));
+      handlers.error = (error) => reject(this.#refused(error, sentAt));
+      handlers.close = () => reject(this.#refused(null, sentAt));
       for (const [event, handler] of Object.entries(handlers)) socket.on(event, handler);
     });
+    const sentAt = performance.now();
     socket.write(encodeAuth(this.token));
     try {
       await this.limit(answered, 'cannot connect to', () => socket.destroy());
@@ -276,11 +280,22 @@ class Endpoint {
     }
   }
 
-  /** @param {(Error & { code?: string }) | null} error */
-  #refused(error) {
+  /**
+   * @param {(Error & { code?: string }) | null} error
+   * @param {number} sentAt `performance.now()` when the auth went out
+   */
+  #refused(error, sentAt) {
+    // A server that refuses a token closes about half a second after the auth; sooner, it did
+    // not judge the token: a TLS port (for a plain client), its connection limit, or a 1.0 server.
+    const judged = performance.now() - sentAt >= TOKEN_JUDGED_MS;
+    const causes = 'be at its connection limit, refuse clients from other hosts, or speak '
+      + 'protocol 1.0, which has no auth';
     return this.connectionError(
-      `${this.address} closed the connection in answer to auth: it does not take this token `
-        + '(or speaks protocol 1.0, which has no auth)',
+      judged
+        ? `${this.address} closed the connection in answer to auth: it does not take this token `
+          + '(or speaks protocol 1.0, which has no auth)'
+        : `${this.address}: the server closed the connection at once, without judging the token `
+          + `(it may ${this.tls === null ? `speak TLS only, which this client did not; or ${causes}` : causes})`,
       error ? { code: error.code, cause: error } : {},
     );
   }

@@ -60,6 +60,16 @@ describe('a server with a token and TLS', () => {
     );
   });
 
+  test('a plain client with the right token is told the port may speak TLS', async () => {
+    // Closed at once: a token the server refuses is closed after about half a second.
+    await assert.rejects(
+      PinpriqClient.connect({ port: server.port, token: TOKEN }),
+      (error) => error instanceof PinpriqConnectionError
+        && error.message.startsWith(`127.0.0.1:${server.port}: the server closed the connection `
+          + 'at once, without judging the token (it may speak TLS only, which this client did not; '),
+    );
+  });
+
   test('a CA the client does not trust fails at connect', async () => {
     await assert.rejects(
       PinpriqClient.connect({ port: server.port, token: TOKEN, tls: true }),
