@@ -38,18 +38,19 @@ QUEUE = b"bench"
 KEYS = [k.decode() for k in queue_keys(QUEUE)]
 
 
-def sha(port: int, source: str) -> str:
-    return redis_cli(port, "SCRIPT", "LOAD", source)
+def load(port: int) -> None:
+    """The store's functions library, as a front end loads it."""
+    redis_cli(port, "FUNCTION", "LOAD", "REPLACE", lua.LIBRARY)
 
 
-def push_call(port: int, packets: list[tuple[str, str, int, int]]) -> list[str]:
-    """An EVALSHA of the push script: (key, payload, ttl ms, prio) a packet."""
+def push_call(packets: list[tuple[str, str, int, int]]) -> list[str]:
+    """An FCALL of the push function: (key, payload, ttl ms, prio) a packet."""
     fields = [str(f) for packet in packets for f in packet]
-    return ["EVALSHA", sha(port, lua.PUSH), "6", *KEYS[:6], KEYS[6], *fields]
+    return ["FCALL", lua.function_name("push"), "6", *KEYS[:6], KEYS[6], *fields]
 
 
-def pop_call(port: int, pops: int) -> list[str]:
-    return ["EVALSHA", sha(port, lua.POP), "5", *KEYS[:5], "65535", str(pops), "0"]
+def pop_call(pops: int) -> list[str]:
+    return ["FCALL", lua.function_name("pop"), "5", *KEYS[:5], "65535", str(pops), "0"]
 
 
 def commandstats(port: int) -> dict[str, tuple[int, float]]:
@@ -74,7 +75,8 @@ def timed(port: int, command: str, *args: str) -> float:
 
 def fill(port: int, packets: int) -> None:
     """``packets`` packets in the bench queue, unique keys, prio 1..255, no TTL."""
-    redis_cli(port, *push_call(port, [(f"k{i}", "p" * 16, 0, 1 + i % 255) for i in range(packets)]))
+    load(port)
+    redis_cli(port, *push_call([(f"k{i}", "p" * 16, 0, 1 + i % 255) for i in range(packets)]))
 
 
 #: One ``redis.call`` each, as the scripts make them (KEYS[1] the queue's hash, KEYS[2] its
@@ -117,7 +119,8 @@ def script_costs(port: int, n: int) -> dict[str, float]:
         label = f"P{per_call}"
         redis_cli(port, "FLUSHALL")
         packet = ("k__rand_int__", "p" * 16, 0, 7)  # each __rand_int__ is drawn anew
-        push, pop = push_call(port, [packet] * per_call), pop_call(port, per_call)
+        load(port)
+        push, pop = push_call([packet] * per_call), pop_call(per_call)
         for what, command, calls in (("push", push, n // per_call), ("pop", pop, n // per_call)):
             redis_cli(port, "CONFIG", "RESETSTAT")
             redis_benchmark(port, calls, *command)

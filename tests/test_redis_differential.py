@@ -20,6 +20,7 @@ import pytest
 import trio
 
 from pinpriq.server import PinpriqServer
+from pinpriq.store import QueueStore
 from tests.rawpeer import (
     Peer,
     ack,
@@ -202,3 +203,44 @@ async def test_the_redis_store_leases_as_the_built_in_one(redis_url: str, seed: 
     assert any(who == "lsub" for who, _ in expected)
     if seed == 3:
         assert any(who == "left a.dead" for who, _ in expected)
+
+
+# -- many pops of one queue in one call --------------------------------------------------------
+
+#: A reply's packet limit for ``batched_pops``: small, so key groups outgrow a reply and one
+#: group's packets are taken by several pops of one call.
+SMALL_MAX_POP = 3
+
+
+async def batched_pops(port: int, seed: int) -> list[object]:
+    """200 pushes to one queue (prio 0..3, four keys, some with a TTL), then 150 pops written
+    at once: the Redis store runs a batch's consecutive pops of one queue as one call."""
+    rng = random.Random(seed)
+    pushes = b"".join(
+        push(b"q", rng.choice(KEYS), b"%d" % i, rng.choice([0, 60_000]), rng.randrange(4))
+        for i in range(200)
+    )
+    peer = Peer(await trio.open_tcp_stream(HOST, port))
+    try:
+        await peer.request(pushes + SYNC)
+        await peer.send(pop(b"q") * 150)
+        return [await peer.reply() for _ in range(150)]
+    finally:
+        await peer.aclose()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_a_batch_of_pops_answers_as_the_built_in_store(redis_url: str, seed: int) -> None:
+    server = PinpriqServer(QueueStore(trio.current_time, max_pop=SMALL_MAX_POP))
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(server.serve, 0, host=HOST))
+        expected = await batched_pops(listeners[0].socket.getsockname()[1], seed)
+        nursery.cancel_scope.cancel()
+    async with front_end(redis_url) as (redis_server, port):
+        assert redis_server.batched is not None
+        redis_server.batched.max_pop = SMALL_MAX_POP  # type: ignore[attr-defined]
+        got = await batched_pops(port, seed)
+    assert got == expected
+    # Groups outgrew a reply (the limit was reached), and the queue ran dry before the end.
+    assert any(len(reply) == SMALL_MAX_POP for reply in expected)
+    assert expected[-1] == []

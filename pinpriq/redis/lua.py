@@ -25,8 +25,11 @@ Deadline 0 means "never" (TTL 0).
 from __future__ import annotations
 
 __all__ = [
+    "LAYOUT",
     "LEASE_OP",
     "LEASE_SWEEP",
+    "LIBRARY",
+    "LIBRARY_NAME",
     "PEEK",
     "POP",
     "PURGE",
@@ -35,6 +38,7 @@ __all__ = [
     "RESERVE",
     "RESTORE",
     "SWEEP",
+    "function_name",
 ]
 
 
@@ -42,7 +46,8 @@ __all__ = [
 # (a push batch, a large key group) avoid parsing what they already know: a call into Redis or
 # a struct call per packet is what a script's time goes to.
 _HELPERS = r"""
-local NEVER = struct.pack('>d', 0)
+-- The double 0.0 (no struct or string library while Redis loads a library: a literal).
+local NEVER = '\0\0\0\0\0\0\0\0'
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), t
@@ -71,6 +76,7 @@ local function group_prefix(key) return struct.pack('>H', #key) .. key end
 -- payload, prio, seq, deadline: enough to put it back), else two (key, payload).
 local function remove_all(seqs, key, full)
   local out, groups, levels = {}, {}, {}
+  if #seqs == 0 then return out end
   local prefix = key and group_prefix(key)
   for i = 1, #seqs, 1000 do
     local recs = redis.call('HMGET', KEYS[1], unpack(seqs, i, math.min(i + 999, #seqs)))
@@ -106,6 +112,13 @@ local function sweep(now)
   return #due
 end
 -- Once the queue holds nothing, forget it entirely (decision 5).
+-- Sweep a queue that has TTL deadlines; most have none, and then neither TIME nor a range
+-- is paid. Returns whether it had any (so its removals must update the deadline index).
+local function sweep_due()
+  if redis.call('EXISTS', KEYS[4]) == 0 then return false end
+  sweep(now_ms())
+  return true
+end
 local function forget_if_empty()
   if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[5]) end
 end
@@ -115,10 +128,7 @@ end
 #: them in order (a batch's consecutive pushes to one queue are one call: each is still whole,
 #: and no other script runs between them). Returns the earliest deadline in ms (0 for none). No
 #: ``allow-oom``: Redis refuses it while over ``maxmemory``, before it runs.
-PUSH = (
-    "#!lua\n"
-    + _HELPERS
-    + r"""
+PUSH = r"""
 local now, t = now_ms()
 local seq = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local last = tonumber(redis.call('GET', KEYS[5]) or '0')
@@ -155,87 +165,116 @@ redis.call('SET', KEYS[5], digits(seq - 1))
 if #levels > 0 and redis.call('EXISTS', KEYS[6]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
 return earliest
 """
-)
 
 #: KEYS d s g x q; ARGV max_pop, pops, full. Sweeps what is due, then ``pops`` times removes
 #: the best packet and its key group (decisions 2-4). Returns one flat list a pop: two fields a
 #: packet (key, payload), or with ``full`` = 1 five (key, payload, prio, seq, deadline: enough
 #: for a delivery nobody could take to go back unchanged); then the selectable packets left.
 #: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
-POP = (
-    "#!lua flags=allow-oom\n"
-    + _HELPERS
-    + r"""
+POP = r"""
 local max_pop, pops, full = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
-local function pop_one()
-  local top = redis.call('ZRANGE', KEYS[2], -1, -1)
-  if #top == 0 then return {} end
-  local selected = top[1]
-  local _, _, key = unpack_packet(redis.call('HGET', KEYS[1], selected))
-  local prefix = group_prefix(key)
-  local seqs = {selected}
-  local members = redis.call('ZRANGEBYLEX', KEYS[3], '[' .. prefix, '[' .. prefix .. '\255',
-    'LIMIT', 0, max_pop)
-  local skip = #prefix + 1
-  for _, member in ipairs(members) do
-    if #seqs >= max_pop then break end
-    local seq = string.sub(member, skip)
-    if seq ~= selected then seqs[#seqs + 1] = seq end
-  end
-  return remove_all(seqs, key, full)
+local expiring = sweep_due()
+-- Removals wait until every pop of the call has chosen (one HDEL and one ZREM a structure
+-- for the whole call, not per pop); meanwhile ``taken`` keeps a packet from being chosen
+-- twice, and the selection set is read in pages of candidates, best first.
+local taken, seqs, members = {}, {}, {}
+local taken_by_group = {}  -- group prefix -> packets of it taken (for groups over max_pop)
+local page, records, at, start = {}, {}, 1, 0
+local function take(seq, prefix)
+  taken[seq] = true
+  seqs[#seqs + 1] = seq
+  members[#members + 1] = prefix .. seq
+  taken_by_group[prefix] = (taken_by_group[prefix] or 0) + 1
 end
-sweep(now_ms())
+-- The best packet not yet taken: its seq and record, or nil.
+local function best(wanted)
+  while true do
+    if at > #page then
+      page = redis.call('ZRANGE', KEYS[2], start, start + math.min(wanted, 1000) - 1, 'REV')
+      if #page == 0 then return nil end
+      start, at = start + #page, 1
+      records = redis.call('HMGET', KEYS[1], unpack(page))
+    end
+    local seq, rec = page[at], records[at]
+    at = at + 1
+    if not taken[seq] then return seq, rec end
+  end
+end
+local function packet(out, seq, rec)
+  local prio, deadline, key, payload = unpack_packet(rec)
+  local n = #out
+  out[n + 1], out[n + 2] = key, payload
+  if full then out[n + 3], out[n + 4], out[n + 5] = prio, seq, tostring(deadline) end
+  return key
+end
+local function pop_one(left)
+  local selected, rec = best(left)
+  if not selected then return {} end
+  local out = {}
+  local prefix = group_prefix(packet(out, selected, rec))
+  local before = taken_by_group[prefix] or 0
+  take(selected, prefix)
+  -- The rest of its key group in push order; packets taken by earlier pops of this call are
+  -- still in the index, so the range reaches past them.
+  local range = redis.call('ZRANGEBYLEX', KEYS[3], '[' .. prefix, '[' .. prefix .. '\255',
+    'LIMIT', 0, max_pop + before)
+  local others, skip = {}, #prefix + 1
+  for _, member in ipairs(range) do
+    if #others + 1 >= max_pop then break end
+    local seq = string.sub(member, skip)
+    if not taken[seq] then
+      others[#others + 1] = seq
+      take(seq, prefix)
+    end
+  end
+  for i = 1, #others, 1000 do
+    local recs = redis.call('HMGET', KEYS[1], unpack(others, i, math.min(i + 999, #others)))
+    for j, r in ipairs(recs) do packet(out, others[i + j - 1], r) end
+  end
+  return out
+end
 local replies = {}
-for i = 1, pops do replies[i] = pop_one() end
-forget_if_empty()
+for i = 1, pops do replies[i] = pop_one(pops - i + 1) end
+bulk('HDEL', KEYS[1], seqs)
+bulk('ZREM', KEYS[3], members)
+bulk('ZREM', KEYS[2], seqs)  -- prio-0 seqs among them are simply not members
+if expiring then bulk('ZREM', KEYS[4], seqs) end
 -- Last, how many selectable packets are left: a subscriber's front end stops there.
-replies[pops + 1] = redis.call('ZCARD', KEYS[2])
+local left = redis.call('ZCARD', KEYS[2])
+if left == 0 then forget_if_empty() end
+replies[pops + 1] = left
 return replies
 """
-)
 
 #: KEYS d s g x q; no ARGV. Sweeps what is due and returns the rank of what a pop would select:
 #: {prio, seq}, or {} if nothing is selectable.
-RANK = (
-    "#!lua flags=allow-oom\n"
-    + _HELPERS
-    + r"""
-sweep(now_ms())
+RANK = r"""
+sweep_due()
 forget_if_empty()
 local top = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
 if #top == 0 then return {} end
 return {-tonumber(top[2]), top[1]}
 """
-)
 
 #: KEYS d s g x q; no ARGV. Removes the packets whose deadline has come; returns how many.
-SWEEP = (
-    "#!lua flags=allow-oom\n"
-    + _HELPERS
-    + r"""
-local n = sweep(now_ms())
+SWEEP = r"""
+local n = 0
+if redis.call('EXISTS', KEYS[4]) == 1 then n = sweep(now_ms()) end
 forget_if_empty()
 return n
 """
-)
 
 #: KEYS d s g x q; no ARGV. Removes every packet (prio 0 included); returns how many.
-PURGE = (
-    "#!lua flags=allow-oom\n"
-    + r"""
+PURGE = r"""
 local n = redis.call('HLEN', KEYS[1])
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
 return n
 """
-)
 
 #: KEYS d s g x q w; ARGV channel, then five fields a packet as POP returns them with ``full``.
 #: Puts packets back as they were (prio, place in push order, deadline); drops those whose TTL
 #: has passed. Returns how many went back. ``allow-oom``: the memory was held a moment ago.
-RESTORE = (
-    "#!lua flags=allow-oom\n"
-    + _HELPERS
-    + r"""
+RESTORE = r"""
 local now = now_ms()
 local back, selectable, last = 0, false, tonumber(redis.call('GET', KEYS[5]) or '0')
 for i = 2, #ARGV, 5 do
@@ -258,14 +297,10 @@ if back > 0 then redis.call('SET', KEYS[5], digits(last)) end
 if selectable and redis.call('EXISTS', KEYS[6]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
 return back
 """
-)
 
 #: KEYS d s g x; ARGV count max_pop. What the next pops would return, in order, removing
 #: nothing (and sweeping nothing: it skips expired packets). Flat list: key, payload, prio.
-PEEK = (
-    "#!lua flags=no-writes\n"
-    + _HELPERS
-    + r"""
+PEEK = r"""
 local count, max_pop = tonumber(ARGV[1]), tonumber(ARGV[2])
 local now = now_ms()
 local taken, out, found = {}, {}, 0
@@ -304,7 +339,6 @@ while found < count do
 end
 return out
 """
-)
 
 
 # -- leases (decisions 13-19) ---------------------------------------------------------------
@@ -317,7 +351,11 @@ return out
 # channel, max deliveries (0: never) and '1' if the dead queue may be used ('0': its name would
 # be too long, so a group due there is dropped). A lease lives exactly while ``:l`` holds it.
 _LEASE_HELPERS = r"""
-local max_deliveries, dead_ok = tonumber(ARGV[3]), ARGV[4] == '1'
+local max_deliveries, dead_ok
+-- Every lease function starts here: ARGV 3 and 4 are the same for all of them.
+local function lease_args()
+  max_deliveries, dead_ok = tonumber(ARGV[3]), ARGV[4] == '1'
+end
 -- Put a lease's packets into the queue at KEYS offset ``o`` (0: the queue, 9: its dead
 -- queue) as they were; drops those whose TTL passed (TTL wins). ``bump``: each packet's count
 -- one more (nil: counts reset, for the dead queue). Returns how many went back.
@@ -390,11 +428,8 @@ end
 #: sweeps its due packets, then leases what a pop would take (decision 13) under ``handle``.
 #: Returns {} if nothing is selectable, else {attempt, deadline ms, selectable left, then key,
 #: payload a packet}.
-RESERVE = (
-    "#!lua flags=allow-oom\n"
-    + _HELPERS
-    + _LEASE_HELPERS
-    + r"""
+RESERVE = r"""
+lease_args()
 local max_pop, handle, lease_ms = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
 local now = now_ms()
 sweep_leases(now)
@@ -443,17 +478,13 @@ local reply = {t[1], due, redis.call('ZCARD', KEYS[2])}
 for _, v in ipairs(out) do reply[#reply + 1] = v end
 return reply
 """
-)
 
 #: 15 KEYS, ARGV as above, then op, handle, ms. What an ack ('ack'), release ('release', ms the
 #: delay), touch ('touch', ms the new lease time) or a delivery nobody could take ('unreserve')
 #: does to a lease. A lease whose deadline has passed is ended here (its packets go back) and
 #: answers as not live. Returns {live (1/0), back, dead, dropped, the lease's new due ms or 0}.
-LEASE_OP = (
-    "#!lua flags=allow-oom\n"
-    + _HELPERS
-    + _LEASE_HELPERS
-    + r"""
+LEASE_OP = r"""
+lease_args()
 local op, handle, ms = ARGV[5], ARGV[6], tonumber(ARGV[7])
 local now = now_ms()
 local due = redis.call('ZSCORE', KEYS[8], handle)
@@ -478,15 +509,11 @@ end
 forget_all_if_empty()
 return {1, r[1], r[2], r[3], new_due}
 """
-)
 
 #: 15 KEYS, ARGV as above. Ends every lease of the queue whose deadline or release delay has
 #: come. Returns {back, dead, dropped, the next due ms or 0, then the handles ended}.
-LEASE_SWEEP = (
-    "#!lua flags=allow-oom\n"
-    + _HELPERS
-    + _LEASE_HELPERS
-    + r"""
+LEASE_SWEEP = r"""
+lease_args()
 local totals, ended = sweep_leases(now_ms())
 forget_all_if_empty()
 local next_due = redis.call('ZRANGE', KEYS[8], 0, 0, 'WITHSCORES')
@@ -494,4 +521,53 @@ local reply = {totals[1], totals[2], totals[3], tonumber(next_due[2] or '0')}
 for _, handle in ipairs(ended) do reply[#reply + 1] = handle end
 return reply
 """
+
+
+# -- the library ------------------------------------------------------------------------------
+
+#: The layout of the keys and the calling convention of the functions. A front end loads the
+#: library ``pinpriq_<LAYOUT>`` once (``FUNCTION LOAD``); Redis keeps it (in its RDB and AOF
+#: too) and every front end calls the same functions. Bump it with any change to the scripts.
+LAYOUT = 2
+LIBRARY_NAME = f"pinpriq_{LAYOUT}"
+
+#: Each function: its body and its flags (``allow-oom``: it only frees memory or puts back what
+#: was held a moment ago, so a full Redis still runs it; none: Redis refuses it over maxmemory).
+_FUNCTIONS = {
+    "push": (PUSH, ""),
+    "pop": (POP, "'allow-oom'"),
+    "rank": (RANK, "'allow-oom'"),
+    "sweep": (SWEEP, "'allow-oom'"),
+    "purge": (PURGE, "'allow-oom'"),
+    "restore": (RESTORE, "'allow-oom'"),
+    "peek": (PEEK, "'no-writes'"),
+    "reserve": (RESERVE, "'allow-oom'"),
+    "lease_op": (LEASE_OP, "'allow-oom'"),
+    "lease_sweep": (LEASE_SWEEP, "'allow-oom'"),
+}
+
+
+def function_name(operation: str) -> str:
+    """What ``FCALL`` names for one operation of this layout."""
+    return f"{LIBRARY_NAME}_{operation}"
+
+
+def _register(operation: str, body: str, flags: str) -> str:
+    return (
+        f"local function op_{operation}()\n{body}end\n"
+        f"redis.register_function{{function_name='{function_name(operation)}', "
+        f"callback=function(keys, args) KEYS, ARGV = keys, args; return op_{operation}() end, "
+        f"flags={{{flags}}}}}\n"
+    )
+
+
+#: The whole library. The helpers are defined once, when Redis loads it, not on every call as
+#: a script's would be; each call sets ``KEYS`` and ``ARGV`` (upvalues, not globals: a
+#: function library may not write globals) before it runs.
+LIBRARY = (
+    f"#!lua name={LIBRARY_NAME}\n"
+    "local KEYS, ARGV\n"
+    + _HELPERS
+    + _LEASE_HELPERS
+    + "".join(_register(op, body, flags) for op, (body, flags) in _FUNCTIONS.items())
 )

@@ -34,7 +34,6 @@ import trio
 from coredis.exceptions import (
     BusyLoadingError,
     ClusterDownError,
-    NoScriptError,
     ResponseError,
     TryAgainError,
 )
@@ -107,21 +106,16 @@ def _popped(reply: Sequence[Any]) -> list[Popped]:
     ]
 
 
-#: Scripts by name, loaded into every node at start (and again after a Redis restart).
-_SCRIPTS = {
-    "push": lua.PUSH,
-    "pop": lua.POP,
-    "rank": lua.RANK,
-    "sweep": lua.SWEEP,
-    "purge": lua.PURGE,
-    "restore": lua.RESTORE,
-    "peek": lua.PEEK,
-    "reserve": lua.RESERVE,
-    "lease_op": lua.LEASE_OP,
-    "lease_sweep": lua.LEASE_SWEEP,
-}
+_Call = tuple[str, Sequence[bytes], Sequence[bytes | int | str]]  # operation, KEYS, ARGV
 
-_Call = tuple[str, Sequence[bytes], Sequence[bytes | int | str]]  # script, KEYS, ARGV
+#: The function each operation calls (``lua.LIBRARY``).
+_FUNCTIONS = {
+    operation: lua.function_name(operation)
+    for operation in (
+        "push", "pop", "rank", "sweep", "purge", "restore", "peek", "reserve", "lease_op",
+        "lease_sweep",
+    )
+}  # fmt: skip
 
 
 class RedisStore:
@@ -138,7 +132,6 @@ class RedisStore:
         self.client = client
         self.cluster = cluster
         self.max_pop = max_pop
-        self._shas: dict[str, str] = {}
         #: The results of the batch ``receive`` is applying: ``pop`` takes them in order.
         self.current: deque[list[KeyedPayload]] = deque()
         self._pushed = 0
@@ -508,9 +501,9 @@ class RedisStore:
     # -- talking to Redis --------------------------------------------------------------------
 
     async def load_scripts(self) -> None:
-        """Load every script into Redis (every node of a Cluster)."""
-        for name, source in _SCRIPTS.items():
-            self._shas[name] = _text(await self.client.script_load(source))
+        """Load the functions library into Redis (every primary of a Cluster). ``REPLACE``:
+        front ends of one layout share the library, the one loaded last (``lua.LAYOUT``)."""
+        await self.client.function_load(lua.LIBRARY, replace=True)
 
     async def call_all(self, calls: Sequence[_Call]) -> list[Any]:
         """Run scripts as one pipeline, in order; retries what Redis could not run yet (it is
@@ -529,8 +522,8 @@ class RedisStore:
             for index, reply in zip(todo, replies or [None] * len(todo), strict=True):
                 if replies is None:
                     retry.append(index)
-                elif isinstance(reply, NoScriptError):
-                    await self._reload_scripts()
+                elif isinstance(reply, ResponseError) and "Function not found" in str(reply):
+                    await self._reload_scripts()  # a Redis restarted without persistence
                     retry.append(index)
                 elif isinstance(reply, _TRANSIENT):
                     self._trouble(f"Redis cannot run scripts now ({reply}); retrying")
@@ -555,10 +548,9 @@ class RedisStore:
         return results
 
     async def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
-        shas = self._shas
         async with self.client.pipeline(transaction=False, raise_on_error=False) as pipe:
             requests = [
-                pipe.evalsha(shas[name], keys=keys, args=args) for name, keys, args in calls
+                pipe.fcall(_FUNCTIONS[name], keys=keys, args=args) for name, keys, args in calls
             ]
         replies = []
         for request in requests:
