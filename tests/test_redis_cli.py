@@ -15,6 +15,7 @@ import trio
 from pinpriq.admin.app import AdminApp
 from pinpriq.admin.http import Request
 from pinpriq.admin.stats import Sampler, server_stats
+from pinpriq.redis import lua
 from pinpriq.redis.spec import StoreError, parse_store
 from tests.rawpeer import pop, push
 from tests.redis_servers import RedisServer, free_port, need_redis
@@ -78,6 +79,25 @@ def test_a_redis_that_may_evict_is_refused(tmp_path: Path) -> None:
         redis.stop()
     assert done.returncode == 1
     assert "maxmemory-policy allkeys-lru" in done.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in done.stderr
+
+
+def test_a_redis_holding_another_layouts_functions_is_refused(tmp_path: Path) -> None:
+    """Front ends of two key layouts would misread each other's queues: the second refuses."""
+    need_redis()
+    redis = RedisServer(tmp_path).start()
+    try:
+        redis.cli(
+            "FUNCTION",
+            "LOAD",
+            "#!lua name=pinpriq_1\nredis.register_function('pinpriq_1_x', function() end)",
+        )
+        done = run("--port", "0", "--store", redis.url)
+    finally:
+        redis.stop()
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"another pinpriq key layout (pinpriq_1; this build uses {lua.LIBRARY_NAME})" in last
     assert "Traceback" not in done.stderr
 
 
