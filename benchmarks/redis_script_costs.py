@@ -18,6 +18,7 @@ ZADD / ZPOPMIN; usec per call over packets per call is the cost per packet.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -111,6 +112,29 @@ def call_costs(port: int) -> dict[str, float]:
     return {name: loop(body) - empty for name, body in CALLS.items()}
 
 
+def cpu_seconds(port: int) -> float:
+    """The CPU time redis-server has used (user + system), from /proc."""
+    pid = redis_cli(port, "INFO", "server").split("process_id:")[1].split()[0]
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+
+
+def measure(port: int, result: dict[str, float], label: str, per_call: int, calls: int,
+            command: list[str]) -> None:  # fmt: skip
+    """redis-benchmark ``calls`` times ``command`` (``per_call`` packets each): Redis's usec
+    per packet by ``INFO commandstats`` (wall time inside the command), and its CPU time per
+    packet (all its work, reading and replying included; not stretched when the machine's
+    other processes take the CPU from it mid-command, which commandstats is)."""
+    redis_cli(port, "CONFIG", "RESETSTAT")
+    cpu = cpu_seconds(port)
+    redis_benchmark(port, calls, *command)
+    cpu = cpu_seconds(port) - cpu
+    packets = calls * per_call
+    result[f"{label} (commandstats)"] = commandstats(port)[command[0].lower()][1] / per_call
+    result[f"{label} (CPU)"] = cpu * 1e6 / packets
+
+
 def script_costs(port: int, n: int) -> dict[str, float]:
     """Redis's usec per packet: the push and pop scripts at one and at 64 packets a call, and
     ZADD / ZPOPMIN."""
@@ -121,18 +145,10 @@ def script_costs(port: int, n: int) -> dict[str, float]:
         packet = ("k__rand_int__", "p" * 16, 0, 7)  # each __rand_int__ is drawn anew
         load(port)
         push, pop = push_call([packet] * per_call), pop_call(per_call)
-        for what, command, calls in (("push", push, n // per_call), ("pop", pop, n // per_call)):
-            redis_cli(port, "CONFIG", "RESETSTAT")
-            redis_benchmark(port, calls, *command)
-            stats = commandstats(port)
-            result[f"{what} {label}"] = stats[command[0].lower()][1] / per_call
-    for what, command in (
-        ("push", ["ZADD", "plain", "__rand_int__", "k__rand_int__"]),
-        ("pop", ["ZPOPMIN", "plain"]),
-    ):
-        redis_cli(port, "CONFIG", "RESETSTAT")
-        redis_benchmark(port, n, *command)
-        result[f"{what} ZADD/ZPOPMIN"] = commandstats(port)[command[0].lower()][1]
+        measure(port, result, f"push {label}", per_call, n // per_call, push)
+        measure(port, result, f"pop {label}", per_call, n // per_call, pop)
+    measure(port, result, "ZADD", 1, n, ["ZADD", "plain", "__rand_int__", "k__rand_int__"])
+    measure(port, result, "ZPOPMIN", 1, n, ["ZPOPMIN", "plain"])
     return result
 
 
