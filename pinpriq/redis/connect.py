@@ -93,22 +93,26 @@ def _why(error: BaseException) -> str:
 
 
 async def check_nodes(client: Any, spec: StoreSpec) -> None:
-    """``check`` the Redis, or each primary of a Cluster."""
+    """``check`` the Redis, or each primary of a Cluster; warn if any has replicas."""
     if spec.scheme != "redis-cluster":
-        await check(client, spec)
+        replicas = await check(client, spec)
     else:
+        replicas = 0
         for node in client.primaries:
             async with node:
-                await check(node, spec)
-    log.warning(
-        "Redis replicates asynchronously: a failover to a replica can lose the last writes a "
-        "sync acknowledged"
-    )
+                replicas += await check(node, spec)
+    if replicas:
+        log.warning(
+            "Redis replicates asynchronously (%d replicas now): a failover to a replica can lose "
+            "the last writes a sync acknowledged",
+            replicas,
+        )
 
 
-async def check(client: Any, spec: StoreSpec) -> None:
+async def check(client: Any, spec: StoreSpec) -> int:
     """Refuse a Redis that may evict (it would drop packets silently) or is older than 7.0
-    (the scripts declare flags); warn about what a Redis crash or failover may lose."""
+    (the scripts declare flags); warn about what a Redis crash may lose. Returns how many
+    replicas it has (``INFO replication``)."""
     info = await client.info("server")
     version = _text(info.get("redis_version", "0"))
     if tuple(int(x) for x in version.split(".")[:2]) < (7, 0):
@@ -130,6 +134,8 @@ async def check(client: Any, spec: StoreSpec) -> None:
         )
     else:
         log.info("Redis appendfsync is %s", settings.get("appendfsync"))
+    replication = await client.info("replication")
+    return int(replication.get("connected_slaves", 0))
 
 
 async def check_layout(client: Any, spec: StoreSpec) -> None:

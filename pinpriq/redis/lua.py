@@ -126,7 +126,8 @@ end
 
 #: KEYS d s g x q w; ARGV channel, then four fields a packet: key payload ttl_ms prio. Pushes
 #: them in order (a batch's consecutive pushes to one queue are one call: each is still whole,
-#: and no other script runs between them). Returns the earliest deadline in ms (0 for none). No
+#: and no other script runs between them). Returns the earliest deadline in ms (0 for none) and
+#: the packets the queue holds. No
 #: ``allow-oom``: Redis refuses it while over ``maxmemory``, before it runs.
 PUSH = r"""
 local now, t = now_ms()
@@ -163,13 +164,15 @@ bulk('ZADD', KEYS[2], levels)
 bulk('ZADD', KEYS[4], deadlines)
 redis.call('SET', KEYS[5], digits(seq - 1))
 if #levels > 0 and redis.call('EXISTS', KEYS[6]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
-return earliest
+-- And how many packets the queue holds now, for the front end's figures.
+return {earliest, redis.call('HLEN', KEYS[1])}
 """
 
 #: KEYS d s g x q; ARGV max_pop, pops, full. Sweeps what is due, then ``pops`` times removes
 #: the best packet and its key group (decisions 2-4). Returns one flat list a pop: two fields a
 #: packet (key, payload), or with ``full`` = 1 five (key, payload, prio, seq, deadline: enough
-#: for a delivery nobody could take to go back unchanged); then the selectable packets left.
+#: for a delivery nobody could take to go back unchanged); then the selectable packets left, and
+#: all the packets left.
 #: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
 POP = r"""
 local max_pop, pops, full = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
@@ -243,6 +246,7 @@ if expiring then bulk('ZREM', KEYS[4], seqs) end
 local left = redis.call('ZCARD', KEYS[2])
 if left == 0 then forget_if_empty() end
 replies[pops + 1] = left
+replies[pops + 2] = redis.call('HLEN', KEYS[1])  -- packets held, for the front end's figures
 return replies
 """
 

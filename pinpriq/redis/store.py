@@ -121,9 +121,10 @@ _FUNCTIONS = {
 class RedisStore:
     """Queues in Redis. Made by ``connect.open_store``, which checks the Redis first."""
 
-    #: The memory cap does not apply: Redis's ``maxmemory`` is the cap, and a push refused for
-    #: it waits in ``run``. These stay 0 so the broker never blocks on them.
-    bytes_held = 0
+    #: The broker's memory cap does not apply: Redis's ``maxmemory`` is the cap, and a push
+    #: refused for it waits in ``run``. ``bytes_held`` is Redis's ``used_memory`` (every node's,
+    #: as last scanned), shown against ``memory_cap``; the broker's cap stays infinite, so it
+    #: never blocks on it. These stay 0.
     unselectable_bytes = 0
     taken_bytes = 0
     leases_unsupported: str | None = None
@@ -147,6 +148,9 @@ class RedisStore:
         #: Redis's clock less trio's, in seconds: turns deadlines into timer times.
         self.clock_offset = 0.0
         self._snapshot = _Snapshot({}, {}, 0.0)
+        self.bytes_held = 0
+        #: Redis's ``maxmemory`` (summed over a Cluster's primaries); infinite for none.
+        self.memory_cap = math.inf
         self._troubled: str | None = None  # what is wrong with Redis now, logged once
         #: The lease table's front-end half (``make_leases``), and what it needs from here.
         self.leases: RedisLeases | None = None
@@ -240,10 +244,12 @@ class RedisStore:
             "kind": "redis-cluster" if self.cluster else "redis",
             "snapshot_age_s": round(trio.current_time() - self._snapshot.taken_at, 3),
             "not_given": [
-                "memory.held_bytes and prio_0_bytes (Redis's maxmemory is the cap: 0 here)",
+                "memory.prio_0_bytes (0 here)",
                 "queues[].bytes, by_priority and oldest_age_ms (not kept in Redis)",
             ],
             "notes": [
+                "memory: Redis's used_memory against its maxmemory (INFO memory, summed over a "
+                "Cluster's primaries), as of the last scan",
                 "packets and queue depths: a scan of Redis every "
                 f"{SNAPSHOT_INTERVAL:g} s (snapshot_age_s)",
                 "totals and rates: this front end's own traffic",
@@ -294,15 +300,28 @@ class RedisStore:
         replies = await self.call_all(calls)
         for (name, _, _), reply, queue in zip(calls, replies, queues, strict=True):
             if name == "pop":
-                for one in reply[:-1]:  # the last is how many selectable packets are left
+                for one in reply[:-2]:  # then how many selectable packets are left, and all
                     results.append(list(zip(one[::2], one[1::2], strict=True)))
-            elif reply:  # the earliest deadline of its pushes: sweep the queue then
-                self.schedule_sweep(queue, float(reply))
+                self.note_size(queue, int(reply[-1]))
+            else:
+                earliest, size = reply
+                if earliest:  # the earliest deadline of its pushes: sweep the queue then
+                    self.schedule_sweep(queue, float(earliest))
+                self.note_size(queue, int(size))
         return results
+
+    def note_size(self, queue: bytes, packets: int) -> None:
+        """A script said how many packets ``queue`` holds now: the admin listener's figures say
+        so at once, not at the next scan (which still brings other front ends' changes)."""
+        if packets:
+            self._snapshot.sizes[queue] = packets
+        else:
+            self._snapshot.sizes.pop(queue, None)
 
     async def pop_for_delivery(self, queue: bytes) -> tuple[list[Popped], bool]:
         """Pop ``queue`` now, for a delivery; and whether it holds more selectable packets."""
         (reply,) = await self.call_all([("pop", self.keys(queue)[:5], (self.max_pop, 1, 1))])
+        self.note_size(queue, int(reply[2]))
         return _popped(reply[0]), bool(reply[1])
 
     async def put_back(self, queue: bytes, packets: Sequence[Popped]) -> int:
@@ -329,6 +348,7 @@ class RedisStore:
     async def purge_async(self, queue: bytes) -> int:
         """Remove every packet of ``queue``; returns how many."""
         (reply,) = await self.call_all([("purge", self.keys(queue)[:5], ())])
+        self.note_size(queue, 0)
         self.purged += int(reply)
         return int(reply)
 
@@ -646,8 +666,28 @@ class RedisStore:
                     if deadline <= redis_now:
                         self.schedule_sweep(name, deadline * 1000)
         self._snapshot = _Snapshot(sizes, expiry, trio.current_time())
+        await self._read_memory()
         if self.leases is not None:
             await self._find_lease_deadlines()
+
+    async def _read_memory(self) -> None:
+        """Redis's memory use and cap (``INFO memory``), summed over a Cluster's primaries;
+        no cap if any of them has none."""
+        used, cap = 0, 0.0
+        for info in await self.info_of_nodes("memory"):
+            used += int(info["used_memory"])
+            cap += int(info["maxmemory"]) or math.inf
+        self.bytes_held, self.memory_cap = used, cap
+
+    async def info_of_nodes(self, section: str) -> list[dict[str, Any]]:
+        """``INFO section`` of Redis, or of each primary of a Cluster."""
+        if not self.cluster:
+            return [await self.client.info(section)]
+        infos = []
+        for node in self.client.primaries:
+            async with node:
+                infos.append(await node.info(section))
+        return infos
 
     async def _find_lease_deadlines(self) -> None:
         """Time a sweep for the next lease deadline of every queue with leases, whichever front
