@@ -168,14 +168,24 @@ if #levels > 0 and redis.call('EXISTS', KEYS[6]) == 1 then redis.call('PUBLISH',
 return {earliest, redis.call('HLEN', KEYS[1])}
 """
 
-#: KEYS d s g x q; ARGV max_pop, pops, full. Sweeps what is due, then ``pops`` times removes
+#: KEYS d s g x q r; ARGV max_pop, pops, full, call id, retry ('1' if sent before), then the call
+#: ids whose results the front end has. Sweeps what is due, then ``pops`` times removes
 #: the best packet and its key group (decisions 2-4). Returns one flat list a pop: two fields a
 #: packet (key, payload), or with ``full`` = 1 five (key, payload, prio, seq, deadline: enough
 #: for a delivery nobody could take to go back unchanged); then the selectable packets left, and
-#: all the packets left.
+#: all the packets left. A call that took packets keeps that reply under its id in ``:r``.
 #: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
 POP = r"""
 local max_pop, pops, full = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
+local call_id, retry = ARGV[4], ARGV[5] == '1'
+-- Results the front end has confirmed it holds: no longer kept.
+if #ARGV > 5 then redis.call('HDEL', KEYS[6], unpack(ARGV, 6)) end
+-- A call sent again (its reply was lost: Redis restarted, the connection broke) answers with
+-- what it took the first time, if it ran then: so no packet is removed for nobody.
+if retry then
+  local kept = redis.call('HGET', KEYS[6], call_id)
+  if kept then return cmsgpack.unpack(kept) end
+end
 local expiring = sweep_due()
 -- Removals wait until every pop of the call has chosen (one HDEL and one ZREM a structure
 -- for the whole call, not per pop); meanwhile ``taken`` keeps a packet from being chosen
@@ -247,6 +257,13 @@ local left = redis.call('ZCARD', KEYS[2])
 if left == 0 then forget_if_empty() end
 replies[pops + 1] = left
 replies[pops + 2] = redis.call('HLEN', KEYS[1])  -- packets held, for the front end's figures
+if #seqs > 0 then
+  -- Kept until the front end confirms it has the reply (a later call's ARGV, or its cleanup
+  -- every few seconds); the key's day-long lifetime only bounds what a front end that died
+  -- leaves behind, far beyond any restart of Redis.
+  redis.call('HSET', KEYS[6], call_id, cmsgpack.pack(replies))
+  redis.call('PEXPIRE', KEYS[6], 86400000)
+end
 return replies
 """
 

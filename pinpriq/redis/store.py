@@ -68,6 +68,8 @@ log = logging.getLogger("pinpriq.redis")
 DEFAULT_MAX_POP = 0xFFFF
 #: Seconds between refreshes of the queue-size snapshot the admin listener reads.
 SNAPSHOT_INTERVAL = 5.0
+#: Most confirmed pop results one pop call tells Redis to forget (the rest wait for the next).
+CONFIRMS_PER_CALL = 100
 #: Backoff while Redis is unreachable or full: from the first to the last, doubling.
 RETRY_FIRST, RETRY_MAX = 0.01, 1.0
 #: The errors that mean "Redis is not answering now, try again": never the client's fault.
@@ -156,6 +158,10 @@ class RedisStore:
         self.leases: RedisLeases | None = None
         self._front = os.urandom(6).hex().encode()  # this front end, in lease handles
         self._handles = itertools.count(1)
+        self._pop_ids = itertools.count(1)
+        #: Pop calls whose replies this front end has, by queue: Redis keeps each result
+        #: (``:r``) until told so, so that a pop sent again after a lost reply is idempotent.
+        self._confirmed: dict[bytes, list[bytes]] = {}
         #: Leases of closed connections, to release now: (queue, handle).
         self.closing: list[tuple[bytes, bytes]] = []
         #: Lease sweeps owed: (trio time, queue), as ``_sweeps``.
@@ -289,7 +295,7 @@ class RedisStore:
                 if kind is last_kind and queue == last_queue:
                     calls[-1][2][1] += 1  # type: ignore[index, operator]
                     continue
-                calls.append(("pop", self.keys(queue)[:5], [self.max_pop, 1, 0]))
+                calls.append(self._pop_call(queue, full=0))
             else:
                 continue
             last_kind, last_queue = kind, queue
@@ -298,17 +304,47 @@ class RedisStore:
         if not calls:
             return results
         replies = await self.call_all(calls)
-        for (name, _, _), reply, queue in zip(calls, replies, queues, strict=True):
+        for (name, _, args), reply, queue in zip(calls, replies, queues, strict=True):
             if name == "pop":
                 for one in reply[:-2]:  # then how many selectable packets are left, and all
                     results.append(list(zip(one[::2], one[1::2], strict=True)))
-                self.note_size(queue, int(reply[-1]))
+                self._took(queue, args, reply)
             else:
                 earliest, size = reply
                 if earliest:  # the earliest deadline of its pushes: sweep the queue then
                     self.schedule_sweep(queue, float(earliest))
                 self.note_size(queue, int(size))
         return results
+
+    def _pop_call(self, queue: bytes, *, full: int) -> _Call:
+        """A pop of ``queue`` under a new call id, telling Redis which results it may forget."""
+        k = self.keys(queue)
+        call_id = b"%s:%d" % (self._front, next(self._pop_ids))
+        confirmed = self._confirmed.pop(queue, [])
+        if len(confirmed) > CONFIRMS_PER_CALL:
+            self._confirmed[queue] = confirmed[CONFIRMS_PER_CALL:]
+            confirmed = confirmed[:CONFIRMS_PER_CALL]
+        return "pop", [*k[:5], k.results], [self.max_pop, 1, full, call_id, 0, *confirmed]
+
+    def _took(self, queue: bytes, args: Sequence[Any], reply: Sequence[Any]) -> None:
+        """A pop call's reply is here: its size figure, and its result to confirm."""
+        self.note_size(queue, int(reply[-1]))
+        if any(reply[:-2]):  # it took packets: Redis kept the reply under its id
+            self._confirmed.setdefault(queue, []).append(args[3])
+
+    async def confirm_results(self) -> None:
+        """Tell Redis which pop results this front end has, for queues no pop call told."""
+        confirmed, self._confirmed = self._confirmed, {}
+        if not confirmed:
+            return
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for queue, call_ids in confirmed.items():
+                    pipe.hdel(self.keys(queue).results, call_ids)
+        except _TRANSIENT:
+            for queue, call_ids in confirmed.items():  # told next time
+                self._confirmed.setdefault(queue, []).extend(call_ids)
+            raise
 
     def note_size(self, queue: bytes, packets: int) -> None:
         """A script said how many packets ``queue`` holds now: the admin listener's figures say
@@ -320,8 +356,9 @@ class RedisStore:
 
     async def pop_for_delivery(self, queue: bytes) -> tuple[list[Popped], bool]:
         """Pop ``queue`` now, for a delivery; and whether it holds more selectable packets."""
-        (reply,) = await self.call_all([("pop", self.keys(queue)[:5], (self.max_pop, 1, 1))])
-        self.note_size(queue, int(reply[2]))
+        call = self._pop_call(queue, full=1)
+        (reply,) = await self.call_all([call])
+        self._took(queue, call[2], reply)
         return _popped(reply[0]), bool(reply[1])
 
     async def put_back(self, queue: bytes, packets: Sequence[Popped]) -> int:
@@ -532,7 +569,11 @@ class RedisStore:
         results: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         delay = RETRY_FIRST
+        calls = list(calls)
         while todo:
+            if delay > RETRY_FIRST:  # sent before: it may have run, its reply lost
+                for index in todo:
+                    calls[index] = _retried(calls[index])
             try:
                 replies = await self._pipeline([calls[i] for i in todo])
             except _TRANSIENT as error:
@@ -637,6 +678,7 @@ class RedisStore:
         died): the scan is the backstop of the timers."""
         while True:
             try:
+                await self.confirm_results()
                 await self.refresh_snapshot()
             except _TRANSIENT as error:
                 self._trouble(f"Redis is unreachable ({error}); retrying")
@@ -707,8 +749,12 @@ class RedisStore:
                 self.schedule_lease_sweep(name, float(head[0][1]))
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _retried(call: _Call) -> _Call:
+    """A call sent again: a pop then answers with what it took the first time, if it ran."""
+    name, keys, args = call
+    if name != "pop":
+        return call
+    return name, keys, [*args[:4], 1, *args[5:]]
 
 
 def redis_client(*args: Any, **kwargs: Any) -> Any:
