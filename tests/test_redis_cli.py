@@ -112,6 +112,7 @@ async def test_the_admin_listener_reads_and_purges_a_redis_store(redis_url: str)
         stats = server_stats(server.broker, sampler, connections=0, ready=True)
         assert stats["store"]["kind"] == "redis"
         assert stats["store"]["not_given"]  # says which figures it cannot give
+        assert "leases" in stats["store"]["per_front_end"]  # and which count this front end
         app = AdminApp(server, sampler)
 
         async def ask(method: str, path: bytes) -> Any:

@@ -259,7 +259,12 @@ class RedisStore:
                 "packets and queue depths: a scan of Redis every "
                 f"{SNAPSHOT_INTERVAL:g} s (snapshot_age_s)",
                 "totals and rates: this front end's own traffic",
+                "leases: this front end's lease traffic; leases.leased and queues[].leased are "
+                "the packets on leases this front end made and still holds (other front ends' "
+                "leases live in Redis and are not counted here)",
             ],
+            #: The figures that count this front end only, not the whole Redis.
+            "per_front_end": ["totals", "rates_per_s", "leases", "queues[].leased"],
         }
 
     # -- what the reader and the subscriptions await -----------------------------------------
