@@ -47,11 +47,22 @@ def load(port: int) -> None:
 def push_call(packets: list[tuple[str, str, int, int]]) -> list[str]:
     """An FCALL of the push function: (key, payload, ttl ms, prio) a packet."""
     fields = [str(f) for packet in packets for f in packet]
-    return ["FCALL", lua.function_name("push"), "6", *KEYS[:6], KEYS[6], *fields]
+    keys = [*KEYS[:6], *optional("key_index")]
+    return ["FCALL", lua.function_name("push"), str(len(keys)), *keys, KEYS[6], *fields]
 
 
 def pop_call(pops: int) -> list[str]:
-    return ["FCALL", lua.function_name("pop"), "5", *KEYS[:5], "65535", str(pops), "0"]
+    """An FCALL of the pop function, ``pops`` pops (as a front end's call for a batch)."""
+    keys = [*KEYS[:5], *optional("results"), *optional("key_index")]
+    call_id = ["bench:1", "0"] if optional("results") else []
+    args = ["65535", str(pops), "0", *call_id]
+    return ["FCALL", lua.function_name("pop"), str(len(keys)), *keys, *args]
+
+
+def optional(field: str) -> list[str]:
+    """A key the functions of this checkout take (layouts differ; the harness measures any)."""
+    key = getattr(queue_keys(QUEUE), field, None)
+    return [key.decode()] if key is not None else []
 
 
 def commandstats(port: int) -> dict[str, tuple[int, float]]:

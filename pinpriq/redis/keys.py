@@ -51,6 +51,7 @@ class QueueKeys(NamedTuple):
     lease_due: bytes  # sorted set: lease handle, scored by its deadline (ms, Redis's clock)
     attempts: bytes  # hash: seq -> how many leases of that packet ended other than by ack
     results: bytes  # hash: pop call id -> its result, until the front end confirms it has it
+    key_index: bytes  # hash: key -> the seq of its one packet, or '#' and how many (all in groups)
 
 
 def queue_keys(name: bytes) -> QueueKeys:
@@ -59,7 +60,7 @@ def queue_keys(name: bytes) -> QueueKeys:
     return QueueKeys(
         *(
             stem + suffix
-            for suffix in (b"d", b"s", b"g", b"x", b"q", b"w", b"c", b"l", b"L", b"a", b"r")
+            for suffix in (b"d", b"s", b"g", b"x", b"q", b"w", b"c", b"l", b"L", b"a", b"r", b"k")
         )
     )
 

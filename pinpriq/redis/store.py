@@ -294,7 +294,9 @@ class RedisStore:
                     calls[-1][2].extend((key, payload, ttl_ms, prio))  # type: ignore[attr-defined]
                     continue
                 k = self.keys(queue)
-                calls.append(("push", k[:6], [k.channel, key, payload, ttl_ms, prio]))
+                calls.append(
+                    ("push", [*k[:6], k.key_index], [k.channel, key, payload, ttl_ms, prio])
+                )
             elif kind is Pop:
                 queue = cast(Pop, frame).queue
                 if kind is last_kind and queue == last_queue:
@@ -321,6 +323,12 @@ class RedisStore:
                 self.note_size(queue, int(size))
         return results
 
+    def _with_index(self, queue: bytes, first: int) -> list[bytes]:
+        """The first ``first`` keys of ``queue`` (``keys.QueueKeys`` order), then its key index:
+        the KEYS of a function that takes no others."""
+        k = self.keys(queue)
+        return [*k[:first], k.key_index]
+
     def _pop_call(self, queue: bytes, *, full: int) -> _Call:
         """A pop of ``queue`` under a new call id, telling Redis which results it may forget."""
         k = self.keys(queue)
@@ -329,7 +337,11 @@ class RedisStore:
         if len(confirmed) > CONFIRMS_PER_CALL:
             self._confirmed[queue] = confirmed[CONFIRMS_PER_CALL:]
             confirmed = confirmed[:CONFIRMS_PER_CALL]
-        return "pop", [*k[:5], k.results], [self.max_pop, 1, full, call_id, 0, *confirmed]
+        return (
+            "pop",
+            [*k[:5], k.results, k.key_index],
+            [self.max_pop, 1, full, call_id, 0, *confirmed],
+        )
 
     def _took(self, queue: bytes, args: Sequence[Any], reply: Sequence[Any]) -> None:
         """A pop call's reply is here: its size figure, and its result to confirm."""
@@ -372,24 +384,25 @@ class RedisStore:
         args: list[bytes | int | str] = [k.channel]
         for packet in packets:
             args.extend(packet)
-        (reply,) = await self.call_all([("restore", k[:6], args)])
+        (reply,) = await self.call_all([("restore", [*k[:6], k.key_index], args)])
         return int(reply)
 
     async def ranks(self, queues: Sequence[bytes]) -> list[tuple[int, int] | None]:
         """The rank (``(prio, -seq)``, smaller is better) of what each queue's pop would take;
         ``None`` where nothing is selectable. One pipeline; each rank is exact when read, but
         across Cluster slots they are read at slightly different moments."""
-        replies = await self.call_all([("rank", self.keys(q)[:5], ()) for q in queues])
+        replies = await self.call_all([("rank", self._with_index(q, 5), ()) for q in queues])
         return [(int(r[0]), -int(r[1])) if r else None for r in replies]
 
     async def peek_async(self, queue: bytes, count: int) -> list[PeekedPacket]:
         """What the next pops of ``queue`` would return, at most ``count`` packets."""
-        (reply,) = await self.call_all([("peek", self.keys(queue)[:4], (count, self.max_pop))])
+        peek = ("peek", self._with_index(queue, 4), (count, self.max_pop))
+        (reply,) = await self.call_all([peek])
         return [(reply[i], reply[i + 1], int(reply[i + 2])) for i in range(0, len(reply), 3)]
 
     async def purge_async(self, queue: bytes) -> int:
         """Remove every packet of ``queue``; returns how many."""
-        (reply,) = await self.call_all([("purge", self.keys(queue)[:5], ())])
+        (reply,) = await self.call_all([("purge", self._with_index(queue, 5), ())])
         self.note_size(queue, 0)
         self.purged += int(reply)
         return int(reply)
@@ -411,7 +424,7 @@ class RedisStore:
         assert self.leases is not None
         return (
             name,
-            [*k[:6], k.leases, k.lease_due, k.attempts, *d[:6]],
+            [*k[:6], k.leases, k.lease_due, k.attempts, *d[:6], k.key_index, d.key_index],
             [
                 k.channel,
                 d.channel,
@@ -665,7 +678,8 @@ class RedisStore:
                     del self._sweep_at[queue]
                     due.append(queue)
             if due:
-                replies = await self.call_all([("sweep", self.keys(q)[:5], ()) for q in due])
+                sweeps: list[_Call] = [("sweep", self._with_index(q, 5), ()) for q in due]
+                replies = await self.call_all(sweeps)
                 self.expired += sum(int(r) for r in replies)
 
     async def sync_clock(self) -> None:
