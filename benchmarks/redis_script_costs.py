@@ -8,8 +8,8 @@ a free loopback port. Prints medians over ``--rounds`` rounds.
 
     python benchmarks/redis_script_costs.py [--rounds 5] [--calls] [--scripts]
 
-``--calls``: one EVAL loops 10,000 times over one ``redis.call`` on a queue of 1,000 packets;
-its usec less an empty loop's, per iteration, is that call's cost. ``--scripts``:
+``--calls``: one EVAL loops 100,000 times over one ``redis.call`` on a queue of 1,000 packets;
+Redis's CPU time for it less an empty loop's, per iteration, is that call's cost. ``--scripts``:
 redis-benchmark (pipeline 64, 4 connections) sends the push and pop scripts with one packet a
 call (P1) and with 64 a call (P64: one push of 64 packets, one call of 64 pops), and plain
 ZADD / ZPOPMIN; usec per call over packets per call is the cost per packet.
@@ -34,7 +34,7 @@ from benchmarks.compare_redis_store import (  # noqa: E402
 from pinpriq.redis import lua  # noqa: E402
 from pinpriq.redis.keys import queue_keys  # noqa: E402
 
-LOOP = 10_000
+LOOP = 100_000
 QUEUE = b"bench"
 KEYS = [k.decode() for k in queue_keys(QUEUE)]
 
@@ -77,14 +77,6 @@ def commandstats(port: int) -> dict[str, tuple[int, float]]:
     return stats
 
 
-def timed(port: int, command: str, *args: str) -> float:
-    """Redis's usec for one command, run after a RESETSTAT."""
-    redis_cli(port, "CONFIG", "RESETSTAT")
-    redis_cli(port, command, *args)
-    name = command.lower()
-    return commandstats(port)[name][1]
-
-
 def fill(port: int, packets: int) -> None:
     """``packets`` packets in the bench queue, unique keys, prio 1..255, no TTL."""
     load(port)
@@ -117,7 +109,9 @@ def call_costs(port: int) -> dict[str, float]:
 
     def loop(body: str) -> float:
         script = f"for i = 1, {LOOP} do {body} end"
-        return timed(port, "EVAL", script, "4", *keys) / LOOP
+        cpu = cpu_seconds(port)
+        redis_cli(port, "EVAL", script, "4", *keys)
+        return (cpu_seconds(port) - cpu) * 1e6 / LOOP
 
     empty = loop("")
     return {name: loop(body) - empty for name, body in CALLS.items()}
