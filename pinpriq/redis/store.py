@@ -42,6 +42,7 @@ from coredis.exceptions import ConnectionError as RedisConnectionError
 from pinpriq.leases import DEAD_SUFFIX
 from pinpriq.redis import lua
 from pinpriq.redis.keys import PREFIX, QueueKeys, name_of, queue_keys
+from pinpriq.redis.leases import RedisLeases
 from pinpriq.store import QueuedPacket
 from pinpriq.store_contract import PeekedPacket, QueueInfo, Rank
 from pinpriq.wire import (
@@ -58,7 +59,6 @@ from pinpriq.wire import (
 
 if TYPE_CHECKING:
     from pinpriq.broker import Session
-    from pinpriq.redis.leases import RedisLeases
 
 __all__ = ["DEFAULT_MAX_POP", "Popped", "RedisStore"]
 
@@ -411,10 +411,19 @@ class RedisStore:
 
     def make_leases(self, *, default_ms: int, max_deliveries: int) -> RedisLeases:
         """The broker's lease table for this store."""
-        from pinpriq.redis.leases import RedisLeases
-
-        self.leases = RedisLeases(self, default_ms=default_ms, max_deliveries=max_deliveries)
+        self.leases = RedisLeases(
+            self,
+            default_ms=default_ms,
+            max_deliveries=max_deliveries,
+            release_later=self.release_later,
+        )
         return self.leases
+
+    def release_later(self, leases: list[tuple[bytes, bytes]]) -> None:
+        """Release these leases (``(queue, handle)`` each) of a closed connection now, in
+        ``lease_loop``."""
+        self.closing.extend(leases)
+        self.wake_leases()
 
     def _lease_call(self, name: str, queue: bytes, *args: bytes | int | str) -> _Call:
         """A lease script's call: the queue's keys and its dead-letter queue's (one slot)."""
