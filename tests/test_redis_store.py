@@ -152,6 +152,41 @@ async def test_an_ack_on_one_front_end_removes_the_group_for_good(redis_url: str
         assert await other.request(pop(b"q")) == []
 
 
+async def test_an_ack_right_after_its_reserve_shares_its_round_trip(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that writes a reserve and the ack of the id it will get at once pays one round
+    trip to Redis, not two; after two reserves, which lease an id names depends on what they
+    find, so the ack waits for them."""
+    async with front_end(redis_url) as (server, port):
+        store = server.batched
+        assert isinstance(store, RedisStore)
+        worker = await connect(port)
+        assert await worker.request(push(b"q", b"k", b"1") + push(b"q", b"n", b"2") + SYNC) == []
+        pipelines: list[list[str]] = []
+        real_pipeline = store._pipeline
+
+        async def counted(calls: Any) -> list[Any]:
+            pipelines.append([name for name, _, _ in calls])
+            return await real_pipeline(calls)
+
+        monkeypatch.setattr(store, "_pipeline", counted)
+        await worker.send(reserve(b"q") + ack(1))
+        assert await worker.lease() == (1, 1, [(b"n", b"2")])
+        assert await worker.lease() == (1, 1, [])  # live: acked
+        assert pipelines == [["reserve", "lease_op"]]
+        await worker.send(reserve(b"none") + touch(2, 60_000))  # finds nothing: no lease 2
+        assert await worker.lease() == (0, 0, [])
+        assert await worker.lease() == (2, 0, [])
+        pipelines.clear()
+        await worker.send(reserve(b"none") + reserve(b"q") + ack(2))
+        assert await worker.lease() == (0, 0, [])
+        assert await worker.lease() == (2, 1, [(b"k", b"1")])
+        assert await worker.lease() == (2, 1, [])  # the second reserve's lease: acked
+        assert pipelines == [["reserve", "reserve"], ["lease_op"]]
+        assert await worker.request(pop(b"q")) == []  # both acked: gone for good
+
+
 async def test_release_touch_and_close_send_packets_back_through_redis(redis_url: str) -> None:
     async with two_front_ends(redis_url) as (a, b):
         worker, other = await connect(a), await connect(b)

@@ -463,7 +463,9 @@ class RedisStore:
         """Apply lease frames of ``session`` (reserves, acks, releases, touches) in Redis, in
         order, as one pipeline, leaving their answers in ``leases.results[session.holder]`` for
         ``Session.receive``. The driver cuts the frames (``server._lease_segment_end``) so that
-        every ack, release and touch names a lease made before them; a frame the session will
+        every ack, release and touch names a lease made before them or by the one reserve
+        before them in the segment (sent with that reserve's handle: an ack right after its
+        reserve costs no round trip of its own); a frame the session will
         refuse (a reserve on a leased connection) runs nothing."""
         leases = self.leases
         assert leases is not None
@@ -473,6 +475,7 @@ class RedisStore:
         calls: list[_Call] = []
         # Per frame: (what, queue, handle or lease, index of its call), or a fixed answer.
         plan: list[tuple[str, Any, Any]] = []
+        reserved: tuple[bytes, bytes] | None = None  # the queue and handle of a reserve here
         for frame in frames:
             kind = frame.__class__
             if kind is Reserve:
@@ -483,6 +486,7 @@ class RedisStore:
                 call, handle = self._reserve_call(reserve.queue, reserve.lease_ms)
                 calls.append(call)
                 plan.append(("reserve", reserve.queue, handle))
+                reserved = (reserve.queue, handle)  # the segment has at most one before acks
                 continue
             if kind is Ack:
                 op, ms = "ack", 0
@@ -494,12 +498,15 @@ class RedisStore:
                 continue  # a leased subscribe: the subscriptions reserve for it
             lease_id = cast(Ack, frame).lease_id  # ack, release and touch: the id comes first
             lease = holder.leases.get(lease_id) if session.authenticated else None
-            if lease is None:
+            if lease is not None:
+                queue, handle = lease.queue, lease.handle  # type: ignore[attr-defined]
+            elif reserved is not None and lease_id == holder.last_id + 1:
+                queue, handle = reserved  # the id the segment's reserve gives, if it finds any
+            else:
                 plan.append(("fixed", False, None))
                 continue
-            handle = lease.handle  # type: ignore[attr-defined]
-            calls.append(self._lease_call("lease_op", lease.queue, op, handle, ms))
-            plan.append(("op", lease.queue, None))
+            calls.append(self._lease_call("lease_op", queue, op, handle, ms))
+            plan.append(("op", queue, None))
         replies = iter(await self.call_all(calls) if calls else [])
         for what, queue, handle in plan:
             if what == "fixed":
