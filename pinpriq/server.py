@@ -478,25 +478,27 @@ _LEASE_PIPELINE = 256
 
 def _lease_segment_end(frames: list[ClientFrame], start: int, session: Session) -> int:
     """Where the run of lease frames starting at ``start`` ends (see ``_apply_batched``): lease
-    frames only; no ack, release or touch after a reserve (the wire ids a reserve gives are
-    known only once it has run); a release ends it (the group it sends back is offered to
-    this front end's waiters before the next frame, as on the built-in store); a reserve on a
-    leased connection (refused, decision 18) and a leased subscribe stand alone."""
+    frames only; an ack or touch after one reserve shares its pipeline (the id it names is a
+    lease made before, the one that reserve makes, for which the store sends the reserve's
+    handle, or none), but not after two (which lease an id names then depends on what they
+    find); a release ends it (the group it sends back is offered to this front end's waiters
+    before the next frame, as on the built-in store); a reserve on a leased connection
+    (refused, decision 18) and a leased subscribe stand alone."""
     if not session.authenticated or frames[start].__class__ is LeasedSubscribe:
         return start + 1
-    reserved = False
+    reserves = 0
     stop = min(len(frames), start + _LEASE_PIPELINE)
     for index in range(start, stop):
         kind = frames[index].__class__
         if kind is Reserve:
             if session.leased:
                 return max(index, start + 1)
-            reserved = True
+            reserves += 1
         elif kind is Ack or kind is Touch:
-            if reserved:
+            if reserves > 1:
                 return index
         elif kind is Release:
-            return index if reserved else index + 1
+            return index if reserves else index + 1
         else:
             return index
     return stop

@@ -14,8 +14,10 @@ import trio
 
 from pinpriq.admin.app import AdminApp
 from pinpriq.admin.http import Request
-from pinpriq.admin.stats import Sampler, server_stats
+from pinpriq.admin.stats import Sampler, queue_stats, server_stats
+from pinpriq.redis import lua
 from pinpriq.redis.spec import StoreError, parse_store
+from pinpriq.redis.store import RedisStore
 from tests.rawpeer import pop, push
 from tests.redis_servers import RedisServer, free_port, need_redis
 from tests.test_redis_store import SYNC, connect, front_end
@@ -81,6 +83,25 @@ def test_a_redis_that_may_evict_is_refused(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_a_redis_holding_another_layouts_functions_is_refused(tmp_path: Path) -> None:
+    """Front ends of two key layouts would misread each other's queues: the second refuses."""
+    need_redis()
+    redis = RedisServer(tmp_path).start()
+    try:
+        redis.cli(
+            "FUNCTION",
+            "LOAD",
+            "#!lua name=pinpriq_1\nredis.register_function('pinpriq_1_x', function() end)",
+        )
+        done = run("--port", "0", "--store", redis.url)
+    finally:
+        redis.stop()
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"another pinpriq key layout (pinpriq_1; this build uses {lua.LIBRARY_NAME})" in last
+    assert "Traceback" not in done.stderr
+
+
 async def test_the_admin_listener_reads_and_purges_a_redis_store(redis_url: str) -> None:
     async with front_end(redis_url) as (server, port):
         pusher = await connect(port)
@@ -91,6 +112,7 @@ async def test_the_admin_listener_reads_and_purges_a_redis_store(redis_url: str)
         stats = server_stats(server.broker, sampler, connections=0, ready=True)
         assert stats["store"]["kind"] == "redis"
         assert stats["store"]["not_given"]  # says which figures it cannot give
+        assert "leases" in stats["store"]["per_front_end"]  # and which count this front end
         app = AdminApp(server, sampler)
 
         async def ask(method: str, path: bytes) -> Any:
@@ -104,3 +126,75 @@ async def test_the_admin_listener_reads_and_purges_a_redis_store(redis_url: str)
         assert [p["payload"] for p in peeked["packets"]] == ["new", "old", "rider"]
         assert (await ask("POST", b"/queues/q/purge"))["purged"] == 3
         assert await pusher.request(pop(b"q")) == []
+
+
+# -- figures that are right (issue 22) --------------------------------------------------------
+
+
+async def test_queue_figures_follow_this_front_ends_pushes_pops_and_purges(
+    redis_url: str,
+) -> None:
+    """Seen by a new user: ``pinpriq queues`` right after a push listed nothing, and ``pinpriq
+    stats QUEUE`` still showed the packets after a purge, until the next scan (5 s)."""
+    async with front_end(redis_url) as (server, port):
+        store = server.batched
+        assert isinstance(store, RedisStore)
+        await store.refresh_snapshot()  # the scan: the next one is 5 s away
+        peer = await connect(port)
+        pushes = push(b"q", b"a", b"1") + push(b"q", b"b", b"2") + push(b"q", b"c", b"3")
+        assert await peer.request(pushes + SYNC) == []
+        assert [(q["name"], q["packets"]) for q in stats_of(server)["queues"]] == [("q", 3)]
+        assert await peer.request(pop(b"q")) == [(b"c", b"3")]
+        assert queue_stats(server.broker, b"q")["packets"] == 2
+        assert await store.purge_async(b"q") == 2
+        assert queue_stats(server.broker, b"q")["packets"] == 0
+        assert stats_of(server)["queues_total"] == 0
+
+
+def stats_of(server: Any) -> dict[str, Any]:
+    sampler = Sampler(server.broker, trio.current_time)
+    return server_stats(server.broker, sampler, connections=0, ready=True)
+
+
+async def test_the_memory_line_reads_redis_maxmemory(tmp_path: Path) -> None:
+    """It said "0 B of no cap" on a Redis with maxmemory 4gb."""
+    need_redis()
+    redis = RedisServer(tmp_path, "--maxmemory", "4gb").start()
+    try:
+        async with front_end(redis.url) as (server, _):
+            assert isinstance(server.batched, RedisStore)
+            await server.batched.refresh_snapshot()
+            memory = stats_of(server)["memory"]
+    finally:
+        redis.stop()
+    assert memory["cap_bytes"] == 4 * 1024**3
+    assert 0 < memory["held_bytes"] < memory["cap_bytes"]  # Redis's used_memory: a few MB
+
+
+async def test_the_replication_warning_needs_a_replica(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It warned "Redis replicates asynchronously" on a Redis with no replica."""
+    need_redis()
+    primary = RedisServer(tmp_path / "primary").start()
+    replica: RedisServer | None = None
+    try:
+        async with front_end(primary.url):
+            pass
+        assert "replicates asynchronously" not in caplog.text
+        replica = RedisServer(
+            tmp_path / "replica", "--replicaof", "127.0.0.1", str(primary.port)
+        ).start()
+        for _ in range(400):  # the replica's first sync: at most 20 s
+            if "connected_slaves:1" in primary.cli("INFO", "replication"):
+                break
+            await trio.sleep(0.05)
+        else:
+            pytest.fail("the replica never connected")
+        async with front_end(primary.url):
+            pass
+        assert "Redis replicates asynchronously (1 replicas now)" in caplog.text
+    finally:
+        if replica is not None:
+            replica.stop()
+        primary.stop()

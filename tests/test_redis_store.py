@@ -12,12 +12,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
+from coredis.exceptions import ConnectionError as RedisConnectionError
 
 from pinpriq.conformance import DEFAULT_FIXTURES, Requires, load_fixtures, run_suite
 from pinpriq.redis.connect import open_store
 from pinpriq.redis.keys import queue_keys
 from pinpriq.redis.spec import parse_store
+from pinpriq.redis.store import RedisStore
 from pinpriq.server import PinpriqServer
 from tests.rawpeer import (
     Peer,
@@ -147,6 +150,41 @@ async def test_an_ack_on_one_front_end_removes_the_group_for_good(redis_url: str
         await other.send(reserve(b"q"))
         assert await other.lease() == (0, 0, [])
         assert await other.request(pop(b"q")) == []
+
+
+async def test_an_ack_right_after_its_reserve_shares_its_round_trip(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that writes a reserve and the ack of the id it will get at once pays one round
+    trip to Redis, not two; after two reserves, which lease an id names depends on what they
+    find, so the ack waits for them."""
+    async with front_end(redis_url) as (server, port):
+        store = server.batched
+        assert isinstance(store, RedisStore)
+        worker = await connect(port)
+        assert await worker.request(push(b"q", b"k", b"1") + push(b"q", b"n", b"2") + SYNC) == []
+        pipelines: list[list[str]] = []
+        real_pipeline = store._pipeline
+
+        async def counted(calls: Any) -> list[Any]:
+            pipelines.append([name for name, _, _ in calls])
+            return await real_pipeline(calls)
+
+        monkeypatch.setattr(store, "_pipeline", counted)
+        await worker.send(reserve(b"q") + ack(1))
+        assert await worker.lease() == (1, 1, [(b"n", b"2")])
+        assert await worker.lease() == (1, 1, [])  # live: acked
+        assert pipelines == [["reserve", "lease_op"]]
+        await worker.send(reserve(b"none") + touch(2, 60_000))  # finds nothing: no lease 2
+        assert await worker.lease() == (0, 0, [])
+        assert await worker.lease() == (2, 0, [])
+        pipelines.clear()
+        await worker.send(reserve(b"none") + reserve(b"q") + ack(2))
+        assert await worker.lease() == (0, 0, [])
+        assert await worker.lease() == (2, 1, [(b"k", b"1")])
+        assert await worker.lease() == (2, 1, [])  # the second reserve's lease: acked
+        assert pipelines == [["reserve", "reserve"], ["lease_op"]]
+        assert await worker.request(pop(b"q")) == []  # both acked: gone for good
 
 
 async def test_release_touch_and_close_send_packets_back_through_redis(redis_url: str) -> None:
@@ -387,6 +425,83 @@ async def test_redis_restarted_under_load_loses_nothing_synced(tmp_path: Path) -
         assert len(acknowledged) == 400
         # Every acknowledged push is there; a batch cut by the kill may be there twice.
         assert set(acknowledged) <= set(left)
+    finally:
+        redis.stop()
+
+
+async def test_a_pop_whose_reply_was_lost_answers_with_what_it_took(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis ran a pop, then the connection broke before its reply came (a restart, a reset):
+    the front end sends the call again, and gets the packet removed for its consumer, not the
+    next one. Until issue 22 the packet removed first was lost."""
+    async with front_end(redis_url) as (server, port):
+        store = server.batched
+        assert isinstance(store, RedisStore)
+        peer = await connect(port)
+        pushes = push(b"q", b"a", b"old") + push(b"q", b"b", b"new")
+        assert await peer.request(pushes + SYNC) == []
+        real_pipeline = store._pipeline
+        lost: list[Any] = []
+
+        async def reply_lost_once(calls: Any) -> list[Any]:
+            replies = await real_pipeline(calls)
+            if not lost and any(name == "pop" for name, _, _ in calls):
+                lost.append(replies)  # Redis ran it; the front end never hears
+                raise RedisConnectionError("connection reset by peer")
+            return replies
+
+        monkeypatch.setattr(store, "_pipeline", reply_lost_once)
+        assert await peer.request(pop(b"q")) == [(b"b", b"new")]
+        assert lost
+        assert await peer.request(pop(b"q")) == [(b"a", b"old")]
+        # Each result is kept only until the front end says it has it.
+        await store.confirm_results()
+        assert await store.client.exists([queue_keys(b"q").results]) == 0
+
+
+async def test_redis_killed_mid_pipeline_loses_no_confirmed_packet(tmp_path: Path) -> None:
+    """Pushes confirmed by a sync and pops pipelined 16 at a time while Redis (appendfsync
+    always) is killed with SIGKILL and restarted three times: every confirmed packet is popped
+    by a consumer or still queued at the end."""
+    need_redis()
+    redis = RedisServer(tmp_path / "aof", "--appendonly", "yes", "--appendfsync", "always")
+    redis.start()
+    try:
+        async with front_end(redis.url) as (_, port):
+            pusher, popper = await connect(port), await connect(port)
+            confirmed: list[bytes] = []
+            popped: list[bytes] = []
+            pushing_done = trio.Event()
+
+            async def push_batches() -> None:
+                for batch in range(60):
+                    keys = [b"%d-%d" % (batch, n) for n in range(8)]
+                    await pusher.send(b"".join(push(b"q", k, b"x") for k in keys) + SYNC)
+                    assert await pusher.reply() == []
+                    confirmed.extend(keys)
+                    await trio.sleep(0.005)
+                pushing_done.set()
+
+            async def pop_batches() -> None:
+                while not pushing_done.is_set():
+                    await popper.send(pop(b"q") * 16)
+                    for _ in range(16):
+                        popped.extend(key for key, _ in await popper.reply())
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(push_batches)
+                    nursery.start_soon(pop_batches)
+                    for _ in range(3):
+                        await trio.sleep(0.1)
+                        redis.stop()  # SIGKILL, with pipelines of pops in flight
+                        await trio.sleep(0.2)
+                        redis.start()  # same port and directory: replays its AOF
+                while reply := await popper.request(pop(b"q")):
+                    popped.extend(key for key, _ in reply)
+        assert len(confirmed) == 480
+        assert set(confirmed) <= set(popped)
     finally:
         redis.stop()
 

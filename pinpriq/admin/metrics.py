@@ -25,7 +25,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from pinpriq import __version__
-from pinpriq.admin.stats import listed_queues
+from pinpriq.admin.stats import listed_queues, memory_cap
 from pinpriq.broker import Broker, Totals
 from pinpriq.display import escape
 from pinpriq.leases import LeaseTotals
@@ -111,7 +111,7 @@ class BrokerCollector(Collector):
             (
                 "pinpriq_memory_cap_bytes",
                 "The memory cap (+Inf: no cap)",
-                broker.max_memory,
+                memory_cap(broker),
             ),
             (
                 "pinpriq_memory_prio_0_bytes",

@@ -108,6 +108,13 @@ class Sampler:
         return series
 
 
+def memory_cap(broker: Broker) -> float:
+    """What ``bytes_held`` is measured against: the broker's cap, or the store's own where it
+    keeps one (the Redis store: Redis's maxmemory); infinite for none."""
+    cap: float = getattr(broker.store, "memory_cap", broker.max_memory)
+    return cap
+
+
 def listed_queues(broker: Broker, limit: int) -> list[tuple[bytes, int, int]]:
     """The queues to list, as ``(name, packets, bytes)``: the ``limit`` deepest, then queues
     with subscribers and no packets (consumers waiting), while room is left. O(queues log
@@ -158,7 +165,7 @@ def server_stats(
         "subscribers": broker.subscriptions.subscriber_count,
         "memory": {
             "held_bytes": store.bytes_held,
-            "cap_bytes": None if math.isinf(broker.max_memory) else int(broker.max_memory),
+            "cap_bytes": None if math.isinf(cap := memory_cap(broker)) else int(cap),
             "full": broker.memory_full,
             "prio_0_bytes": store.unselectable_bytes,
         },

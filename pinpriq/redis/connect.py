@@ -11,6 +11,7 @@ from typing import Any
 import coredis
 import trio
 
+from pinpriq.redis import lua
 from pinpriq.redis.deliveries import RedisSubscriptions
 from pinpriq.redis.spec import StoreError, StoreSpec
 from pinpriq.redis.store import _TRANSIENT, RedisStore
@@ -92,26 +93,31 @@ def _why(error: BaseException) -> str:
 
 
 async def check_nodes(client: Any, spec: StoreSpec) -> None:
-    """``check`` the Redis, or each primary of a Cluster."""
+    """``check`` the Redis, or each primary of a Cluster; warn if any has replicas."""
     if spec.scheme != "redis-cluster":
-        await check(client, spec)
+        replicas = await check(client, spec)
     else:
+        replicas = 0
         for node in client.primaries:
             async with node:
-                await check(node, spec)
-    log.warning(
-        "Redis replicates asynchronously: a failover to a replica can lose the last writes a "
-        "sync acknowledged"
-    )
+                replicas += await check(node, spec)
+    if replicas:
+        log.warning(
+            "Redis replicates asynchronously (%d replicas now): a failover to a replica can lose "
+            "the last writes a sync acknowledged",
+            replicas,
+        )
 
 
-async def check(client: Any, spec: StoreSpec) -> None:
+async def check(client: Any, spec: StoreSpec) -> int:
     """Refuse a Redis that may evict (it would drop packets silently) or is older than 7.0
-    (the scripts declare flags); warn about what a Redis crash or failover may lose."""
+    (the scripts declare flags); warn about what a Redis crash may lose. Returns how many
+    replicas it has (``INFO replication``)."""
     info = await client.info("server")
     version = _text(info.get("redis_version", "0"))
     if tuple(int(x) for x in version.split(".")[:2]) < (7, 0):
         raise StoreError(f"Redis at {spec.text} is {version}; pinpriq needs Redis 7.0 or newer")
+    await check_layout(client, spec)
     config = await client.config_get(["maxmemory-policy", "appendonly", "appendfsync"])
     settings = {_text(k): _text(v) for k, v in config.items()}
     policy = settings.get("maxmemory-policy", "")
@@ -128,6 +134,21 @@ async def check(client: Any, spec: StoreSpec) -> None:
         )
     else:
         log.info("Redis appendfsync is %s", settings.get("appendfsync"))
+    replication = await client.info("replication")
+    return int(replication.get("connected_slaves", 0))
+
+
+async def check_layout(client: Any, spec: StoreSpec) -> None:
+    """Refuse a Redis whose queues another layout of the store's keys uses: front ends of an
+    older or newer pinpriq left their library (``lua.LIBRARY_NAME``) there."""
+    libraries = await client.function_list(libraryname="pinpriq_*")
+    others = sorted(_text(name) for name in libraries if _text(name) != lua.LIBRARY_NAME)
+    if others:
+        raise StoreError(
+            f"Redis at {spec.text} holds the functions of another pinpriq key layout "
+            f"({', '.join(others)}; this build uses {lua.LIBRARY_NAME}): run every front end "
+            "on one build, or FUNCTION DELETE it once no front end of that build runs"
+        )
 
 
 def _text(value: Any) -> str:

@@ -50,13 +50,18 @@ class QueueKeys(NamedTuple):
     leases: bytes  # hash: lease handle -> the lease (its packets, attempt counts)
     lease_due: bytes  # sorted set: lease handle, scored by its deadline (ms, Redis's clock)
     attempts: bytes  # hash: seq -> how many leases of that packet ended other than by ack
+    results: bytes  # hash: pop call id -> its result, until the front end confirms it has it
+    key_index: bytes  # hash: key -> the seq of its one packet, or '#' and how many (all in groups)
 
 
 def queue_keys(name: bytes) -> QueueKeys:
     """The keys of queue ``name``: ``pq:{q<base>}<name>:<suffix>``, both escaped."""
     stem = PREFIX + b"{q" + encode_name(_base(name)) + b"}" + encode_name(name) + b":"
     return QueueKeys(
-        *(stem + suffix for suffix in (b"d", b"s", b"g", b"x", b"q", b"w", b"c", b"l", b"L", b"a"))
+        *(
+            stem + suffix
+            for suffix in (b"d", b"s", b"g", b"x", b"q", b"w", b"c", b"l", b"L", b"a", b"r", b"k")
+        )
     )
 
 

@@ -2,29 +2,29 @@
 
 A lease is a record in its queue's ``:l`` hash under a *handle* (this front end's id and a
 counter), with its deadline in the queue's ``:L`` sorted set, on Redis's clock; ``lua.py``'s
-RESERVE, LEASE_OP and LEASE_SWEEP scripts make, change and end them atomically, and a group
+reserve, lease_op and lease_sweep functions make, change and end them atomically, and a group
 that used up its attempts goes to the dead-letter queue (same slot) in the same script. So a
 lease outlives the front end that made it: whichever front end sweeps the queue after the
 deadline (its timer, a reserve of the queue, or the periodic scan) sends it back.
 
 What stays here is what may be lost with the front end: each connection's wire ids (``Holder``)
 mapped to handles, and counters of this front end's lease traffic. ``RedisLeases`` answers the
-broker's ``Leases`` calls synchronously with the results ``RedisStore.run_lease`` got from
+broker's ``Leases`` calls synchronously with the results ``RedisStore.run_leases`` got from
 Redis just before ``Session.receive`` applied the frame; the broker's own timer never runs for
-them (their ``due`` is infinite: the store's ``lease_loop`` keeps time on Redis's clock).
+them (their ``due`` is infinite: the store's ``lease_loop`` keeps time on Redis's clock). It
+imports nothing of the store: a closed connection's leases go to the ``release_later`` it was
+given.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from pinpriq.leases import Holder, Lease, Leases, LeaseTotals
-
-if TYPE_CHECKING:
-    from pinpriq.redis.store import RedisStore
+from pinpriq.store_contract import Store
 
 __all__ = ["RedisLease", "RedisLeases"]
 
@@ -55,9 +55,18 @@ class RedisLease(Lease):
 class RedisLeases(Leases):
     """This front end's view of the leases in Redis."""
 
-    def __init__(self, store: RedisStore, *, default_ms: int, max_deliveries: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        default_ms: int,
+        max_deliveries: int,
+        release_later: Callable[[list[tuple[bytes, bytes]]], None],
+    ) -> None:
+        """``release_later`` takes the leases of a closed connection, ``(queue, handle)``
+        each, for the store to release in Redis (this module knows no Redis)."""
         super().__init__(store, default_ms=default_ms, max_deliveries=max_deliveries)
-        self.redis = store
+        self.release_later = release_later
         #: What Redis answered to the lease frames each connection's ``receive`` is applying
         #: (by its holder), in order: a reserve's reply (or ``None``), or an ack's, release's
         #: or touch's liveness.
@@ -103,12 +112,13 @@ class RedisLeases(Leases):
         """The connection closed: its leases go back now (the store's ``lease_loop`` runs the
         scripts; until then, and if this front end dies first, their deadlines hold)."""
         self.results.pop(holder, None)
+        closing = []
         for lease in list(holder.leases.values()):
             assert isinstance(lease, RedisLease)
             self.forget(lease)
-            self.redis.closing.append((lease.queue, lease.handle))
-        if self.redis.closing:
-            self.redis.wake_leases()
+            closing.append((lease.queue, lease.handle))
+        if closing:
+            self.release_later(closing)
 
     # -- time is the store's: nothing for the broker's timer ------------------------------
 

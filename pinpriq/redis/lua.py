@@ -25,8 +25,11 @@ Deadline 0 means "never" (TTL 0).
 from __future__ import annotations
 
 __all__ = [
+    "LAYOUT",
     "LEASE_OP",
     "LEASE_SWEEP",
+    "LIBRARY",
+    "LIBRARY_NAME",
     "PEEK",
     "POP",
     "PURGE",
@@ -35,6 +38,7 @@ __all__ = [
     "RESERVE",
     "RESTORE",
     "SWEEP",
+    "function_name",
 ]
 
 
@@ -42,7 +46,8 @@ __all__ = [
 # (a push batch, a large key group) avoid parsing what they already know: a call into Redis or
 # a struct call per packet is what a script's time goes to.
 _HELPERS = r"""
-local NEVER = struct.pack('>d', 0)
+-- The double 0.0 (no struct or string library while Redis loads a library: a literal).
+local NEVER = '\0\0\0\0\0\0\0\0'
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), t
@@ -66,11 +71,107 @@ local function bulk(command, key, args)
   end
 end
 local function group_prefix(key) return struct.pack('>H', #key) .. key end
+-- The key index, KEYS[KI] (``:k``; a lease function's dead queue has its own at KI + 1): key
+-- -> the seq of its one packet, or '#' .. n when the key has n packets, all of them in the
+-- group index (``:g``). A key with one packet, the common case, has no group index entry: a
+-- push of it writes a hash field instead of a sorted-set member, and a pop of it reads no
+-- range. ``entries`` below are {key, group prefix, seq} a packet.
+local KI = 0
+local function hmget(hash, fields)
+  local out = {}
+  for i = 1, #fields, 1000 do
+    local last = math.min(i + 999, #fields)
+    local part = redis.call('HMGET', hash, unpack(fields, i, last))
+    for j = i, last do out[j] = part[j - i + 1] end
+  end
+  return out
+end
+local function grouped(v) return v and string.byte(v, 1) == 35 end  -- '#'
+-- The index value of each distinct key of ``entries`` (false: none), and those keys.
+local function states_of(index, entries)
+  local keys, state = {}, {}
+  for _, e in ipairs(entries) do
+    if state[e[1]] == nil then
+      state[e[1]] = false
+      keys[#keys + 1] = e[1]
+    end
+  end
+  local values = hmget(index, keys)
+  for j, key in ipairs(keys) do state[key] = values[j] or false end
+  return state, keys
+end
+-- Index packets entering the queue (pushed, or put back under their old seq).
+local function index_insert(index, groups, entries)
+  if #entries == 0 then return end
+  local state, keys = states_of(index, entries)
+  local members = {}
+  for _, e in ipairs(entries) do
+    local key, v = e[1], state[e[1]]
+    if not v then
+      state[key] = e[3]
+    else
+      if grouped(v) then
+        state[key] = '#' .. (tonumber(string.sub(v, 2)) + 1)
+      else  -- the key's second packet: both join the group index
+        state[key] = '#2'
+        members[#members + 1] = 0
+        members[#members + 1] = e[2] .. v
+      end
+      members[#members + 1] = 0
+      members[#members + 1] = e[2] .. e[3]
+    end
+  end
+  local fields = {}
+  for _, key in ipairs(keys) do
+    fields[#fields + 1] = key
+    fields[#fields + 1] = state[key]
+  end
+  bulk('HSET', index, fields)
+  bulk('ZADD', groups, members)
+end
+-- Unindex packets leaving the queue.
+local function index_remove(index, groups, entries)
+  if #entries == 0 then return end
+  local state, keys = states_of(index, entries)
+  local members, gone, left = {}, {}, {}
+  for _, e in ipairs(entries) do
+    local v = state[e[1]]
+    if grouped(v) then
+      members[#members + 1] = e[2] .. e[3]
+      state[e[1]] = '#' .. (tonumber(string.sub(v, 2)) - 1)
+    else
+      state[e[1]] = false
+    end
+  end
+  for _, key in ipairs(keys) do
+    local v = state[key]
+    if v and v ~= '#0' then
+      left[#left + 1] = key
+      left[#left + 1] = v
+    else
+      gone[#gone + 1] = key
+    end
+  end
+  bulk('HDEL', index, gone)
+  bulk('HSET', index, left)
+  bulk('ZREM', groups, members)
+end
+-- The seqs of ``key``'s packets in push order (at most ``limit``), from the group index; none
+-- (an empty list) for a key with one packet.
+local function group_of(index, groups, key, prefix, limit)
+  if not grouped(redis.call('HGET', index, key)) then return {} end
+  local members = redis.call('ZRANGEBYLEX', groups, '[' .. prefix, '[' .. prefix .. '\255',
+    'LIMIT', 0, limit)
+  local seqs = {}
+  for i, member in ipairs(members) do seqs[i] = string.sub(member, #prefix + 1) end
+  return seqs
+end
 -- Remove live packets (by seq) from every structure. ``key``: their key, when they are one
 -- key group (else each record is parsed for it). ``full``: return five fields a packet (key,
 -- payload, prio, seq, deadline: enough to put it back), else two (key, payload).
 local function remove_all(seqs, key, full)
-  local out, groups, levels = {}, {}, {}
+  local out, entries, levels = {}, {}, {}
+  if #seqs == 0 then return out end
   local prefix = key and group_prefix(key)
   for i = 1, #seqs, 1000 do
     local recs = redis.call('HMGET', KEYS[1], unpack(seqs, i, math.min(i + 999, #seqs)))
@@ -89,12 +190,12 @@ local function remove_all(seqs, key, full)
         local deadline = struct.unpack('>d', string.sub(rec, 2, 9))
         out[n + 3], out[n + 4], out[n + 5] = prio, seq, tostring(deadline)
       end
-      groups[#groups + 1] = (prefix or group_prefix(k)) .. seq
+      entries[#entries + 1] = {k, prefix or group_prefix(k), seq}
       if prio > 0 then levels[#levels + 1] = seq end
     end
   end
   bulk('HDEL', KEYS[1], seqs)
-  bulk('ZREM', KEYS[3], groups)
+  index_remove(KEYS[KI], KEYS[3], entries)
   bulk('ZREM', KEYS[2], levels)
   if redis.call('EXISTS', KEYS[4]) == 1 then bulk('ZREM', KEYS[4], seqs) end
   return out
@@ -106,25 +207,30 @@ local function sweep(now)
   return #due
 end
 -- Once the queue holds nothing, forget it entirely (decision 5).
+-- Sweep a queue that has TTL deadlines; most have none, and then neither TIME nor a range
+-- is paid. Returns whether it had any (so its removals must update the deadline index).
+local function sweep_due()
+  if redis.call('EXISTS', KEYS[4]) == 0 then return false end
+  sweep(now_ms())
+  return true
+end
 local function forget_if_empty()
-  if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[5]) end
+  if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[5], KEYS[KI]) end
 end
 """
 
-#: KEYS d s g x q w; ARGV channel, then four fields a packet: key payload ttl_ms prio. Pushes
+#: KEYS d s g x q w k; ARGV channel, then four fields a packet: key payload ttl_ms prio. Pushes
 #: them in order (a batch's consecutive pushes to one queue are one call: each is still whole,
-#: and no other script runs between them). Returns the earliest deadline in ms (0 for none). No
+#: and no other script runs between them). Returns the earliest deadline in ms (0 for none) and
+#: the packets the queue holds. No
 #: ``allow-oom``: Redis refuses it while over ``maxmemory``, before it runs.
-PUSH = (
-    "#!lua\n"
-    + _HELPERS
-    + r"""
+PUSH = r"""
 local now, t = now_ms()
 local seq = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local last = tonumber(redis.call('GET', KEYS[5]) or '0')
 if seq <= last then seq = last + 1 end
 -- The arguments of one HSET and three ZADDs for the whole batch.
-local data, groups, levels, deadlines = {}, {}, {}, {}
+local data, entries, levels, deadlines = {}, {}, {}, {}
 local earliest = 0
 for i = 2, #ARGV, 4 do
   local key, payload, ttl, prio = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
@@ -139,8 +245,7 @@ for i = 2, #ARGV, 4 do
   local prefix = group_prefix(key)
   data[#data + 1] = s
   data[#data + 1] = record(prio, deadline, prefix, payload)
-  groups[#groups + 1] = 0
-  groups[#groups + 1] = prefix .. s
+  entries[#entries + 1] = {key, prefix, s}
   if prio > 0 then
     levels[#levels + 1] = -prio
     levels[#levels + 1] = s
@@ -148,103 +253,166 @@ for i = 2, #ARGV, 4 do
   seq = seq + 1
 end
 bulk('HSET', KEYS[1], data)
-bulk('ZADD', KEYS[3], groups)
+index_insert(KEYS[KI], KEYS[3], entries)
 bulk('ZADD', KEYS[2], levels)
 bulk('ZADD', KEYS[4], deadlines)
 redis.call('SET', KEYS[5], digits(seq - 1))
 if #levels > 0 and redis.call('EXISTS', KEYS[6]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
-return earliest
+-- And how many packets the queue holds now, for the front end's figures.
+return {earliest, redis.call('HLEN', KEYS[1])}
 """
-)
 
-#: KEYS d s g x q; ARGV max_pop, pops, full. Sweeps what is due, then ``pops`` times removes
+#: KEYS d s g x q r k; ARGV max_pop, pops, full, call id, retry ('1' if sent before), then the call
+#: ids whose results the front end has. Sweeps what is due, then ``pops`` times removes
 #: the best packet and its key group (decisions 2-4). Returns one flat list a pop: two fields a
 #: packet (key, payload), or with ``full`` = 1 five (key, payload, prio, seq, deadline: enough
-#: for a delivery nobody could take to go back unchanged); then the selectable packets left.
+#: for a delivery nobody could take to go back unchanged); then the selectable packets left, and
+#: all the packets left. A call that took packets keeps that reply under its id in ``:r``.
 #: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
-POP = (
-    "#!lua flags=allow-oom\n"
-    + _HELPERS
-    + r"""
+POP = r"""
 local max_pop, pops, full = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
-local function pop_one()
-  local top = redis.call('ZRANGE', KEYS[2], -1, -1)
-  if #top == 0 then return {} end
-  local selected = top[1]
-  local _, _, key = unpack_packet(redis.call('HGET', KEYS[1], selected))
-  local prefix = group_prefix(key)
-  local seqs = {selected}
-  local members = redis.call('ZRANGEBYLEX', KEYS[3], '[' .. prefix, '[' .. prefix .. '\255',
-    'LIMIT', 0, max_pop)
-  local skip = #prefix + 1
-  for _, member in ipairs(members) do
-    if #seqs >= max_pop then break end
-    local seq = string.sub(member, skip)
-    if seq ~= selected then seqs[#seqs + 1] = seq end
-  end
-  return remove_all(seqs, key, full)
+local call_id, retry = ARGV[4], ARGV[5] == '1'
+-- Results the front end has confirmed it holds: no longer kept.
+if #ARGV > 5 then redis.call('HDEL', KEYS[6], unpack(ARGV, 6)) end
+-- A call sent again (its reply was lost: Redis restarted, the connection broke) answers with
+-- what it took the first time, if it ran then: so no packet is removed for nobody.
+if retry then
+  local kept = redis.call('HGET', KEYS[6], call_id)
+  if kept then return cmsgpack.unpack(kept) end
 end
-sweep(now_ms())
+local expiring = sweep_due()
+-- Removals wait until every pop of the call has chosen (one HDEL and one ZREM a structure
+-- for the whole call, not per pop); meanwhile ``taken`` keeps a packet from being chosen
+-- twice, and the selection set is read in pages of candidates, best first.
+local taken, seqs, entries = {}, {}, {}
+local taken_by_group = {}  -- group prefix -> packets of it taken (for groups over max_pop)
+local page, records, at, start, state = {}, {}, 1, 0, {}
+local function take(seq, key, prefix)
+  taken[seq] = true
+  seqs[#seqs + 1] = seq
+  entries[#entries + 1] = {key, prefix, seq}
+  taken_by_group[prefix] = (taken_by_group[prefix] or 0) + 1
+end
+-- The best packet not yet taken: its seq and record, and whether its key has a group, or nil.
+local function best(wanted)
+  while true do
+    if at > #page then
+      page = redis.call('ZRANGE', KEYS[2], start, start + math.min(wanted, 1000) - 1, 'REV')
+      if #page == 0 then return nil end
+      start, at = start + #page, 1
+      records = redis.call('HMGET', KEYS[1], unpack(page))
+      local page_entries = {}
+      for i, rec in ipairs(records) do
+        local klen = struct.unpack('>H', string.sub(rec, 10, 11))
+        page_entries[i] = {string.sub(rec, 12, 11 + klen)}
+      end
+      state = states_of(KEYS[KI], page_entries)
+    end
+    local seq, rec = page[at], records[at]
+    at = at + 1
+    if not taken[seq] then
+      local klen = struct.unpack('>H', string.sub(rec, 10, 11))
+      return seq, rec, grouped(state[string.sub(rec, 12, 11 + klen)])
+    end
+  end
+end
+local function packet(out, seq, rec)
+  local prio, deadline, key, payload = unpack_packet(rec)
+  local n = #out
+  out[n + 1], out[n + 2] = key, payload
+  if full then out[n + 3], out[n + 4], out[n + 5] = prio, seq, tostring(deadline) end
+  return key
+end
+local function pop_one(left)
+  local selected, rec, has_group = best(left)
+  if not selected then return {} end
+  local out = {}
+  local key = packet(out, selected, rec)
+  local prefix = group_prefix(key)
+  local before = taken_by_group[prefix] or 0
+  take(selected, key, prefix)
+  local range = {}
+  if has_group then
+    -- The rest of its key group in push order; packets taken by earlier pops of this call are
+    -- still in the index, so the range reaches past them.
+    range = redis.call('ZRANGEBYLEX', KEYS[3], '[' .. prefix, '[' .. prefix .. '\255',
+      'LIMIT', 0, max_pop + before)
+  end
+  local others, skip = {}, #prefix + 1
+  for _, member in ipairs(range) do
+    if #others + 1 >= max_pop then break end
+    local seq = string.sub(member, skip)
+    if not taken[seq] then
+      others[#others + 1] = seq
+      take(seq, key, prefix)
+    end
+  end
+  for i = 1, #others, 1000 do
+    local recs = redis.call('HMGET', KEYS[1], unpack(others, i, math.min(i + 999, #others)))
+    for j, r in ipairs(recs) do packet(out, others[i + j - 1], r) end
+  end
+  return out
+end
 local replies = {}
-for i = 1, pops do replies[i] = pop_one() end
-forget_if_empty()
+for i = 1, pops do replies[i] = pop_one(pops - i + 1) end
+bulk('HDEL', KEYS[1], seqs)
+index_remove(KEYS[KI], KEYS[3], entries)
+bulk('ZREM', KEYS[2], seqs)  -- prio-0 seqs among them are simply not members
+if expiring then bulk('ZREM', KEYS[4], seqs) end
 -- Last, how many selectable packets are left: a subscriber's front end stops there.
-replies[pops + 1] = redis.call('ZCARD', KEYS[2])
+local left = redis.call('ZCARD', KEYS[2])
+if left == 0 then forget_if_empty() end
+replies[pops + 1] = left
+replies[pops + 2] = redis.call('HLEN', KEYS[1])  -- packets held, for the front end's figures
+if #seqs > 0 then
+  -- Kept until the front end confirms it has the reply (a later call's ARGV, or its cleanup
+  -- every few seconds); the key's day-long lifetime only bounds what a front end that died
+  -- leaves behind, far beyond any restart of Redis.
+  redis.call('HSET', KEYS[6], call_id, cmsgpack.pack(replies))
+  redis.call('PEXPIRE', KEYS[6], 86400000)
+end
 return replies
 """
-)
 
-#: KEYS d s g x q; no ARGV. Sweeps what is due and returns the rank of what a pop would select:
+#: KEYS d s g x q k; no ARGV. Sweeps what is due and returns the rank of what a pop would select:
 #: {prio, seq}, or {} if nothing is selectable.
-RANK = (
-    "#!lua flags=allow-oom\n"
-    + _HELPERS
-    + r"""
-sweep(now_ms())
+RANK = r"""
+sweep_due()
 forget_if_empty()
 local top = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
 if #top == 0 then return {} end
 return {-tonumber(top[2]), top[1]}
 """
-)
 
-#: KEYS d s g x q; no ARGV. Removes the packets whose deadline has come; returns how many.
-SWEEP = (
-    "#!lua flags=allow-oom\n"
-    + _HELPERS
-    + r"""
-local n = sweep(now_ms())
+#: KEYS d s g x q k; no ARGV. Removes the packets whose deadline has come; returns how many.
+SWEEP = r"""
+local n = 0
+if redis.call('EXISTS', KEYS[4]) == 1 then n = sweep(now_ms()) end
 forget_if_empty()
 return n
 """
-)
 
-#: KEYS d s g x q; no ARGV. Removes every packet (prio 0 included); returns how many.
-PURGE = (
-    "#!lua flags=allow-oom\n"
-    + r"""
+#: KEYS d s g x q k; no ARGV. Removes every packet (prio 0 included); returns how many.
+PURGE = r"""
 local n = redis.call('HLEN', KEYS[1])
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[KI])
 return n
 """
-)
 
-#: KEYS d s g x q w; ARGV channel, then five fields a packet as POP returns them with ``full``.
+#: KEYS d s g x q w k; ARGV channel, then five fields a packet as POP returns them with ``full``.
 #: Puts packets back as they were (prio, place in push order, deadline); drops those whose TTL
 #: has passed. Returns how many went back. ``allow-oom``: the memory was held a moment ago.
-RESTORE = (
-    "#!lua flags=allow-oom\n"
-    + _HELPERS
-    + r"""
+RESTORE = r"""
 local now = now_ms()
 local back, selectable, last = 0, false, tonumber(redis.call('GET', KEYS[5]) or '0')
+local entries = {}
 for i = 2, #ARGV, 5 do
   local key, payload, prio = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
   local s, deadline = ARGV[i + 3], tonumber(ARGV[i + 4])
   if deadline == 0 or deadline > now then
     local prefix = group_prefix(key)
     redis.call('HSET', KEYS[1], s, record(prio, deadline, prefix, payload))
-    redis.call('ZADD', KEYS[3], 0, prefix .. s)
+    entries[#entries + 1] = {key, prefix, s}
     if deadline > 0 then redis.call('ZADD', KEYS[4], deadline, s) end
     if prio > 0 then
       redis.call('ZADD', KEYS[2], -prio, s)
@@ -254,18 +422,15 @@ for i = 2, #ARGV, 5 do
     back = back + 1
   end
 end
+index_insert(KEYS[KI], KEYS[3], entries)
 if back > 0 then redis.call('SET', KEYS[5], digits(last)) end
 if selectable and redis.call('EXISTS', KEYS[6]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
 return back
 """
-)
 
-#: KEYS d s g x; ARGV count max_pop. What the next pops would return, in order, removing
+#: KEYS d s g x k; ARGV count max_pop. What the next pops would return, in order, removing
 #: nothing (and sweeping nothing: it skips expired packets). Flat list: key, payload, prio.
-PEEK = (
-    "#!lua flags=no-writes\n"
-    + _HELPERS
-    + r"""
+PEEK = r"""
 local count, max_pop = tonumber(ARGV[1]), tonumber(ARGV[2])
 local now = now_ms()
 local taken, out, found = {}, {}, 0
@@ -282,12 +447,9 @@ while found < count do
       taken[seq] = true
       out[#out + 1] = key; out[#out + 1] = payload; out[#out + 1] = prio
       found = found + 1
-      local prefix = group_prefix(key)
-      local members = redis.call('ZRANGEBYLEX', KEYS[3], '[' .. prefix,
-        '[' .. prefix .. '\255')
-      for _, member in ipairs(members) do
+      local others = group_of(KEYS[KI], KEYS[3], key, group_prefix(key), -1)
+      for _, other in ipairs(others) do
         if found >= count or in_reply >= max_pop then break end
-        local other = string.sub(member, #prefix + 1)
         if not taken[other] then
           local p, d, k, v = unpack_packet(redis.call('HGET', KEYS[1], other))
           if live(d) then
@@ -304,33 +466,39 @@ while found < count do
 end
 return out
 """
-)
 
 
 # -- leases (decisions 13-19) ---------------------------------------------------------------
 #
-# Every lease script takes fifteen KEYS: the queue's d s g x q w, its l (hash: handle -> the
+# Every lease function takes seventeen KEYS: the queue's d s g x q w, its l (hash: handle -> the
 # lease, cmsgpack {attempt, then six fields a packet: key payload prio seq deadline count}), L
 # (sorted set: handle by deadline in ms, or by the end of a release delay) and a (hash: seq ->
 # how many leases of the packet ended other than by ack; absent for none); then its dead-letter
-# queue's d s g x q w (one slot: keys.py). ARGV starts with the queue's channel, the dead queue's
+# queue's d s g x q w (one slot: keys.py); then the queue's key index k and its dead queue's.
+# ARGV starts with the queue's channel, the dead queue's
 # channel, max deliveries (0: never) and '1' if the dead queue may be used ('0': its name would
 # be too long, so a group due there is dropped). A lease lives exactly while ``:l`` holds it.
 _LEASE_HELPERS = r"""
-local max_deliveries, dead_ok = tonumber(ARGV[3]), ARGV[4] == '1'
+local max_deliveries, dead_ok
+-- Every lease function starts here: ARGV 3 and 4 are the same for all of them.
+local function lease_args()
+  max_deliveries, dead_ok = tonumber(ARGV[3]), ARGV[4] == '1'
+  KI = 16  -- the queue's key index; its dead queue's is KEYS[17]
+end
 -- Put a lease's packets into the queue at KEYS offset ``o`` (0: the queue, 9: its dead
 -- queue) as they were; drops those whose TTL passed (TTL wins). ``bump``: each packet's count
 -- one more (nil: counts reset, for the dead queue). Returns how many went back.
 local function put_back(o, channel, t, bump, now)
   local back, selectable = 0, false
   local last = tonumber(redis.call('GET', KEYS[o + 5]) or '0')
+  local entries = {}
   for i = 2, #t, 6 do
     local key, payload, prio = t[i], t[i + 1], t[i + 2]
     local s, deadline, count = t[i + 3], t[i + 4], t[i + 5]
     if deadline == 0 or deadline > now then
       local prefix = group_prefix(key)
       redis.call('HSET', KEYS[o + 1], s, record(prio, deadline, prefix, payload))
-      redis.call('ZADD', KEYS[o + 3], 0, prefix .. s)
+      entries[#entries + 1] = {key, prefix, s}
       if deadline > 0 then redis.call('ZADD', KEYS[o + 4], deadline, s) end
       if prio > 0 then
         redis.call('ZADD', KEYS[o + 2], -prio, s)
@@ -344,6 +512,9 @@ local function put_back(o, channel, t, bump, now)
       back = back + 1
     end
   end
+  local index = KI
+  if o > 0 then index = KI + 1 end
+  index_insert(KEYS[index], KEYS[o + 3], entries)
   if back > 0 then redis.call('SET', KEYS[o + 5], digits(last)) end
   if selectable and redis.call('EXISTS', KEYS[o + 6]) == 1 then
     redis.call('PUBLISH', channel, '')
@@ -380,21 +551,18 @@ end
 -- Once neither the queue nor a lease holds a packet, forget it entirely (decision 5).
 local function forget_all_if_empty()
   if redis.call('EXISTS', KEYS[1]) == 0 then
-    redis.call('DEL', KEYS[5])
+    redis.call('DEL', KEYS[5], KEYS[KI])
     if redis.call('EXISTS', KEYS[7]) == 0 then redis.call('DEL', KEYS[9]) end
   end
 end
 """
 
-#: 15 KEYS, ARGV as above, then max_pop, handle, lease_ms. Ends the queue's due leases and
+#: 17 KEYS, ARGV as above, then max_pop, handle, lease_ms. Ends the queue's due leases and
 #: sweeps its due packets, then leases what a pop would take (decision 13) under ``handle``.
 #: Returns {} if nothing is selectable, else {attempt, deadline ms, selectable left, then key,
 #: payload a packet}.
-RESERVE = (
-    "#!lua flags=allow-oom\n"
-    + _HELPERS
-    + _LEASE_HELPERS
-    + r"""
+RESERVE = r"""
+lease_args()
 local max_pop, handle, lease_ms = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
 local now = now_ms()
 sweep_leases(now)
@@ -406,13 +574,9 @@ if #top == 0 then
 end
 local selected = top[1]
 local _, _, key = unpack_packet(redis.call('HGET', KEYS[1], selected))
-local prefix = group_prefix(key)
 local seqs = {selected}
-local members = redis.call('ZRANGEBYLEX', KEYS[3], '[' .. prefix, '[' .. prefix .. '\255',
-  'LIMIT', 0, max_pop)
-for _, member in ipairs(members) do
+for _, seq in ipairs(group_of(KEYS[KI], KEYS[3], key, group_prefix(key), max_pop)) do
   if #seqs >= max_pop then break end
-  local seq = string.sub(member, #prefix + 1)
   if seq ~= selected then seqs[#seqs + 1] = seq end
 end
 local counts = {}
@@ -443,17 +607,13 @@ local reply = {t[1], due, redis.call('ZCARD', KEYS[2])}
 for _, v in ipairs(out) do reply[#reply + 1] = v end
 return reply
 """
-)
 
-#: 15 KEYS, ARGV as above, then op, handle, ms. What an ack ('ack'), release ('release', ms the
+#: 17 KEYS, ARGV as above, then op, handle, ms. What an ack ('ack'), release ('release', ms the
 #: delay), touch ('touch', ms the new lease time) or a delivery nobody could take ('unreserve')
 #: does to a lease. A lease whose deadline has passed is ended here (its packets go back) and
 #: answers as not live. Returns {live (1/0), back, dead, dropped, the lease's new due ms or 0}.
-LEASE_OP = (
-    "#!lua flags=allow-oom\n"
-    + _HELPERS
-    + _LEASE_HELPERS
-    + r"""
+LEASE_OP = r"""
+lease_args()
 local op, handle, ms = ARGV[5], ARGV[6], tonumber(ARGV[7])
 local now = now_ms()
 local due = redis.call('ZSCORE', KEYS[8], handle)
@@ -478,15 +638,11 @@ end
 forget_all_if_empty()
 return {1, r[1], r[2], r[3], new_due}
 """
-)
 
-#: 15 KEYS, ARGV as above. Ends every lease of the queue whose deadline or release delay has
+#: 17 KEYS, ARGV as above. Ends every lease of the queue whose deadline or release delay has
 #: come. Returns {back, dead, dropped, the next due ms or 0, then the handles ended}.
-LEASE_SWEEP = (
-    "#!lua flags=allow-oom\n"
-    + _HELPERS
-    + _LEASE_HELPERS
-    + r"""
+LEASE_SWEEP = r"""
+lease_args()
 local totals, ended = sweep_leases(now_ms())
 forget_all_if_empty()
 local next_due = redis.call('ZRANGE', KEYS[8], 0, 0, 'WITHSCORES')
@@ -494,4 +650,54 @@ local reply = {totals[1], totals[2], totals[3], tonumber(next_due[2] or '0')}
 for _, handle in ipairs(ended) do reply[#reply + 1] = handle end
 return reply
 """
+
+
+# -- the library ------------------------------------------------------------------------------
+
+#: The layout of the keys and the calling convention of the functions. A front end loads the
+#: library ``pinpriq_<LAYOUT>`` once (``FUNCTION LOAD``); Redis keeps it (in its RDB and AOF
+#: too) and every front end calls the same functions. Bump it with any change to the scripts.
+LAYOUT = 2
+LIBRARY_NAME = f"pinpriq_{LAYOUT}"
+
+#: Each function: its body and its flags (``allow-oom``: it only frees memory or puts back what
+#: was held a moment ago, so a full Redis still runs it; none: Redis refuses it over maxmemory).
+_FUNCTIONS = {
+    "push": (PUSH, ""),
+    "pop": (POP, "'allow-oom'"),
+    "rank": (RANK, "'allow-oom'"),
+    "sweep": (SWEEP, "'allow-oom'"),
+    "purge": (PURGE, "'allow-oom'"),
+    "restore": (RESTORE, "'allow-oom'"),
+    "peek": (PEEK, "'no-writes'"),
+    "reserve": (RESERVE, "'allow-oom'"),
+    "lease_op": (LEASE_OP, "'allow-oom'"),
+    "lease_sweep": (LEASE_SWEEP, "'allow-oom'"),
+}
+
+
+def function_name(operation: str) -> str:
+    """What ``FCALL`` names for one operation of this layout."""
+    return f"{LIBRARY_NAME}_{operation}"
+
+
+def _register(operation: str, body: str, flags: str) -> str:
+    return (
+        f"local function op_{operation}()\n{body}end\n"
+        f"redis.register_function{{function_name='{function_name(operation)}', "
+        "callback=function(keys, args) KEYS, ARGV, KI = keys, args, #keys; "
+        f"return op_{operation}() end, "
+        f"flags={{{flags}}}}}\n"
+    )
+
+
+#: The whole library. The helpers are defined once, when Redis loads it, not on every call as
+#: a script's would be; each call sets ``KEYS`` and ``ARGV`` (upvalues, not globals: a
+#: function library may not write globals) before it runs.
+LIBRARY = (
+    f"#!lua name={LIBRARY_NAME}\n"
+    "local KEYS, ARGV\n"
+    + _HELPERS
+    + _LEASE_HELPERS
+    + "".join(_register(op, body, flags) for op, (body, flags) in _FUNCTIONS.items())
 )

@@ -34,7 +34,6 @@ import trio
 from coredis.exceptions import (
     BusyLoadingError,
     ClusterDownError,
-    NoScriptError,
     ResponseError,
     TryAgainError,
 )
@@ -43,6 +42,7 @@ from coredis.exceptions import ConnectionError as RedisConnectionError
 from pinpriq.leases import DEAD_SUFFIX
 from pinpriq.redis import lua
 from pinpriq.redis.keys import PREFIX, QueueKeys, name_of, queue_keys
+from pinpriq.redis.leases import RedisLeases
 from pinpriq.store import QueuedPacket
 from pinpriq.store_contract import PeekedPacket, QueueInfo, Rank
 from pinpriq.wire import (
@@ -59,7 +59,6 @@ from pinpriq.wire import (
 
 if TYPE_CHECKING:
     from pinpriq.broker import Session
-    from pinpriq.redis.leases import RedisLeases
 
 __all__ = ["DEFAULT_MAX_POP", "Popped", "RedisStore"]
 
@@ -69,6 +68,8 @@ log = logging.getLogger("pinpriq.redis")
 DEFAULT_MAX_POP = 0xFFFF
 #: Seconds between refreshes of the queue-size snapshot the admin listener reads.
 SNAPSHOT_INTERVAL = 5.0
+#: Most confirmed pop results one pop call tells Redis to forget (the rest wait for the next).
+CONFIRMS_PER_CALL = 100
 #: Backoff while Redis is unreachable or full: from the first to the last, doubling.
 RETRY_FIRST, RETRY_MAX = 0.01, 1.0
 #: The errors that mean "Redis is not answering now, try again": never the client's fault.
@@ -107,29 +108,25 @@ def _popped(reply: Sequence[Any]) -> list[Popped]:
     ]
 
 
-#: Scripts by name, loaded into every node at start (and again after a Redis restart).
-_SCRIPTS = {
-    "push": lua.PUSH,
-    "pop": lua.POP,
-    "rank": lua.RANK,
-    "sweep": lua.SWEEP,
-    "purge": lua.PURGE,
-    "restore": lua.RESTORE,
-    "peek": lua.PEEK,
-    "reserve": lua.RESERVE,
-    "lease_op": lua.LEASE_OP,
-    "lease_sweep": lua.LEASE_SWEEP,
-}
+_Call = tuple[str, Sequence[bytes], Sequence[bytes | int | str]]  # operation, KEYS, ARGV
 
-_Call = tuple[str, Sequence[bytes], Sequence[bytes | int | str]]  # script, KEYS, ARGV
+#: The function each operation calls (``lua.LIBRARY``).
+_FUNCTIONS = {
+    operation: lua.function_name(operation)
+    for operation in (
+        "push", "pop", "rank", "sweep", "purge", "restore", "peek", "reserve", "lease_op",
+        "lease_sweep",
+    )
+}  # fmt: skip
 
 
 class RedisStore:
     """Queues in Redis. Made by ``connect.open_store``, which checks the Redis first."""
 
-    #: The memory cap does not apply: Redis's ``maxmemory`` is the cap, and a push refused for
-    #: it waits in ``run``. These stay 0 so the broker never blocks on them.
-    bytes_held = 0
+    #: The broker's memory cap does not apply: Redis's ``maxmemory`` is the cap, and a push
+    #: refused for it waits in ``run``. ``bytes_held`` is Redis's ``used_memory`` (every node's,
+    #: as last scanned), shown against ``memory_cap``; the broker's cap stays infinite, so it
+    #: never blocks on it. These stay 0.
     unselectable_bytes = 0
     taken_bytes = 0
     leases_unsupported: str | None = None
@@ -138,7 +135,6 @@ class RedisStore:
         self.client = client
         self.cluster = cluster
         self.max_pop = max_pop
-        self._shas: dict[str, str] = {}
         #: The results of the batch ``receive`` is applying: ``pop`` takes them in order.
         self.current: deque[list[KeyedPayload]] = deque()
         self._pushed = 0
@@ -154,11 +150,18 @@ class RedisStore:
         #: Redis's clock less trio's, in seconds: turns deadlines into timer times.
         self.clock_offset = 0.0
         self._snapshot = _Snapshot({}, {}, 0.0)
+        self.bytes_held = 0
+        #: Redis's ``maxmemory`` (summed over a Cluster's primaries); infinite for none.
+        self.memory_cap = math.inf
         self._troubled: str | None = None  # what is wrong with Redis now, logged once
         #: The lease table's front-end half (``make_leases``), and what it needs from here.
         self.leases: RedisLeases | None = None
         self._front = os.urandom(6).hex().encode()  # this front end, in lease handles
         self._handles = itertools.count(1)
+        self._pop_ids = itertools.count(1)
+        #: Pop calls whose replies this front end has, by queue: Redis keeps each result
+        #: (``:r``) until told so, so that a pop sent again after a lost reply is idempotent.
+        self._confirmed: dict[bytes, list[bytes]] = {}
         #: Leases of closed connections, to release now: (queue, handle).
         self.closing: list[tuple[bytes, bytes]] = []
         #: Lease sweeps owed: (trio time, queue), as ``_sweeps``.
@@ -247,14 +250,21 @@ class RedisStore:
             "kind": "redis-cluster" if self.cluster else "redis",
             "snapshot_age_s": round(trio.current_time() - self._snapshot.taken_at, 3),
             "not_given": [
-                "memory.held_bytes and prio_0_bytes (Redis's maxmemory is the cap: 0 here)",
+                "memory.prio_0_bytes (0 here)",
                 "queues[].bytes, by_priority and oldest_age_ms (not kept in Redis)",
             ],
             "notes": [
+                "memory: Redis's used_memory against its maxmemory (INFO memory, summed over a "
+                "Cluster's primaries), as of the last scan",
                 "packets and queue depths: a scan of Redis every "
                 f"{SNAPSHOT_INTERVAL:g} s (snapshot_age_s)",
                 "totals and rates: this front end's own traffic",
+                "leases: this front end's lease traffic; leases.leased and queues[].leased are "
+                "the packets on leases this front end made and still holds (other front ends' "
+                "leases live in Redis and are not counted here)",
             ],
+            #: The figures that count this front end only, not the whole Redis.
+            "per_front_end": ["totals", "rates_per_s", "leases", "queues[].leased"],
         }
 
     # -- what the reader and the subscriptions await -----------------------------------------
@@ -284,13 +294,15 @@ class RedisStore:
                     calls[-1][2].extend((key, payload, ttl_ms, prio))  # type: ignore[attr-defined]
                     continue
                 k = self.keys(queue)
-                calls.append(("push", k[:6], [k.channel, key, payload, ttl_ms, prio]))
+                calls.append(
+                    ("push", [*k[:6], k.key_index], [k.channel, key, payload, ttl_ms, prio])
+                )
             elif kind is Pop:
                 queue = cast(Pop, frame).queue
                 if kind is last_kind and queue == last_queue:
                     calls[-1][2][1] += 1  # type: ignore[index, operator]
                     continue
-                calls.append(("pop", self.keys(queue)[:5], [self.max_pop, 1, 0]))
+                calls.append(self._pop_call(queue, full=0))
             else:
                 continue
             last_kind, last_queue = kind, queue
@@ -299,17 +311,71 @@ class RedisStore:
         if not calls:
             return results
         replies = await self.call_all(calls)
-        for (name, _, _), reply, queue in zip(calls, replies, queues, strict=True):
+        for (name, _, args), reply, queue in zip(calls, replies, queues, strict=True):
             if name == "pop":
-                for one in reply[:-1]:  # the last is how many selectable packets are left
+                for one in reply[:-2]:  # then how many selectable packets are left, and all
                     results.append(list(zip(one[::2], one[1::2], strict=True)))
-            elif reply:  # the earliest deadline of its pushes: sweep the queue then
-                self.schedule_sweep(queue, float(reply))
+                self._took(queue, args, reply)
+            else:
+                earliest, size = reply
+                if earliest:  # the earliest deadline of its pushes: sweep the queue then
+                    self.schedule_sweep(queue, float(earliest))
+                self.note_size(queue, int(size))
         return results
+
+    def _with_index(self, queue: bytes, first: int) -> list[bytes]:
+        """The first ``first`` keys of ``queue`` (``keys.QueueKeys`` order), then its key index:
+        the KEYS of a function that takes no others."""
+        k = self.keys(queue)
+        return [*k[:first], k.key_index]
+
+    def _pop_call(self, queue: bytes, *, full: int) -> _Call:
+        """A pop of ``queue`` under a new call id, telling Redis which results it may forget."""
+        k = self.keys(queue)
+        call_id = b"%s:%d" % (self._front, next(self._pop_ids))
+        confirmed = self._confirmed.pop(queue, [])
+        if len(confirmed) > CONFIRMS_PER_CALL:
+            self._confirmed[queue] = confirmed[CONFIRMS_PER_CALL:]
+            confirmed = confirmed[:CONFIRMS_PER_CALL]
+        return (
+            "pop",
+            [*k[:5], k.results, k.key_index],
+            [self.max_pop, 1, full, call_id, 0, *confirmed],
+        )
+
+    def _took(self, queue: bytes, args: Sequence[Any], reply: Sequence[Any]) -> None:
+        """A pop call's reply is here: its size figure, and its result to confirm."""
+        self.note_size(queue, int(reply[-1]))
+        if any(reply[:-2]):  # it took packets: Redis kept the reply under its id
+            self._confirmed.setdefault(queue, []).append(args[3])
+
+    async def confirm_results(self) -> None:
+        """Tell Redis which pop results this front end has, for queues no pop call told."""
+        confirmed, self._confirmed = self._confirmed, {}
+        if not confirmed:
+            return
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for queue, call_ids in confirmed.items():
+                    pipe.hdel(self.keys(queue).results, call_ids)
+        except _TRANSIENT:
+            for queue, call_ids in confirmed.items():  # told next time
+                self._confirmed.setdefault(queue, []).extend(call_ids)
+            raise
+
+    def note_size(self, queue: bytes, packets: int) -> None:
+        """A script said how many packets ``queue`` holds now: the admin listener's figures say
+        so at once, not at the next scan (which still brings other front ends' changes)."""
+        if packets:
+            self._snapshot.sizes[queue] = packets
+        else:
+            self._snapshot.sizes.pop(queue, None)
 
     async def pop_for_delivery(self, queue: bytes) -> tuple[list[Popped], bool]:
         """Pop ``queue`` now, for a delivery; and whether it holds more selectable packets."""
-        (reply,) = await self.call_all([("pop", self.keys(queue)[:5], (self.max_pop, 1, 1))])
+        call = self._pop_call(queue, full=1)
+        (reply,) = await self.call_all([call])
+        self._took(queue, call[2], reply)
         return _popped(reply[0]), bool(reply[1])
 
     async def put_back(self, queue: bytes, packets: Sequence[Popped]) -> int:
@@ -318,24 +384,26 @@ class RedisStore:
         args: list[bytes | int | str] = [k.channel]
         for packet in packets:
             args.extend(packet)
-        (reply,) = await self.call_all([("restore", k[:6], args)])
+        (reply,) = await self.call_all([("restore", [*k[:6], k.key_index], args)])
         return int(reply)
 
     async def ranks(self, queues: Sequence[bytes]) -> list[tuple[int, int] | None]:
         """The rank (``(prio, -seq)``, smaller is better) of what each queue's pop would take;
         ``None`` where nothing is selectable. One pipeline; each rank is exact when read, but
         across Cluster slots they are read at slightly different moments."""
-        replies = await self.call_all([("rank", self.keys(q)[:5], ()) for q in queues])
+        replies = await self.call_all([("rank", self._with_index(q, 5), ()) for q in queues])
         return [(int(r[0]), -int(r[1])) if r else None for r in replies]
 
     async def peek_async(self, queue: bytes, count: int) -> list[PeekedPacket]:
         """What the next pops of ``queue`` would return, at most ``count`` packets."""
-        (reply,) = await self.call_all([("peek", self.keys(queue)[:4], (count, self.max_pop))])
+        peek = ("peek", self._with_index(queue, 4), (count, self.max_pop))
+        (reply,) = await self.call_all([peek])
         return [(reply[i], reply[i + 1], int(reply[i + 2])) for i in range(0, len(reply), 3)]
 
     async def purge_async(self, queue: bytes) -> int:
         """Remove every packet of ``queue``; returns how many."""
-        (reply,) = await self.call_all([("purge", self.keys(queue)[:5], ())])
+        (reply,) = await self.call_all([("purge", self._with_index(queue, 5), ())])
+        self.note_size(queue, 0)
         self.purged += int(reply)
         return int(reply)
 
@@ -343,10 +411,19 @@ class RedisStore:
 
     def make_leases(self, *, default_ms: int, max_deliveries: int) -> RedisLeases:
         """The broker's lease table for this store."""
-        from pinpriq.redis.leases import RedisLeases
-
-        self.leases = RedisLeases(self, default_ms=default_ms, max_deliveries=max_deliveries)
+        self.leases = RedisLeases(
+            self,
+            default_ms=default_ms,
+            max_deliveries=max_deliveries,
+            release_later=self.release_later,
+        )
         return self.leases
+
+    def release_later(self, leases: list[tuple[bytes, bytes]]) -> None:
+        """Release these leases (``(queue, handle)`` each) of a closed connection now, in
+        ``lease_loop``."""
+        self.closing.extend(leases)
+        self.wake_leases()
 
     def _lease_call(self, name: str, queue: bytes, *args: bytes | int | str) -> _Call:
         """A lease script's call: the queue's keys and its dead-letter queue's (one slot)."""
@@ -356,7 +433,7 @@ class RedisStore:
         assert self.leases is not None
         return (
             name,
-            [*k[:6], k.leases, k.lease_due, k.attempts, *d[:6]],
+            [*k[:6], k.leases, k.lease_due, k.attempts, *d[:6], k.key_index, d.key_index],
             [
                 k.channel,
                 d.channel,
@@ -386,7 +463,9 @@ class RedisStore:
         """Apply lease frames of ``session`` (reserves, acks, releases, touches) in Redis, in
         order, as one pipeline, leaving their answers in ``leases.results[session.holder]`` for
         ``Session.receive``. The driver cuts the frames (``server._lease_segment_end``) so that
-        every ack, release and touch names a lease made before them; a frame the session will
+        every ack, release and touch names a lease made before them or by the one reserve
+        before them in the segment (sent with that reserve's handle: an ack right after its
+        reserve costs no round trip of its own); a frame the session will
         refuse (a reserve on a leased or plainly subscribed connection) runs nothing."""
         leases = self.leases
         assert leases is not None
@@ -396,6 +475,7 @@ class RedisStore:
         calls: list[_Call] = []
         # Per frame: (what, queue, handle or lease, index of its call), or a fixed answer.
         plan: list[tuple[str, Any, Any]] = []
+        reserved: tuple[bytes, bytes] | None = None  # the queue and handle of a reserve here
         for frame in frames:
             kind = frame.__class__
             if kind is Reserve:
@@ -406,6 +486,7 @@ class RedisStore:
                 call, handle = self._reserve_call(reserve.queue, reserve.lease_ms)
                 calls.append(call)
                 plan.append(("reserve", reserve.queue, handle))
+                reserved = (reserve.queue, handle)  # the segment has at most one before acks
                 continue
             if kind is Ack:
                 op, ms = "ack", 0
@@ -417,12 +498,15 @@ class RedisStore:
                 continue  # a leased subscribe: the subscriptions reserve for it
             lease_id = cast(Ack, frame).lease_id  # ack, release and touch: the id comes first
             lease = holder.leases.get(lease_id) if session.authenticated else None
-            if lease is None:
+            if lease is not None:
+                queue, handle = lease.queue, lease.handle  # type: ignore[attr-defined]
+            elif reserved is not None and lease_id == holder.last_id + 1:
+                queue, handle = reserved  # the id the segment's reserve gives, if it finds any
+            else:
                 plan.append(("fixed", False, None))
                 continue
-            handle = lease.handle  # type: ignore[attr-defined]
-            calls.append(self._lease_call("lease_op", lease.queue, op, handle, ms))
-            plan.append(("op", lease.queue, None))
+            calls.append(self._lease_call("lease_op", queue, op, handle, ms))
+            plan.append(("op", queue, None))
         replies = iter(await self.call_all(calls) if calls else [])
         for what, queue, handle in plan:
             if what == "fixed":
@@ -508,9 +592,9 @@ class RedisStore:
     # -- talking to Redis --------------------------------------------------------------------
 
     async def load_scripts(self) -> None:
-        """Load every script into Redis (every node of a Cluster)."""
-        for name, source in _SCRIPTS.items():
-            self._shas[name] = _text(await self.client.script_load(source))
+        """Load the functions library into Redis (every primary of a Cluster). ``REPLACE``:
+        front ends of one layout share the library, the one loaded last (``lua.LAYOUT``)."""
+        await self.client.function_load(lua.LIBRARY, replace=True)
 
     async def call_all(self, calls: Sequence[_Call]) -> list[Any]:
         """Run scripts as one pipeline, in order; retries what Redis could not run yet (it is
@@ -519,7 +603,11 @@ class RedisStore:
         results: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         delay = RETRY_FIRST
+        calls = list(calls)
         while todo:
+            if delay > RETRY_FIRST:  # sent before: it may have run, its reply lost
+                for index in todo:
+                    calls[index] = _retried(calls[index])
             try:
                 replies = await self._pipeline([calls[i] for i in todo])
             except _TRANSIENT as error:
@@ -529,8 +617,8 @@ class RedisStore:
             for index, reply in zip(todo, replies or [None] * len(todo), strict=True):
                 if replies is None:
                     retry.append(index)
-                elif isinstance(reply, NoScriptError):
-                    await self._reload_scripts()
+                elif isinstance(reply, ResponseError) and "Function not found" in str(reply):
+                    await self._reload_scripts()  # a Redis restarted without persistence
                     retry.append(index)
                 elif isinstance(reply, _TRANSIENT):
                     self._trouble(f"Redis cannot run scripts now ({reply}); retrying")
@@ -555,10 +643,9 @@ class RedisStore:
         return results
 
     async def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
-        shas = self._shas
         async with self.client.pipeline(transaction=False, raise_on_error=False) as pipe:
             requests = [
-                pipe.evalsha(shas[name], keys=keys, args=args) for name, keys, args in calls
+                pipe.fcall(_FUNCTIONS[name], keys=keys, args=args) for name, keys, args in calls
             ]
         replies = []
         for request in requests:
@@ -607,7 +694,8 @@ class RedisStore:
                     del self._sweep_at[queue]
                     due.append(queue)
             if due:
-                replies = await self.call_all([("sweep", self.keys(q)[:5], ()) for q in due])
+                sweeps: list[_Call] = [("sweep", self._with_index(q, 5), ()) for q in due]
+                replies = await self.call_all(sweeps)
                 self.expired += sum(int(r) for r in replies)
 
     async def sync_clock(self) -> None:
@@ -625,6 +713,7 @@ class RedisStore:
         died): the scan is the backstop of the timers."""
         while True:
             try:
+                await self.confirm_results()
                 await self.refresh_snapshot()
             except _TRANSIENT as error:
                 self._trouble(f"Redis is unreachable ({error}); retrying")
@@ -654,8 +743,28 @@ class RedisStore:
                     if deadline <= redis_now:
                         self.schedule_sweep(name, deadline * 1000)
         self._snapshot = _Snapshot(sizes, expiry, trio.current_time())
+        await self._read_memory()
         if self.leases is not None:
             await self._find_lease_deadlines()
+
+    async def _read_memory(self) -> None:
+        """Redis's memory use and cap (``INFO memory``), summed over a Cluster's primaries;
+        no cap if any of them has none."""
+        used, cap = 0, 0.0
+        for info in await self.info_of_nodes("memory"):
+            used += int(info["used_memory"])
+            cap += int(info["maxmemory"]) or math.inf
+        self.bytes_held, self.memory_cap = used, cap
+
+    async def info_of_nodes(self, section: str) -> list[dict[str, Any]]:
+        """``INFO section`` of Redis, or of each primary of a Cluster."""
+        if not self.cluster:
+            return [await self.client.info(section)]
+        infos = []
+        for node in self.client.primaries:
+            async with node:
+                infos.append(await node.info(section))
+        return infos
 
     async def _find_lease_deadlines(self) -> None:
         """Time a sweep for the next lease deadline of every queue with leases, whichever front
@@ -675,8 +784,12 @@ class RedisStore:
                 self.schedule_lease_sweep(name, float(head[0][1]))
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _retried(call: _Call) -> _Call:
+    """A call sent again: a pop then answers with what it took the first time, if it ran."""
+    name, keys, args = call
+    if name != "pop":
+        return call
+    return name, keys, [*args[:4], 1, *args[5:]]
 
 
 def redis_client(*args: Any, **kwargs: Any) -> Any:

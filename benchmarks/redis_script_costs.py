@@ -1,0 +1,187 @@
+"""What the Redis store's scripts cost inside Redis: each ``redis.call`` they make, and each
+script per packet, against plain ZADD / ZPOPMIN on the same Redis.
+
+Redis's own time (``INFO commandstats``: usec per call) is the figure a shared 2-core machine
+moves least: it counts the time Redis spent running a command, not the time the load
+generator or a front end took. Starts a fresh ``redis-server`` (noeviction, no persistence) on
+a free loopback port. Prints medians over ``--rounds`` rounds.
+
+    python benchmarks/redis_script_costs.py [--rounds 5] [--calls] [--scripts]
+
+``--calls``: one EVAL loops 100,000 times over one ``redis.call`` on a queue of 1,000 packets;
+Redis's CPU time for it less an empty loop's, per iteration, is that call's cost. ``--scripts``:
+redis-benchmark (pipeline 64, 4 connections) sends the push and pop scripts with one packet a
+call (P1) and with 64 a call (P64: one push of 64 packets, one call of 64 pops), and plain
+ZADD / ZPOPMIN; usec per call over packets per call is the cost per packet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.compare_redis_store import (  # noqa: E402
+    redis_benchmark,
+    redis_cli,
+    redis_server,
+)
+from pinpriq.redis import lua  # noqa: E402
+from pinpriq.redis.keys import queue_keys  # noqa: E402
+
+LOOP = 100_000
+QUEUE = b"bench"
+KEYS = [k.decode() for k in queue_keys(QUEUE)]
+
+
+def load(port: int) -> None:
+    """The store's functions library, as a front end loads it."""
+    redis_cli(port, "FUNCTION", "LOAD", "REPLACE", lua.LIBRARY)
+
+
+def push_call(packets: list[tuple[str, str, int, int]]) -> list[str]:
+    """An FCALL of the push function: (key, payload, ttl ms, prio) a packet."""
+    fields = [str(f) for packet in packets for f in packet]
+    keys = [*KEYS[:6], *optional("key_index")]
+    return ["FCALL", lua.function_name("push"), str(len(keys)), *keys, KEYS[6], *fields]
+
+
+def pop_call(pops: int) -> list[str]:
+    """An FCALL of the pop function, ``pops`` pops (as a front end's call for a batch)."""
+    keys = [*KEYS[:5], *optional("results"), *optional("key_index")]
+    call_id = ["bench:1", "0"] if optional("results") else []
+    args = ["65535", str(pops), "0", *call_id]
+    return ["FCALL", lua.function_name("pop"), str(len(keys)), *keys, *args]
+
+
+def optional(field: str) -> list[str]:
+    """A key the functions of this checkout take (layouts differ; the harness measures any)."""
+    key = getattr(queue_keys(QUEUE), field, None)
+    return [key.decode()] if key is not None else []
+
+
+def commandstats(port: int) -> dict[str, tuple[int, float]]:
+    """Command -> (calls, usec per call), from ``INFO commandstats``."""
+    stats: dict[str, tuple[int, float]] = {}
+    for line in redis_cli(port, "INFO", "commandstats").splitlines():
+        if not line.startswith("cmdstat_"):
+            continue
+        name, _, fields = line[len("cmdstat_") :].partition(":")
+        values = dict(item.split("=") for item in fields.split(","))
+        stats[name] = (int(values["calls"]), float(values["usec_per_call"]))
+    return stats
+
+
+def fill(port: int, packets: int) -> None:
+    """``packets`` packets in the bench queue, unique keys, prio 1..255, no TTL."""
+    load(port)
+    redis_cli(port, *push_call([(f"k{i}", "p" * 16, 0, 1 + i % 255) for i in range(packets)]))
+
+
+#: One ``redis.call`` each, as the scripts make them (KEYS[1] the queue's hash, KEYS[2] its
+#: selection set, KEYS[3] a string, KEYS[4] a missing key).
+CALLS = {
+    "TIME": "redis.call('TIME')",
+    "EXISTS (missing key)": "redis.call('EXISTS', KEYS[4])",
+    "GET (string)": "redis.call('GET', KEYS[3])",
+    "SET (string)": "redis.call('SET', KEYS[3], '0000001234567890')",
+    "HGET (hash of 1,000)": "redis.call('HGET', KEYS[1], 'nope')",
+    "HSET+HDEL (hash of 1,000)": "redis.call('HSET', KEYS[1], 'x', 'y') "
+    "redis.call('HDEL', KEYS[1], 'x')",
+    "ZRANGE -1 -1 (zset of 1,000)": "redis.call('ZRANGE', KEYS[2], -1, -1)",
+    "ZCARD": "redis.call('ZCARD', KEYS[2])",
+    "ZADD+ZREM (zset of 1,000)": "redis.call('ZADD', KEYS[2], -300, 'x') "
+    "redis.call('ZREM', KEYS[2], 'x')",
+    "ZRANGEBYSCORE empty (missing zset)": "redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', 5)",
+    "struct.pack + string ops (no call)": "local s = struct.pack('>H', 5) .. 'key' .. 'payload'",
+}
+
+
+def call_costs(port: int) -> dict[str, float]:
+    """Usec per iteration of each ``CALLS`` entry, less an empty loop's."""
+    keys = [KEYS[0], KEYS[1], "pq:{qbench}:str", "pq:{qbench}:none"]
+    redis_cli(port, "SET", keys[2], "1")
+
+    def loop(body: str) -> float:
+        script = f"for i = 1, {LOOP} do {body} end"
+        cpu = cpu_seconds(port)
+        redis_cli(port, "EVAL", script, "4", *keys)
+        return (cpu_seconds(port) - cpu) * 1e6 / LOOP
+
+    empty = loop("")
+    return {name: loop(body) - empty for name, body in CALLS.items()}
+
+
+def cpu_seconds(port: int) -> float:
+    """The CPU time redis-server has used (user + system), from /proc."""
+    pid = redis_cli(port, "INFO", "server").split("process_id:")[1].split()[0]
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+
+
+def measure(port: int, result: dict[str, float], label: str, per_call: int, calls: int,
+            command: list[str]) -> None:  # fmt: skip
+    """redis-benchmark ``calls`` times ``command`` (``per_call`` packets each): Redis's usec
+    per packet by ``INFO commandstats`` (wall time inside the command), and its CPU time per
+    packet (all its work, reading and replying included; not stretched when the machine's
+    other processes take the CPU from it mid-command, which commandstats is)."""
+    redis_cli(port, "CONFIG", "RESETSTAT")
+    cpu = cpu_seconds(port)
+    redis_benchmark(port, calls, *command)
+    cpu = cpu_seconds(port) - cpu
+    packets = calls * per_call
+    result[f"{label} (commandstats)"] = commandstats(port)[command[0].lower()][1] / per_call
+    result[f"{label} (CPU)"] = cpu * 1e6 / packets
+
+
+def script_costs(port: int, n: int) -> dict[str, float]:
+    """Redis's usec per packet: the push and pop scripts at one and at 64 packets a call, and
+    ZADD / ZPOPMIN."""
+    result: dict[str, float] = {}
+    for per_call in (1, 64):
+        label = f"P{per_call}"
+        redis_cli(port, "FLUSHALL")
+        packet = ("k__rand_int__", "p" * 16, 0, 7)  # each __rand_int__ is drawn anew
+        load(port)
+        push, pop = push_call([packet] * per_call), pop_call(per_call)
+        measure(port, result, f"push {label}", per_call, n // per_call, push)
+        measure(port, result, f"pop {label}", per_call, n // per_call, pop)
+    measure(port, result, "ZADD", 1, n, ["ZADD", "plain", "__rand_int__", "k__rand_int__"])
+    measure(port, result, "ZPOPMIN", 1, n, ["ZPOPMIN", "plain"])
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("-n", type=int, default=64_000, help="packets a script measurement")
+    parser.add_argument("--calls", action="store_true", help="only the per-call costs")
+    parser.add_argument("--scripts", action="store_true", help="only the per-script costs")
+    args = parser.parse_args(argv)
+    both = not (args.calls or args.scripts)
+    rounds: list[dict[str, float]] = []
+    for _ in range(args.rounds):
+        with redis_server() as port:
+            figures: dict[str, float] = {}
+            if args.calls or both:
+                fill(port, 1000)
+                figures.update(call_costs(port))
+            if args.scripts or both:
+                figures.update(script_costs(port, args.n))
+            rounds.append(figures)
+    print(f"Redis's own usec, medians of {args.rounds} rounds:")
+    for name in rounds[0]:
+        values = [r[name] for r in rounds]
+        low, high = min(values), max(values)
+        print(f"  {name:40s} {statistics.median(values):8.2f}  ({low:.2f}-{high:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
