@@ -251,6 +251,53 @@ def test_segments_are_deleted_oldest_first_and_only_when_dead(
     store.close()
 
 
+def test_compaction_catches_up_with_a_backlog_while_fsyncs_lag_behind_the_writes(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A backlog of segments, each pinned by a packet nobody pops (a queue that filled up,
+    then drained), on a loaded machine where an fsync takes as long as several batches: the
+    keeper gets its turn every 4th batch. A compacted segment may go only once its copies are
+    on disk, so a compactor that waits for that before reading the next segment compacts one
+    segment per fsync, fewer than the churn adds, and the log grows for ever (from 21 segments
+    to 39 here). Reading on into the next segment meanwhile brings it back to a few."""
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    journal = store.journal
+    batches = 0
+
+    def batch() -> None:  # the server's flush; the keeper catches up every 4th batch
+        nonlocal batches
+        store.flush()
+        batches += 1
+        if batches % 4 == 0:
+            settle(journal)
+
+    for round_ in range(20):  # live data fills about 20 segments: compaction is not due
+        store.push(b"keep", b"%d" % round_, b"x" * 100, 0, 255)
+        for i in range(30):
+            store.push(b"fill", b"%d-%d" % (round_, i), bytes(2000), 0, 1)
+        batch()
+    assert len(drain(store, b"fill")) == 600  # now each segment holds one live packet
+    batch()
+    backlog = len(journal.segments)
+    for _ in range(40):  # churn: about a segment every round, two batches a round
+        for i in range(30):
+            store.push(b"q", b"%d" % i, bytes(2000), 0, 1)
+        batch()
+        assert len(drain(store, b"q")) == 30
+        batch()
+    settle(journal)
+    store.check_invariants()
+    assert backlog >= 18
+    assert len(journal.segments) <= 5, (
+        f"{len(journal.segments)} segments after 40 rounds of churn, from a backlog of "
+        f"{backlog}: compaction did not keep up"
+    )
+    store.close()
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    assert len(drain(store, b"keep")) == 20
+    store.close()
+
+
 @pytest.mark.parametrize("policy", list(FsyncPolicy))
 def test_released_means_written_and_under_always_synced(
     tmp_path: Path, clock: FakeClock, policy: FsyncPolicy

@@ -7,7 +7,8 @@ a worker) would pin itself and every later segment, as one unacked message pins 
 quorum queue's segments. So once the log's dead bytes exceed its live bytes, the compactor
 reads the oldest segment and writes each of its live packets again, as a
 copy entry, into the block being sealed; when it has read the whole segment, nothing live is
-left in it and the journal deletes it (once the copies are on disk).
+left in it and the journal deletes it once the copies are on disk (it asks the keeper for that
+fsync at once), while the compactor reads on into the next segment.
 
 While the disk is full, compaction waits: its copies would use up the reserved segment that
 pops' remove entries need, and those pops free whole segments as they empty them.
@@ -64,6 +65,7 @@ class Compactor:
         self._segment: Segment | None = None  # being read
         self._fd: int | None = None
         self._offset = 0  # of the next block to read in it
+        self._read_through = 0  # the number of the last segment read to its end
         #: Packets copied forward since the server started.
         self.copied = 0
 
@@ -78,24 +80,39 @@ class Compactor:
         return used - live > live
 
     def step(self, sealed: int) -> None:
-        """Read the next slice of the oldest segment, copying its live packets into the block
-        being sealed (``sealed`` bytes so far), if compaction is due or under way."""
-        journal = self._journal
-        if journal.disk_full:
+        """Read the next slice of the segment under way, copying its live packets into the
+        block being sealed (``sealed`` bytes so far), if compaction is due or under way."""
+        if self._journal.disk_full:
             return  # copies would eat the reserve the pops' removals need; pops free space
-        oldest = journal.segments[0]
-        if self._segment is not oldest:
-            self.close()
-            if oldest is journal.active or oldest is journal.rotating or not self.due():
+        segment = self._segment
+        if segment is None:
+            segment = self._next_segment()
+            if segment is None:
                 return
-            self._open(oldest)
+            self._open(segment)
         budget = max(MIN_STEP, STEP_FACTOR * sealed)
-        while budget > 0 and self._offset < oldest.end:
-            data = self._read_block(oldest)
+        while budget > 0 and self._offset < segment.end:
+            data = self._read_block(segment)
             budget -= len(data)
-            self._copy_live(oldest, data)
-        if self._offset >= oldest.end:
-            self.close()  # the journal deletes it once its copies are on disk
+            self._copy_live(segment, data)
+        if self._offset >= segment.end:
+            # The journal deletes it once its copies are on disk; meanwhile read on into the
+            # next one, so compaction is not held to one segment per fsync.
+            self._read_through = segment.number
+            self.close()
+
+    def _next_segment(self) -> Segment | None:
+        """The oldest segment not read through yet, if compaction is due and the segment is
+        no longer written to."""
+        journal = self._journal
+        for segment in journal.segments:
+            if segment.number > self._read_through:
+                break
+        else:
+            return None
+        if segment is journal.active or segment is journal.rotating or not self.due():
+            return None
+        return segment
 
     def _open(self, segment: Segment) -> None:
         self._segment = segment

@@ -514,7 +514,10 @@ class Journal:
         segments = self.segments
         while len(segments) > 1:
             oldest = segments[0]
-            if oldest.live or oldest is self.rotating or self.synced_pos < oldest.copies_at:
+            if oldest.live or oldest is self.rotating:
+                return
+            if self.synced_pos < oldest.copies_at:
+                self.wake()  # its copies must be on disk before it goes: fsync them now
                 return
             assert oldest.live == 0, f"{oldest.path}: {oldest.live} live packets"
             if self.compactor is not None:
