@@ -5,6 +5,7 @@ deletion."""
 
 from __future__ import annotations
 
+import ast
 import random
 import shutil
 import tempfile
@@ -15,6 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from pinpriq import persistence
 from pinpriq.persistence.journal import MIN_SEGMENT_SIZE, FsyncPolicy
 from pinpriq.store import QueuedPacket, QueueStore
 from tests.logtools import FakeClock, commit, open_store, settle
@@ -460,3 +462,21 @@ def test_disk_use_stays_within_twice_the_live_data_plus_four_segments(
     assert store.journal.stats().segments_deleted > 50
     store.check_invariants()
     store.close()
+
+
+def test_the_log_modules_import_one_way() -> None:
+    """Each module of ``pinpriq/persistence`` imports only those listed before it in the
+    package's docstring, type-checking imports included (compaction once imported journal
+    for a type while journal imported compaction)."""
+    package = Path(persistence.__file__).parent
+    order = ["records", "segments", "recovery", "compaction", "journal", "keeper", "store"]
+    for index, name in enumerate(order):
+        tree = ast.parse((package / f"{name}.py").read_text())
+        imported = {
+            node.module.removeprefix("pinpriq.persistence.")
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            and node.module is not None
+            and node.module.startswith("pinpriq.persistence.")
+        }
+        assert imported <= set(order[:index]), f"{name} imports {imported - set(order[:index])}"

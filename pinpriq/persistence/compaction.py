@@ -18,14 +18,15 @@ the bytes the seal itself adds, and at least ``MIN_STEP``), so compaction's cost
 the writes that make it necessary, and the log cannot outgrow it.
 
 What this module must not know: the store (it asks ``Locate`` whether a packet lives, and
-where), trio.
+where), the journal's class (it is handed a ``CompactedLog``, which ``journal.Journal`` is: the
+journal owns its compactor, so imports go one way), trio.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pinpriq.persistence.records import (
     BLOCK_HEADER,
@@ -36,10 +37,7 @@ from pinpriq.persistence.records import (
 )
 from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, Segment
 
-if TYPE_CHECKING:
-    from pinpriq.persistence.journal import Journal
-
-__all__ = ["MIN_STEP", "STEP_FACTOR", "Compactor", "Locate"]
+__all__ = ["MIN_STEP", "STEP_FACTOR", "CompactedLog", "Compactor", "Locate"]
 
 #: ``locate(queue, key, seq)``: the queue a packet lives in now if it is live, else ``None``
 #: (``queue`` is the one its latest entry names: a moved packet's latest entry is the copy a
@@ -56,10 +54,33 @@ STEP_FACTOR = 4
 _PUSH, _COPY = int(Kind.PUSH), int(Kind.COPY)
 
 
+class CompactedLog(Protocol):
+    """What the compactor reads and calls of the log it compacts (``journal.Journal``)."""
+
+    disk_full: bool
+    #: Segments holding blocks, oldest first; the last is the active one.
+    segments: list[Segment]
+    #: The previous active segment while it is fsynced after a rotation, else ``None``.
+    rotating: Segment | None
+    segment_size: int
+    used_bytes: int
+
+    @property
+    def active(self) -> Segment: ...
+
+    def live_bytes(self) -> float: ...
+
+    def where(self, seq: int) -> Segment: ...
+
+    def add_copy(
+        self, seq: int, deadline_ms: int, prio: int, queue: bytes, key: bytes, payload: bytes
+    ) -> None: ...
+
+
 class Compactor:
     """Reads the oldest segment a slice at a time and copies its live packets forward."""
 
-    def __init__(self, journal: Journal, locate: Locate) -> None:
+    def __init__(self, journal: CompactedLog, locate: Locate) -> None:
         self._journal = journal
         self._locate = locate
         self._segment: Segment | None = None  # being read
