@@ -5,6 +5,7 @@ group commit, fsyncs off the event loop, the disk-full reserve, and the recoveri
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -458,3 +459,21 @@ async def test_always_fsyncs_inline_on_a_fast_disk_and_in_a_thread_after_a_slow_
     assert timed.inline[: 2 * runs + 3] == (thread * runs + inline * 2 + thread * runs + inline), (
         "inline after the fast ones, back to the thread after the slow one, inline again"
     )
+
+
+async def test_the_garbage_collector_pauses_while_the_log_is_read(
+    running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recovery's millions of long-lived objects are no work for the cyclic collector: it is
+    paused while the log is read, and runs again after (the recovered packets frozen)."""
+    collecting: list[bool] = []
+    real_recover = LoggedStore.recover
+
+    def recover(self: LoggedStore, now: float, now_ms: int) -> None:
+        collecting.append(gc.isenabled())
+        real_recover(self, now, now_ms)
+
+    monkeypatch.setattr(LoggedStore, "recover", recover)
+    await running.start()
+    assert collecting == [False]
+    assert gc.isenabled()
