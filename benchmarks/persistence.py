@@ -81,13 +81,19 @@ class Server:
         return self.log.read_text(errors="replace")
 
     def stop(self) -> str:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            raise
+        terminate(self.process)
         return self.text()
+
+
+def terminate(process: subprocess.Popen[bytes]) -> None:
+    """Stop a server with SIGTERM (it writes and fsyncs what it holds), killing it if it takes
+    longer than ten minutes."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
 
 
 @contextmanager
@@ -145,12 +151,7 @@ class RedisServer:
         raise SystemExit("redis-server did not listen within 60 s")
 
     def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            raise
+        terminate(self.process)
 
 
 def measure(mode: str, scenario: str, pipeline: int, ops: int, base: Path | None) -> dict[str, Any]:

@@ -480,3 +480,46 @@ def test_the_log_modules_import_one_way() -> None:
             and node.module.startswith("pinpriq.persistence.")
         }
         assert imported <= set(order[:index]), f"{name} imports {imported - set(order[:index])}"
+
+
+def test_recovered_packets_keep_their_ages(tmp_path: Path, clock: FakeClock) -> None:
+    """Ages come from the blocks' base_ms, to within a second (the running store's notes are
+    about a second apart too), and are never younger than the packets are."""
+    store = open_store(tmp_path, clock)
+    store.push(b"q", b"old", b"", 0, 1)
+    commit(store)
+    clock.now += 30
+    store.push(b"r", b"new", b"", 0, 1)
+    commit(store)
+    store.close()
+    clock.now += 5  # the server was down
+    store = open_store(tmp_path, clock)
+    old_age, new_age = store.queue_info(b"q").oldest_age, store.queue_info(b"r").oldest_age
+    assert old_age is not None
+    assert new_age is not None
+    assert 35 <= old_age < 36
+    assert 5 <= new_age < 6
+    store.close()
+
+
+def test_packets_keep_their_ages_through_compaction(tmp_path: Path, clock: FakeClock) -> None:
+    """A packet copied forward, its push's segment deleted: its copy entry carries its push
+    time, so after a restart its age is still known."""
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    store.push(b"keep", b"pinned", b"x", 0, 255)
+    commit(store)
+    for _ in range(40):  # segments of churn: the pinned packet is copied forward
+        clock.now += 1
+        for i in range(30):
+            store.push(b"q", b"%d" % i, bytes(2000), 0, 1)
+        commit(store)
+        assert len(drain(store, b"q")) == 30
+        commit(store)
+    assert store.journal.stats().copied >= 1
+    assert not (tmp_path / "0000000000000001.log").exists()
+    store.close()
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    age = store.queue_info(b"keep").oldest_age
+    assert age is not None
+    assert 40 <= age < 41
+    store.close()

@@ -73,7 +73,14 @@ class CompactedLog(Protocol):
     def where(self, seq: int) -> Segment: ...
 
     def add_copy(
-        self, seq: int, deadline_ms: int, prio: int, queue: bytes, key: bytes, payload: bytes
+        self,
+        seq: int,
+        deadline_ms: int,
+        pushed_ms: int,
+        prio: int,
+        queue: bytes,
+        key: bytes,
+        payload: bytes,
     ) -> None: ...
 
 
@@ -169,14 +176,14 @@ class Compactor:
         if block is None:
             raise LogFormatError(f"{segment.path}: no block where one was written")
         journal, locate = self._journal, self._locate
-        for entry in decode_entries(data, block):
+        for entry in decode_entries(data, block, old_copies=segment.version == 1):
             kind = entry[0]
             if kind != _PUSH and kind != _COPY:
                 continue
-            _, seq, deadline_ms, prio, queue, key, payload = entry
+            _, seq, deadline_ms, prio, queue, key, payload, pushed_ms = entry
             if journal.where(seq) is not segment:
                 continue  # copied forward already, or removed
             current = locate(queue, key, seq)
             if current is not None:
-                journal.add_copy(seq, deadline_ms, prio, current, key, payload)
+                journal.add_copy(seq, deadline_ms, pushed_ms, prio, current, key, payload)
                 self.copied += 1

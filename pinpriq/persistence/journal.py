@@ -47,13 +47,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from pinpriq.persistence.compaction import Compactor
-from pinpriq.persistence.records import (
-    COPY_HEADER,
-    Kind,
-    encode_block,
-)
+from pinpriq.persistence.records import encode_block, encode_copy
 from pinpriq.persistence.recovery import Scan
 from pinpriq.persistence.segments import (
+    FORMAT_VERSION,
     SEGMENT_HEADER_SIZE,
     DataDir,
     Segment,
@@ -74,7 +71,6 @@ log = logging.getLogger("pinpriq.persistence")
 DEFAULT_SEGMENT_SIZE = 32 * 1024 * 1024
 #: Smallest segment size allowed: tests use small segments to exercise rotation and deletion.
 MIN_SEGMENT_SIZE = 64 * 1024
-_COPY = int(Kind.COPY)
 
 
 class FsyncPolicy(enum.Enum):
@@ -223,10 +219,11 @@ class Journal:
         self._sealed_seq = self._written_seq = scan.last_seq
         numbers = [s.number for s in scan.segments] + [s.number for s in scan.spares]
         self._next_number = max(numbers, default=0) + 1
-        spares = list(scan.spares)
-        for extra in spares[1:]:
+        # One spare is kept, of this format: blocks are never appended to an older one.
+        spares = [spare for spare in scan.spares if spare.version == FORMAT_VERSION]
+        for extra in [spare for spare in scan.spares if spare not in spares[:1]]:
             extra.path.unlink()
-        if self.segments:
+        if self.segments and self.segments[-1].version == FORMAT_VERSION:
             self._reopen(self.segments[-1])
             if spares:
                 self._take_spare(spares[0])
@@ -274,18 +271,20 @@ class Journal:
     # -- the open block -------------------------------------------------------------------
 
     def add_copy(
-        self, seq: int, deadline_ms: int, prio: int, queue: bytes, key: bytes, payload: bytes
+        self,
+        seq: int,
+        deadline_ms: int,
+        pushed_ms: int,
+        prio: int,
+        queue: bytes,
+        key: bytes,
+        payload: bytes,
     ) -> None:
         """Write a live packet again into the open block, whole, with the queue it lives in
-        now: compaction's copies, and moves to another queue (its seq, so its place in push
-        order, kept). Its latest entry is then in the active segment."""
-        copies = self._copies
-        copies += COPY_HEADER.pack(
-            _COPY, seq, deadline_ms, prio, len(queue), len(key), len(payload)
-        )
-        copies += queue
-        copies += key
-        copies += payload
+        now and the wall-clock time of its push (0: unknown): compaction's copies, and moves
+        to another queue (its seq, so its place in push order, kept). Its latest entry is then
+        in the active segment."""
+        self._copies += encode_copy(seq, deadline_ms, pushed_ms, prio, queue, key, payload)
         self._copied.append(seq)
 
     def seal(self, seq: int, base_ms: int) -> None:

@@ -20,10 +20,13 @@ Entries, each starting with its kind byte:
 
 * push ``70`` · u16 ttl_ms · u8 prio · u16 queue_len · u16 key_len · u16 payload_len · queue ·
   key · payload. TTL 0: never expires.
-* copy ``63`` · u64 seq · u64 deadline_ms (0: never) · u8 prio · u16 queue_len · u16 key_len ·
-  u16 payload_len · queue · key · payload: a live packet written again, whole, by compaction
-  (its old segment can then go), or by a move to another queue (a dead-letter move: seq, and
-  so its place in push order, prio and deadline kept), written with the queue it is in now.
+* copy ``63`` · u64 seq · u64 deadline_ms (0: never) · u64 pushed_ms (0: unknown) · u8 prio ·
+  u16 queue_len · u16 key_len · u16 payload_len · queue · key · payload: a live packet written
+  again, whole, by compaction (its old segment can then go), or by a move to another queue (a
+  dead-letter move: seq, and so its place in push order, prio and deadline kept), written
+  with the queue it is in now. ``pushed_ms`` is the wall-clock time at or before its push, so
+  a packet keeps its age once the block it was pushed in is gone. Format 1 (read, never
+  written) had no ``pushed_ms``: ``decode_entries(..., old_copies=True)``.
 * remove ``72`` · u64 seq: the packet left for good (pop, delivery, expiry, purge, ack).
 
 Replaying entries in log order rebuilds the live packets: a push or copy files the packet
@@ -46,6 +49,7 @@ __all__ = [
     "BLOCK_MAGIC",
     "BODY_HEADER",
     "COPY_HEADER",
+    "COPY_HEADER_1",
     "PUSH_HEADER",
     "REMOVE",
     "Block",
@@ -74,11 +78,15 @@ BLOCK_MAGIC: Final = b"PQLB"
 BLOCK_HEADER = struct.Struct(">4sII")  # magic, body length, CRC-32
 BODY_HEADER = struct.Struct(">QQ")  # seq_base, base_ms
 PUSH_HEADER = struct.Struct(">BHBHHH")  # kind, ttl_ms, prio, queue_len, key_len, payload_len
-COPY_HEADER = struct.Struct(">BQQBHHH")  # kind, seq, deadline_ms, prio, queue/key/payload lens
+#: kind, seq, deadline_ms, pushed_ms, prio, queue/key/payload lens
+COPY_HEADER = struct.Struct(">BQQQBHHH")
+#: The copy entry of log format 1: no pushed_ms.
+COPY_HEADER_1 = struct.Struct(">BQQBHHH")
 REMOVE = struct.Struct(">BQ")  # kind, seq
 _LENGTH = struct.Struct(">I")
 _PUSH_SIZE: Final = PUSH_HEADER.size
 _COPY_SIZE: Final = COPY_HEADER.size
+_COPY_1_SIZE: Final = COPY_HEADER_1.size
 _REMOVE_SIZE: Final = REMOVE.size
 
 
@@ -96,8 +104,9 @@ class Block(NamedTuple):
 
 
 #: A decoded entry, one plain tuple per kind (the replay loop reads millions of them):
-#: ``(PUSH or COPY, seq, deadline_ms, prio, queue, key, payload)`` or ``(REMOVE, seq)``. A
-#: push's deadline is already made absolute; 0 means never.
+#: ``(PUSH or COPY, seq, deadline_ms, prio, queue, key, payload, pushed_ms)`` or
+#: ``(REMOVE, seq)``. A push's deadline is already made absolute (0 means never), and its
+#: ``pushed_ms`` is its block's ``base_ms``; a copy's is its own (0: unknown).
 Entry = tuple[Any, ...]
 
 # The kinds as plain ints, for the loops that compare every entry's first byte.
@@ -111,9 +120,17 @@ def encode_push(queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int
 
 
 def encode_copy(
-    seq: int, deadline_ms: int, prio: int, queue: bytes, key: bytes, payload: bytes
+    seq: int,
+    deadline_ms: int,
+    pushed_ms: int,
+    prio: int,
+    queue: bytes,
+    key: bytes,
+    payload: bytes,
 ) -> bytes:
-    header = COPY_HEADER.pack(Kind.COPY, seq, deadline_ms, prio, len(queue), len(key), len(payload))
+    header = COPY_HEADER.pack(
+        Kind.COPY, seq, deadline_ms, pushed_ms, prio, len(queue), len(key), len(payload)
+    )
     return b"".join((header, queue, key, payload))
 
 
@@ -171,10 +188,11 @@ def zeros_from(data: bytes, offset: int) -> bool:
     return True
 
 
-def decode_entries(data: bytes, block: Block) -> list[Entry]:
-    """The entries of a block of ``data``, in order, each as an ``Entry`` tuple. Raises
-    ``LogFormatError`` at an entry that is cut short or of an unknown kind (only a writer bug
-    or a newer format makes one: the block's checksum was right).
+def decode_entries(data: bytes, block: Block, *, old_copies: bool = False) -> list[Entry]:
+    """The entries of a block of ``data``, in order, each as an ``Entry`` tuple (copies laid
+    out as log format 1 wrote them with ``old_copies``). Raises ``LogFormatError`` at an entry
+    that is cut short or of an unknown kind (only a writer bug or a newer format makes one: the
+    block's checksum was right).
 
     One tight loop over the bytes, since recovery decodes every entry of the log. The fields
     are read byte by byte rather than with ``struct``: this module is compiled (mypyc), where
@@ -201,16 +219,20 @@ def decode_entries(data: bytes, block: Block) -> list[Entry]:
             seq += 1
             number = seq
             deadline_ms = base_ms + ttl_ms if ttl_ms else 0
+            pushed_ms = base_ms
         elif kind == _COPY:
-            if end - pos < _COPY_SIZE:
+            size = _COPY_1_SIZE if old_copies else _COPY_SIZE
+            if end - pos < size:
                 raise LogFormatError("a copy entry cut short")
             number = _u64(data, pos + 1)
             deadline_ms = _u64(data, pos + 9)
-            prio = data[pos + 17]
-            queue_len = data[pos + 18] << 8 | data[pos + 19]
-            key_len = data[pos + 20] << 8 | data[pos + 21]
-            payload_len = data[pos + 22] << 8 | data[pos + 23]
-            pos += _COPY_SIZE
+            lengths = pos + size - 6  # prio before them, pushed_ms before it (format 2)
+            pushed_ms = 0 if old_copies else _u64(data, pos + 17)
+            prio = data[lengths - 1]
+            queue_len = data[lengths] << 8 | data[lengths + 1]
+            key_len = data[lengths + 2] << 8 | data[lengths + 3]
+            payload_len = data[lengths + 4] << 8 | data[lengths + 5]
+            pos += size
         elif kind == _REMOVE:
             if end - pos < _REMOVE_SIZE:
                 raise LogFormatError("a remove entry cut short")
@@ -233,6 +255,7 @@ def decode_entries(data: bytes, block: Block) -> list[Entry]:
                 data[pos:key_at],
                 data[key_at:payload_at],
                 data[payload_at:stop],
+                pushed_ms,
             )
         )
         pos = stop
