@@ -23,6 +23,7 @@ COMPILED = [
     "pinpriq/store.py",
     "pinpriq/subscriptions.py",
     "pinpriq/broker.py",
+    "pinpriq/persistence/records.py",
 ]
 PURE_VARIABLE = "PINPRIQ_PURE_PYTHON"
 

@@ -1,7 +1,8 @@
 """The log's costs (issue 12): throughput with ``--data-dir`` against memory only, recovery time,
 and disk use under churn. Figures are printed; nothing is asserted.
 
-    python benchmarks/persistence.py throughput   # push and pop -P 64, 4 connections: memory,
+    python benchmarks/persistence.py throughput   # push and pop, -P 64 and -P 1, 4 connections:
+                                                  # memory, everysec, always, and Redis with AOF
                                                   # everysec and always, 5 interleaved rounds
     python benchmarks/persistence.py recovery     # 1,000,000 packets (8 B keys, 16 B payloads)
     python benchmarks/persistence.py disk         # 10 GB of 1 KiB payloads through a queue that
@@ -9,10 +10,12 @@ and disk use under churn. Figures are printed; nothing is asserted.
 
 ``throughput`` starts a fresh server for every measurement (a fresh data directory with the
 log), drives it with ``pinpriq-bench`` as ``compare_redis.py`` does, and takes each round's
-ratio to the memory-only server measured in the same round, then the median over rounds. For
-``always`` it reports the fsyncs the server made (from the line it logs when it closes its
-log): per second of the run, and operations per fsync. The pop scenario's figures include its
-prefill, which pushes as many packets as it pops.
+ratio to the memory-only server measured in the same round, and of each policy to Redis with
+the same AOF policy (``redis-server --appendonly yes --appendfsync everysec|always``, its AOF
+in a fresh directory on the same disk, driven by ``pinpriq-bench --redis``: ZADD and ZPOPMIN),
+then the median over rounds. For ``always`` it reports the fsyncs the server made (from the
+line it logs when it closes its log): per second of the run, and operations per fsync. The pop
+scenario's figures include its prefill, which pushes as many packets as it pops.
 
 ``disk`` keeps one queue at a fixed depth (pushes and pops alternating, 64 of each per round
 trip, priorities 1..255, so some packets stay queued a long time and pin old segments) and
@@ -50,8 +53,7 @@ RECOVERED = re.compile(r"recovered (\d+) packets .* in ([\d.]+) s")
 CLOSED = re.compile(
     r"log closed: (\d+) blocks \((\d+) bytes\) written, (\d+) fsyncs taking ([\d.]+) s"
 )
-WORKLOAD = ["-c", "4", "-P", "64", "--key-size", "8", "--payload-size", "16"]
-WORKLOAD += ["--prio-levels", "255"]
+WORKLOAD = ["-c", "4", "--key-size", "8", "--payload-size", "16", "--prio-levels", "255"]
 
 
 class Server:
@@ -79,13 +81,19 @@ class Server:
         return self.log.read_text(errors="replace")
 
     def stop(self) -> str:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            raise
+        terminate(self.process)
         return self.text()
+
+
+def terminate(process: subprocess.Popen[bytes]) -> None:
+    """Stop a server with SIGTERM (it writes and fsyncs what it holds), killing it if it takes
+    longer than ten minutes."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
 
 
 @contextmanager
@@ -112,15 +120,52 @@ MODES = {
     "memory": [],
     "everysec": ["--fsync", "everysec"],
     "always": ["--fsync", "always"],
+    "redis-everysec": ["--appendfsync", "everysec"],
+    "redis-always": ["--appendfsync", "always"],
+}
+#: What each mode's ratio is taken against, measured in the same round.
+AGAINST = {
+    "everysec": ("memory", "redis-everysec"),
+    "always": ("memory", "redis-always"),
 }
 
 
-def measure(mode: str, scenario: str, ops: int, base: Path | None) -> dict[str, Any]:
+class RedisServer:
+    """A ``redis-server`` with its AOF on, in its own directory; stopped with SIGTERM."""
+
+    def __init__(self, args: list[str], directory: Path) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        command += ["--appendonly", "yes", "--dir", str(directory), "--loglevel", "warning"]
+        self.process = subprocess.Popen([*command, *args], stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            if self.process.poll() is not None:
+                raise SystemExit("redis-server exited at start")
+            time.sleep(0.02)
+        raise SystemExit("redis-server did not listen within 60 s")
+
+    def stop(self) -> None:
+        terminate(self.process)
+
+
+def measure(mode: str, scenario: str, pipeline: int, ops: int, base: Path | None) -> dict[str, Any]:
+    workload = ["-t", scenario, "-n", str(ops), "-P", str(pipeline), *WORKLOAD]
     with data_dir(base) as path:
+        if mode.startswith("redis"):
+            redis = RedisServer(MODES[mode], path)
+            try:
+                return bench(redis.port, redis.process.pid, ["--redis", *workload])
+            finally:
+                redis.stop()
         args = MODES[mode] + (["--data-dir", str(path)] if mode != "memory" else [])
         server = Server(args, path.with_suffix(".log"))
         try:
-            workload = ["-t", scenario, "-n", str(ops), *WORKLOAD]
             result = bench(server.port, server.process.pid, workload)
         finally:
             text = server.stop()
@@ -136,47 +181,54 @@ def measure(mode: str, scenario: str, ops: int, base: Path | None) -> dict[str, 
 
 
 def throughput(args: argparse.Namespace) -> None:
-    rounds: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    ratios: dict[tuple[str, str], list[float]] = {}
+    cases = [(scenario, pipeline) for pipeline in args.pipelines for scenario in ("push", "pop")]
+    rounds: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    ratios: dict[tuple[str, int, str, str], list[float]] = {}
     for round_ in range(args.rounds):
-        for scenario in ("push", "pop"):
-            memory = None
+        for scenario, pipeline in cases:
+            ops = args.ops if pipeline > 1 else max(1, args.ops // 10)
+            measured: dict[str, float] = {}
             for mode in MODES:
-                result = measure(mode, scenario, args.ops, args.dir)
-                rounds.setdefault((mode, scenario), []).append(result)
-                if mode == "memory":
-                    memory = result["ops_per_sec"]
-                else:
-                    assert memory is not None
-                    ratios.setdefault((mode, scenario), []).append(result["ops_per_sec"] / memory)
+                result = measure(mode, scenario, pipeline, ops, args.dir)
+                rounds.setdefault((scenario, pipeline, mode), []).append(result)
+                measured[mode] = result["ops_per_sec"]
                 print(
-                    f"round {round_ + 1} {scenario:4} {mode:8} {result['ops_per_sec']:>9,.0f} "
-                    f"ops/s, server {result.get('server_cpu_us_per_op', 0):.1f} us/op"
-                    + (
-                        f", {result['fsyncs_per_sec']:.0f} fsyncs/s, "
-                        f"{result['ops_per_fsync']:.0f} ops/fsync, "
-                        f"{result['fsync_ms']:.2f} ms/fsync"
-                        if mode == "always"
-                        else ""
-                    ),
+                    f"round {round_ + 1} {scenario:4} P{pipeline:<3} {mode:14} "
+                    f"{result['ops_per_sec']:>9,.0f} ops/s, "
+                    f"server {result.get('server_cpu_us_per_op', 0):.1f} us/op"
+                    + (_fsyncs(result) if mode == "always" else ""),
                     flush=True,
                 )
-    print(f"\nmedians over {args.rounds} rounds, -P 64, 4 connections, {args.ops:,} ops:")
-    for (mode, scenario), results in rounds.items():
+            for mode, against in AGAINST.items():
+                for other in against:
+                    ratio = measured[mode] / measured[other]
+                    ratios.setdefault((scenario, pipeline, mode, other), []).append(ratio)
+    print(f"\nmedians over {args.rounds} rounds, 4 connections (-P 1 runs a tenth of the ops):")
+    for (scenario, pipeline, mode), results in rounds.items():
         median = statistics.median(r["ops_per_sec"] for r in results)
-        line = f"  {scenario:4} {mode:8} {median:>9,.0f} ops/s"
-        if (mode, scenario) in ratios:
-            values = ratios[(mode, scenario)]
+        line = f"  {scenario:4} P{pipeline:<3} {mode:14} {median:>9,.0f} ops/s"
+        for other in AGAINST.get(mode, ()):
+            values = ratios[(scenario, pipeline, mode, other)]
             line += (
-                f"  {statistics.median(values):.2f}x memory ({min(values):.2f}-{max(values):.2f})"
+                f"  {statistics.median(values):.2f}x {other} ({min(values):.2f}-{max(values):.2f})"
             )
         if mode == "always":
-            line += (
-                f"; {statistics.median(r['fsyncs_per_sec'] for r in results):.0f} fsyncs/s, "
-                f"{statistics.median(r['ops_per_fsync'] for r in results):.0f} ops per fsync, "
-                f"{statistics.median(r['fsync_ms'] for r in results):.2f} ms per fsync"
+            line += "; " + ", ".join(
+                f"{statistics.median(r[name] for r in results):.{digits}f} {label}"
+                for name, digits, label in (
+                    ("fsyncs_per_sec", 0, "fsyncs/s"),
+                    ("ops_per_fsync", 0, "ops per fsync"),
+                    ("fsync_ms", 2, "ms per fsync"),
+                )
             )
         print(line)
+
+
+def _fsyncs(result: dict[str, Any]) -> str:
+    return (
+        f", {result['fsyncs_per_sec']:.0f} fsyncs/s, {result['ops_per_fsync']:.0f} ops/fsync, "
+        f"{result['fsync_ms']:.2f} ms/fsync"
+    )
 
 
 # -- recovery ---------------------------------------------------------------------------------
@@ -187,7 +239,7 @@ def recovery(args: argparse.Namespace) -> None:
         log = path.with_suffix(".log")
         server = Server(["--data-dir", str(path), "--max-memory", "0"], log)
         fill = ["-t", "push-stream", "-n", str(args.packets)]
-        bench(server.port, server.process.pid, [*fill, *WORKLOAD])
+        bench(server.port, server.process.pid, [*fill, "-P", "64", *WORKLOAD])
         server.stop()
         size = sum(p.stat().st_size for p in path.glob("*.log"))
         print(f"{args.packets:,} packets pushed; {size / 1e6:.0f} MB of segment files")
@@ -318,9 +370,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, help="where data directories go (a real disk)")
     commands = parser.add_subparsers(dest="command", required=True)
-    one = commands.add_parser("throughput", help="ops/s with a log against memory only")
+    one = commands.add_parser(
+        "throughput", help="ops/s with a log against memory only and Redis with AOF"
+    )
     one.add_argument("--rounds", type=int, default=5)
-    one.add_argument("-n", dest="ops", type=int, default=200_000)
+    one.add_argument("-n", dest="ops", type=int, default=200_000, help="ops at -P 64")
+    one.add_argument(
+        "-P", dest="pipelines", type=int, action="append", help="pipelines (default: 64 and 1)"
+    )
     two = commands.add_parser("recovery", help="time to recover a log of N packets")
     two.add_argument("--packets", type=int, default=1_000_000)
     two.add_argument("--runs", type=int, default=3)
@@ -329,6 +386,8 @@ def main() -> None:
     three.add_argument("--live-mb", type=int, default=100)
     three.add_argument("--fsync", default="everysec", choices=["always", "everysec", "no"])
     args = parser.parse_args()
+    if args.command == "throughput" and not args.pipelines:
+        args.pipelines = [64, 1]
     if args.dir is not None:
         os.makedirs(args.dir, exist_ok=True)
     {"throughput": throughput, "recovery": recovery, "disk": disk}[args.command](args)

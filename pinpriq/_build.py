@@ -29,6 +29,7 @@ COMPILED = (
     "pinpriq.store",
     "pinpriq.subscriptions",
     "pinpriq.broker",
+    "pinpriq.persistence.records",
 )
 #: Set to anything but "" or "0": run the plain-Python modules even where compiled ones exist.
 #: Read by setup.py too, which then compiles nothing.
@@ -50,7 +51,7 @@ class _SourceFinder(importlib.abc.MetaPathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in COMPILED:
             return None
-        source = _PACKAGE_DIR / (fullname.rpartition(".")[2] + ".py")
+        source = _PACKAGE_DIR.joinpath(*fullname.split(".")[1:]).with_suffix(".py")
         return importlib.util.spec_from_file_location(fullname, source)
 
 

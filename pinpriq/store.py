@@ -607,7 +607,12 @@ class QueueStore:
         (the log-backed store) overrides it; here there is nothing to do."""
 
     def load(
-        self, packets: Iterable[LoadedPacket], deadlines: Mapping[int, float], last_seq: int
+        self,
+        packets: Iterable[LoadedPacket],
+        deadlines: Mapping[int, float],
+        last_seq: int,
+        *,
+        times: Sequence[tuple[int, float]] = (),
     ) -> None:
         """Put back packets queued before a restart, each ``(queue, key, payload, prio, seq)``
         with its own seq, in increasing seq, into a store no push has touched; ``deadlines``
@@ -619,7 +624,9 @@ class QueueStore:
         It files each packet as ``push`` does (keep the two in step: a test compares a loaded
         store with the one that pushed), in one loop that keeps the queue it is filling in
         locals (packets of one queue tend to come in runs), and one heapify: recovery loads
-        millions. Their ages are unknown (``queue_info``): packets carry no time. O(n).
+        millions. Packets carry no time: ``times`` gives their ages (``queue_info``), as
+        ``note_time``'s notes would have, ``(seq, time on this store's clock)`` in seq order:
+        by that time packets up to that seq had been pushed. O(n).
         """
         queues, first = self._queues, self._seq
         last = first
@@ -679,7 +686,12 @@ class QueueStore:
         for q in queues.values():
             if q.expiry:
                 heapq.heapify(q.expiry)
-        self._time_notes.clear()  # notes taken while loading would date these packets to now
+        # Notes taken while loading would date these packets to now.
+        notes = self._time_notes
+        notes[:] = times
+        while len(notes) > _MAX_TIME_NOTES:
+            half = len(notes) // 2
+            notes[:half] = notes[:half:2]
 
     def holds(self, queue: bytes, key: bytes, seq: int) -> bool:
         """Whether packet ``seq``, pushed to ``queue`` with ``key``, is still queued. O(1)."""

@@ -118,7 +118,7 @@ def test_an_empty_directory_is_said_to_be_new(tmp_path: Path) -> None:
     server = Server("--data-dir", str(tmp_path / "new"))
     assert "recovered 0 packets" in server.text()
     server.stop()
-    assert (tmp_path / "new" / "FORMAT").read_text() == "pinpriq log format 1\n"
+    assert (tmp_path / "new" / "FORMAT").read_text() == "pinpriq log format 2\n"
 
 
 def test_one_line_errors(tmp_path: Path) -> None:
@@ -142,7 +142,7 @@ def test_a_directory_from_a_newer_format_is_refused(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert done.stderr == (
         f"pinpriq-server: data directory {tmp_path} was written by a newer pinpriq (log format "
-        "7); this one reads format 1: upgrade pinpriq\n"
+        "7); this one reads format 2: upgrade pinpriq\n"
     )
 
 

@@ -50,22 +50,45 @@ def test_push_seqs_follow_the_block_and_ttls_count_from_its_base() -> None:
         5_000,
         encode_push(b"q", b"a", b"", 0, 1),
         encode_push(b"q", b"b", b"x", 250, 0),
-        encode_copy(3, 7_777, 2, b"r", b"c", b"y"),
+        encode_copy(3, 7_777, 4_000, 2, b"r", b"c", b"y"),
         encode_remove(100),
     )
     assert entries(data) == [
-        (Kind.PUSH, 100, 0, 1, b"q", b"a", b""),  # TTL 0: no deadline
-        (Kind.PUSH, 101, 5_250, 0, b"q", b"b", b"x"),
-        (Kind.COPY, 3, 7_777, 2, b"r", b"c", b"y"),  # a copy keeps its own seq and deadline
+        (Kind.PUSH, 100, 0, 1, b"q", b"a", b"", 5_000),  # TTL 0: no deadline
+        (Kind.PUSH, 101, 5_250, 0, b"q", b"b", b"x", 5_000),  # pushed at or after base_ms
+        (Kind.COPY, 3, 7_777, 2, b"r", b"c", b"y", 4_000),  # its own seq, deadline, push time
         (Kind.REMOVE, 100),
     ]
+
+
+def test_a_copy_entry_byte_by_byte_in_both_formats() -> None:
+    """Format 2's copy carries its push time; format 1's (read, never written) does not."""
+    copy = encode_copy(9, 7_000, 6_000, 4, b"q", b"k", b"v")
+    assert copy == (
+        bytes.fromhex("63 0000000000000009 0000000000001b58 0000000000001770 04 0001 0001 0001")
+        + b"qkv"
+    )
+    assert entries(encode_block(20, 0, copy)) == [(Kind.COPY, 9, 7_000, 4, b"q", b"k", b"v", 6_000)]
+    old = bytes.fromhex("63 0000000000000009 0000000000001b58 04 0001 0001 0001") + b"qkv"
+    data = encode_block(20, 0, old)
+    block = read_block(data, 0)
+    assert block is not None
+    assert decode_entries(data, block, old_copies=True) == [
+        (Kind.COPY, 9, 7_000, 4, b"q", b"k", b"v", 0)  # push time unknown
+    ]
+    for cut in range(1, len(old)):
+        cut_data = encode_block(20, 0, old[:cut])
+        cut_block = read_block(cut_data, 0)
+        assert cut_block is not None
+        with pytest.raises(LogFormatError, match="cut short"):
+            decode_entries(cut_data, cut_block, old_copies=True)
 
 
 def test_largest_fields_round_trip() -> None:
     big = bytes(range(256)) * 256
     field = big[:65535]
     data = encode_block(0, 0, encode_push(field, field, field, 65535, 255))
-    assert entries(data) == [(Kind.PUSH, 1, 65535, 255, field, field, field)]
+    assert entries(data) == [(Kind.PUSH, 1, 65535, 255, field, field, field, 0)]
 
 
 def test_blocks_follow_each_other_and_zeros_end_the_data() -> None:
@@ -114,7 +137,7 @@ def test_an_entry_of_unknown_kind_in_a_sound_block_is_an_error() -> None:
     "entry",
     [
         encode_push(b"q", b"k", b"v", 0, 1),
-        encode_copy(1, 2, 3, b"q", b"k", b"v"),
+        encode_copy(1, 2, 0, 3, b"q", b"k", b"v"),
         encode_remove(1),
     ],
     ids=["push", "copy", "remove"],
@@ -182,6 +205,15 @@ def test_pushes_round_trip(
 ) -> None:
     data = encode_block(seq_base, base_ms, *(encode_push(*push) for push in pushes))
     assert entries(data) == [
-        (Kind.PUSH, seq_base + i + 1, base_ms + ttl if ttl else 0, prio, queue, key, payload)
+        (
+            Kind.PUSH,
+            seq_base + i + 1,
+            base_ms + ttl if ttl else 0,
+            prio,
+            queue,
+            key,
+            payload,
+            base_ms,
+        )
         for i, (queue, key, payload, ttl, prio) in enumerate(pushes)
     ]

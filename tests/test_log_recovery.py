@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import logging
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
 
 from pinpriq.persistence.journal import MIN_SEGMENT_SIZE
-from pinpriq.persistence.records import read_block
+from pinpriq.persistence.records import encode_block, encode_push, encode_remove, read_block
 from pinpriq.persistence.recovery import report, scan
 from pinpriq.persistence.segments import (
     SEGMENT_HEADER_SIZE,
@@ -179,7 +180,7 @@ def test_damage_in_an_older_segment_truncates_every_later_one(
 def test_an_empty_directory_starts_a_new_log(tmp_path: Path, clock: FakeClock) -> None:
     store = open_store(tmp_path / "new", clock)
     assert len(store) == 0
-    assert (tmp_path / "new" / "FORMAT").read_text() == "pinpriq log format 1\n"
+    assert (tmp_path / "new" / "FORMAT").read_text() == "pinpriq log format 2\n"
     assert len(segment_files(tmp_path / "new")) == 2  # the active segment and a spare
     store.close()
 
@@ -192,8 +193,8 @@ def test_a_directory_with_other_files_but_no_log_is_used(tmp_path: Path, clock: 
 
 def test_a_newer_format_is_refused(tmp_path: Path, clock: FakeClock) -> None:
     open_store(tmp_path, clock).close()
-    (tmp_path / "FORMAT").write_text("pinpriq log format 2\n")
-    with pytest.raises(DataDirError, match=r"newer pinpriq \(log format 2\).*reads format 1"):
+    (tmp_path / "FORMAT").write_text("pinpriq log format 3\n")
+    with pytest.raises(DataDirError, match=r"newer pinpriq \(log format 3\).*reads format 2"):
         DataDir.open(tmp_path, write=True)
 
 
@@ -203,9 +204,14 @@ def test_a_segment_of_another_format_is_refused(tmp_path: Path, clock: FakeClock
     commit(store)
     store.close()
     segment = segment_files(tmp_path)[0]
+    head = b"PINPRIQL" + (9).to_bytes(4, "big")
+    with open(segment, "r+b") as file:
+        file.write(head + zlib.crc32(head).to_bytes(4, "big"))
+    with pytest.raises(DataDirError, match="written in log format 9; this pinpriq reads formats"):
+        open_store(tmp_path, clock)
     with open(segment, "r+b") as file:
         file.seek(8)
-        file.write((2).to_bytes(4, "big"))
+        file.write((2).to_bytes(4, "big"))  # the checksum no longer matches
     with pytest.raises(DataDirError, match="not a pinpriq log segment"):
         open_store(tmp_path, clock)
 
@@ -356,3 +362,39 @@ def test_a_damage_report_does_not_count_the_spare_as_dropped(
     assert lines[-1].endswith(
         "and 1 later segment files (0 bytes); the counts above are what it would recover"
     ), lines[-1]
+
+
+def format_1_segment(blocks: list[bytes]) -> bytes:
+    """A segment as log format 1 wrote it, from its documented layout."""
+    head = b"PINPRIQL" + (1).to_bytes(4, "big")
+    return head + zlib.crc32(head).to_bytes(4, "big") + b"".join(blocks) + bytes(1000)
+
+
+def test_a_format_1_log_is_read_and_what_follows_is_format_2(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A directory written by the previous version: its packets come back (format 1's copies
+    have no push time), its FORMAT says 2 from then on, and nothing is appended to its
+    format-1 segment: new blocks go to a new segment of format 2."""
+    (tmp_path / "FORMAT").write_text("pinpriq log format 1\n")
+    pushes = encode_push(b"q", b"a", b"1", 0, 2) + encode_push(b"q", b"b", b"2", 0, 1)
+    old_copy = bytes.fromhex("63 0000000000000001 0000000000000000 03 0001 0001 0001") + b"qa1"
+    old = format_1_segment(
+        [encode_block(0, clock.wall_ms(), pushes), encode_block(2, 0, old_copy, encode_remove(2))]
+    )
+    (tmp_path / "0000000000000001.log").write_bytes(old)
+    store = open_store(tmp_path, clock)
+    assert (tmp_path / "FORMAT").read_text() == "pinpriq log format 2\n"
+    store.push(b"q", b"c", b"3", 0, 1)
+    commit(store)
+    store.close()
+    assert (tmp_path / "0000000000000001.log").read_bytes() == old
+    newer = segment_files(tmp_path)[1].read_bytes()
+    assert newer[8:12] == (2).to_bytes(4, "big")
+    store = open_store(tmp_path, clock)
+    assert [[p[:2] for p in store.pop(b"q")] for _ in range(3)] == [
+        [(b"c", b"3")],
+        [(b"a", b"1")],  # prio 3 now, as its copy says
+        [],
+    ]
+    store.close()

@@ -5,6 +5,7 @@ group commit, fsyncs off the event loop, the disk-full reserve, and the recoveri
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +20,7 @@ from pinpriq.admin import serve_admin
 from pinpriq.persistence import keeper as keeper_module
 from pinpriq.persistence.compaction import Compactor
 from pinpriq.persistence.journal import MIN_SEGMENT_SIZE, FsyncPolicy, Hold, Journal
-from pinpriq.persistence.keeper import LogFailure
+from pinpriq.persistence.keeper import Keeper, LogFailure
 from pinpriq.persistence.records import Kind, decode_entries, read_block
 from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, DataDir, Segment
 from pinpriq.persistence.store import LoggedStore
@@ -437,3 +438,95 @@ def test_a_spare_that_cannot_be_made_for_want_of_space_waits_any_other_error_fai
     assert journal.failure is not None
     assert "Input/output error" in journal.failure
     store.close()
+
+
+def keeper_store(path: Path) -> LoggedStore:
+    """A log-backed store under ``always``, recovered (empty) as a server has it at start."""
+    journal = Journal(DataDir.open(path, write=True), policy=FsyncPolicy.ALWAYS)
+    store = LoggedStore(trio.current_time, journal)
+    store.recover(trio.current_time(), 0)
+    return store
+
+
+async def test_always_syncs_a_lone_clients_batches_at_once(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Group commit waits for no timer: each batch of a lone client is fsynced as soon as it is
+    written, back to back. Under the autojump clock any sleep would move trio's clock."""
+    store = keeper_store(tmp_path)
+    keeper = Keeper(store.journal)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keeper.run)
+            for i in range(10):
+                store.push(b"q", b"%d" % i, b"", 0, 1)
+                store.flush()
+                await keeper.wait_released()
+            nursery.cancel_scope.cancel()
+    finally:
+        store.close()
+    assert store.journal.fsyncs >= 10
+    assert trio.current_time() == 0.0, "the keeper slept before an fsync"
+
+
+class TimedFsync:
+    """Stands in for ``os.fdatasync``: each call takes the next of ``seconds`` on a fake clock
+    and records whether it ran in the event loop's thread."""
+
+    def __init__(self, seconds: list[float]) -> None:
+        self.seconds = seconds
+        self.now = 0.0
+        self.inline: list[bool] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def __call__(self, fd: int) -> None:
+        self.inline.append(threading.current_thread() is threading.main_thread())
+        self.now += self.seconds[min(len(self.inline), len(self.seconds)) - 1]
+
+
+async def test_always_fsyncs_inline_on_a_fast_disk_and_in_a_thread_after_a_slow_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the worker thread first; inline once ``FAST_FSYNCS`` in a row were fast; back to the
+    thread after one slow inline fsync, so a slow disk stalls the event loop once at most."""
+    fast, slow, runs = keeper_module.INLINE_FSYNC_SECONDS / 2, 0.05, keeper_module.FAST_FSYNCS
+    timed = TimedFsync([fast] * runs + [fast, slow] + [fast] * (runs + 1))
+    store = keeper_store(tmp_path)
+    keeper = Keeper(store.journal, clock=timed.clock)
+    monkeypatch.setattr(os, "fdatasync", timed)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keeper.run)
+            with trio.fail_after(10):
+                for i in range(2 * runs + 3):
+                    store.push(b"q", b"%d" % i, b"", 0, 1)
+                    store.flush()
+                    await keeper.wait_released()
+            nursery.cancel_scope.cancel()
+    finally:
+        monkeypatch.undo()
+        store.close()
+    thread, inline = [False], [True]
+    assert timed.inline[: 2 * runs + 3] == (thread * runs + inline * 2 + thread * runs + inline), (
+        "inline after the fast ones, back to the thread after the slow one, inline again"
+    )
+
+
+async def test_the_garbage_collector_pauses_while_the_log_is_read(
+    running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recovery's millions of long-lived objects are no work for the cyclic collector: it is
+    paused while the log is read, and runs again after (the recovered packets frozen)."""
+    collecting: list[bool] = []
+    real_recover = LoggedStore.recover
+
+    def recover(self: LoggedStore, now: float, now_ms: int) -> None:
+        collecting.append(gc.isenabled())
+        real_recover(self, now, now_ms)
+
+    monkeypatch.setattr(LoggedStore, "recover", recover)
+    await running.start()
+    assert collecting == [False]
+    assert gc.isenabled()

@@ -5,6 +5,7 @@ deletion."""
 
 from __future__ import annotations
 
+import ast
 import random
 import shutil
 import tempfile
@@ -15,6 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from pinpriq import persistence
 from pinpriq.persistence.journal import MIN_SEGMENT_SIZE, FsyncPolicy
 from pinpriq.store import QueuedPacket, QueueStore
 from tests.logtools import FakeClock, commit, open_store, settle
@@ -268,6 +270,53 @@ def test_segments_are_deleted_oldest_first_and_only_when_dead(
     store.close()
 
 
+def test_compaction_catches_up_with_a_backlog_while_fsyncs_lag_behind_the_writes(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A backlog of segments, each pinned by a packet nobody pops (a queue that filled up,
+    then drained), on a loaded machine where an fsync takes as long as several batches: the
+    keeper gets its turn every 4th batch. A compacted segment may go only once its copies are
+    on disk, so a compactor that waits for that before reading the next segment compacts one
+    segment per fsync, fewer than the churn adds, and the log grows for ever (from 21 segments
+    to 39 here). Reading on into the next segment meanwhile brings it back to a few."""
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    journal = store.journal
+    batches = 0
+
+    def batch() -> None:  # the server's flush; the keeper catches up every 4th batch
+        nonlocal batches
+        store.flush()
+        batches += 1
+        if batches % 4 == 0:
+            settle(journal)
+
+    for round_ in range(20):  # live data fills about 20 segments: compaction is not due
+        store.push(b"keep", b"%d" % round_, b"x" * 100, 0, 255)
+        for i in range(30):
+            store.push(b"fill", b"%d-%d" % (round_, i), bytes(2000), 0, 1)
+        batch()
+    assert len(drain(store, b"fill")) == 600  # now each segment holds one live packet
+    batch()
+    backlog = len(journal.segments)
+    for _ in range(40):  # churn: about a segment every round, two batches a round
+        for i in range(30):
+            store.push(b"q", b"%d" % i, bytes(2000), 0, 1)
+        batch()
+        assert len(drain(store, b"q")) == 30
+        batch()
+    settle(journal)
+    store.check_invariants()
+    assert backlog >= 18
+    assert len(journal.segments) <= 5, (
+        f"{len(journal.segments)} segments after 40 rounds of churn, from a backlog of "
+        f"{backlog}: compaction did not keep up"
+    )
+    store.close()
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    assert len(drain(store, b"keep")) == 20
+    store.close()
+
+
 @pytest.mark.parametrize("policy", list(FsyncPolicy))
 def test_released_means_written_and_under_always_synced(
     tmp_path: Path, clock: FakeClock, policy: FsyncPolicy
@@ -429,4 +478,65 @@ def test_disk_use_stays_within_twice_the_live_data_plus_four_segments(
     assert most <= bound, f"{most} bytes on disk for {depth * entry} of live data"
     assert store.journal.stats().segments_deleted > 50
     store.check_invariants()
+    store.close()
+
+
+def test_the_log_modules_import_one_way() -> None:
+    """Each module of ``pinpriq/persistence`` imports only those listed before it in the
+    package's docstring, type-checking imports included (compaction once imported journal
+    for a type while journal imported compaction)."""
+    package = Path(persistence.__file__).parent
+    order = ["records", "segments", "recovery", "compaction", "journal", "keeper", "store"]
+    for index, name in enumerate(order):
+        tree = ast.parse((package / f"{name}.py").read_text())
+        imported = {
+            node.module.removeprefix("pinpriq.persistence.")
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            and node.module is not None
+            and node.module.startswith("pinpriq.persistence.")
+        }
+        assert imported <= set(order[:index]), f"{name} imports {imported - set(order[:index])}"
+
+
+def test_recovered_packets_keep_their_ages(tmp_path: Path, clock: FakeClock) -> None:
+    """Ages come from the blocks' base_ms, to within a second (the running store's notes are
+    about a second apart too), and are never younger than the packets are."""
+    store = open_store(tmp_path, clock)
+    store.push(b"q", b"old", b"", 0, 1)
+    commit(store)
+    clock.now += 30
+    store.push(b"r", b"new", b"", 0, 1)
+    commit(store)
+    store.close()
+    clock.now += 5  # the server was down
+    store = open_store(tmp_path, clock)
+    old_age, new_age = store.queue_info(b"q").oldest_age, store.queue_info(b"r").oldest_age
+    assert old_age is not None
+    assert new_age is not None
+    assert 35 <= old_age < 36
+    assert 5 <= new_age < 6
+    store.close()
+
+
+def test_packets_keep_their_ages_through_compaction(tmp_path: Path, clock: FakeClock) -> None:
+    """A packet copied forward, its push's segment deleted: its copy entry carries its push
+    time, so after a restart its age is still known."""
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    store.push(b"keep", b"pinned", b"x", 0, 255)
+    commit(store)
+    for _ in range(40):  # segments of churn: the pinned packet is copied forward
+        clock.now += 1
+        for i in range(30):
+            store.push(b"q", b"%d" % i, bytes(2000), 0, 1)
+        commit(store)
+        assert len(drain(store, b"q")) == 30
+        commit(store)
+    assert store.journal.stats().copied >= 1
+    assert not (tmp_path / "0000000000000001.log").exists()
+    store.close()
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    age = store.queue_info(b"keep").oldest_age
+    assert age is not None
+    assert 40 <= age < 41
     store.close()

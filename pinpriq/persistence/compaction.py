@@ -7,7 +7,8 @@ a worker) would pin itself and every later segment, as one unacked message pins 
 quorum queue's segments. So once the log's dead bytes exceed its live bytes, the compactor
 reads the oldest segment and writes each of its live packets again, as a
 copy entry, into the block being sealed; when it has read the whole segment, nothing live is
-left in it and the journal deletes it (once the copies are on disk).
+left in it and the journal deletes it once the copies are on disk (it asks the keeper for that
+fsync at once), while the compactor reads on into the next segment.
 
 While the disk is full, compaction waits: its copies would use up the reserved segment that
 pops' remove entries need, and those pops free whole segments as they empty them.
@@ -17,14 +18,15 @@ the bytes the seal itself adds, and at least ``MIN_STEP``), so compaction's cost
 the writes that make it necessary, and the log cannot outgrow it.
 
 What this module must not know: the store (it asks ``Locate`` whether a packet lives, and
-where), trio.
+where), the journal's class (it is handed a ``CompactedLog``, which ``journal.Journal`` is: the
+journal owns its compactor, so imports go one way), trio.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pinpriq.persistence.records import (
     BLOCK_HEADER,
@@ -35,10 +37,7 @@ from pinpriq.persistence.records import (
 )
 from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, Segment
 
-if TYPE_CHECKING:
-    from pinpriq.persistence.journal import Journal
-
-__all__ = ["MIN_STEP", "STEP_FACTOR", "Compactor", "Locate"]
+__all__ = ["MIN_STEP", "STEP_FACTOR", "CompactedLog", "Compactor", "Locate"]
 
 #: ``locate(queue, key, seq)``: the queue a packet lives in now if it is live, else ``None``
 #: (``queue`` is the one its latest entry names: a moved packet's latest entry is the copy a
@@ -55,15 +54,46 @@ STEP_FACTOR = 4
 _PUSH, _COPY = int(Kind.PUSH), int(Kind.COPY)
 
 
+class CompactedLog(Protocol):
+    """What the compactor reads and calls of the log it compacts (``journal.Journal``)."""
+
+    disk_full: bool
+    #: Segments holding blocks, oldest first; the last is the active one.
+    segments: list[Segment]
+    #: The previous active segment while it is fsynced after a rotation, else ``None``.
+    rotating: Segment | None
+    segment_size: int
+    used_bytes: int
+
+    @property
+    def active(self) -> Segment: ...
+
+    def live_bytes(self) -> float: ...
+
+    def where(self, seq: int) -> Segment: ...
+
+    def add_copy(
+        self,
+        seq: int,
+        deadline_ms: int,
+        pushed_ms: int,
+        prio: int,
+        queue: bytes,
+        key: bytes,
+        payload: bytes,
+    ) -> None: ...
+
+
 class Compactor:
     """Reads the oldest segment a slice at a time and copies its live packets forward."""
 
-    def __init__(self, journal: Journal, locate: Locate) -> None:
+    def __init__(self, journal: CompactedLog, locate: Locate) -> None:
         self._journal = journal
         self._locate = locate
         self._segment: Segment | None = None  # being read
         self._fd: int | None = None
         self._offset = 0  # of the next block to read in it
+        self._read_through = 0  # the number of the last segment read to its end
         #: Packets copied forward since the server started.
         self.copied = 0
 
@@ -78,24 +108,39 @@ class Compactor:
         return used - live > live
 
     def step(self, sealed: int) -> None:
-        """Read the next slice of the oldest segment, copying its live packets into the block
-        being sealed (``sealed`` bytes so far), if compaction is due or under way."""
-        journal = self._journal
-        if journal.disk_full:
+        """Read the next slice of the segment under way, copying its live packets into the
+        block being sealed (``sealed`` bytes so far), if compaction is due or under way."""
+        if self._journal.disk_full:
             return  # copies would eat the reserve the pops' removals need; pops free space
-        oldest = journal.segments[0]
-        if self._segment is not oldest:
-            self.close()
-            if oldest is journal.active or oldest is journal.rotating or not self.due():
+        segment = self._segment
+        if segment is None:
+            segment = self._next_segment()
+            if segment is None:
                 return
-            self._open(oldest)
+            self._open(segment)
         budget = max(MIN_STEP, STEP_FACTOR * sealed)
-        while budget > 0 and self._offset < oldest.end:
-            data = self._read_block(oldest)
+        while budget > 0 and self._offset < segment.end:
+            data = self._read_block(segment)
             budget -= len(data)
-            self._copy_live(oldest, data)
-        if self._offset >= oldest.end:
-            self.close()  # the journal deletes it once its copies are on disk
+            self._copy_live(segment, data)
+        if self._offset >= segment.end:
+            # The journal deletes it once its copies are on disk; meanwhile read on into the
+            # next one, so compaction is not held to one segment per fsync.
+            self._read_through = segment.number
+            self.close()
+
+    def _next_segment(self) -> Segment | None:
+        """The oldest segment not read through yet, if compaction is due and the segment is
+        no longer written to."""
+        journal = self._journal
+        for segment in journal.segments:
+            if segment.number > self._read_through:
+                break
+        else:
+            return None
+        if segment is journal.active or segment is journal.rotating or not self.due():
+            return None
+        return segment
 
     def _open(self, segment: Segment) -> None:
         self._segment = segment
@@ -131,14 +176,14 @@ class Compactor:
         if block is None:
             raise LogFormatError(f"{segment.path}: no block where one was written")
         journal, locate = self._journal, self._locate
-        for entry in decode_entries(data, block):
+        for entry in decode_entries(data, block, old_copies=segment.version == 1):
             kind = entry[0]
             if kind != _PUSH and kind != _COPY:
                 continue
-            _, seq, deadline_ms, prio, queue, key, payload = entry
+            _, seq, deadline_ms, prio, queue, key, payload, pushed_ms = entry
             if journal.where(seq) is not segment:
                 continue  # copied forward already, or removed
             current = locate(queue, key, seq)
             if current is not None:
-                journal.add_copy(seq, deadline_ms, prio, current, key, payload)
+                journal.add_copy(seq, deadline_ms, pushed_ms, prio, current, key, payload)
                 self.copied += 1

@@ -48,13 +48,13 @@ from typing import NamedTuple
 
 from pinpriq.persistence.compaction import Compactor
 from pinpriq.persistence.records import (
-    COPY_HEADER,
-    Kind,
     LogFormatError,
     encode_block,
+    encode_copy,
 )
 from pinpriq.persistence.recovery import Scan
 from pinpriq.persistence.segments import (
+    FORMAT_VERSION,
     SEGMENT_HEADER_SIZE,
     DataDir,
     Segment,
@@ -75,7 +75,6 @@ log = logging.getLogger("pinpriq.persistence")
 DEFAULT_SEGMENT_SIZE = 32 * 1024 * 1024
 #: Smallest segment size allowed: tests use small segments to exercise rotation and deletion.
 MIN_SEGMENT_SIZE = 64 * 1024
-_COPY = int(Kind.COPY)
 
 
 class FsyncPolicy(enum.Enum):
@@ -223,14 +222,16 @@ class Journal:
             self.used_bytes += segment.end
         self._copied_to = {seq: by_number[number] for seq, number in scan.copied.items()}
         self._sealed_seq = self._written_seq = scan.last_seq
-        spares = list(scan.spares)
-        for extra in spares[1:]:
+        numbers = [s.number for s in scan.segments]
+        # One spare is kept, of this format: blocks are never appended to an older one.
+        spares = [spare for spare in scan.spares if spare.version == FORMAT_VERSION][:1]
+        for extra in [spare for spare in scan.spares if spare not in spares]:
             extra.path.unlink()
         # Numbered on from the files kept, so that deleting extra spares leaves no gap in the
         # numbers (recovery takes a gap for a lost segment).
-        numbers = [s.number for s in scan.segments] + [s.number for s in spares[:1]]
+        numbers += [spare.number for spare in spares]
         self._next_number = max(numbers, default=0) + 1
-        if self.segments:
+        if self.segments and self.segments[-1].version == FORMAT_VERSION:
             self._reopen(self.segments[-1])
             if spares:
                 self._reopen(spares[0])
@@ -276,18 +277,20 @@ class Journal:
     # -- the open block -------------------------------------------------------------------
 
     def add_copy(
-        self, seq: int, deadline_ms: int, prio: int, queue: bytes, key: bytes, payload: bytes
+        self,
+        seq: int,
+        deadline_ms: int,
+        pushed_ms: int,
+        prio: int,
+        queue: bytes,
+        key: bytes,
+        payload: bytes,
     ) -> None:
         """Write a live packet again into the open block, whole, with the queue it lives in
-        now: compaction's copies, and moves to another queue (its seq, so its place in push
-        order, kept). Its latest entry is then in the active segment."""
-        copies = self._copies
-        copies += COPY_HEADER.pack(
-            _COPY, seq, deadline_ms, prio, len(queue), len(key), len(payload)
-        )
-        copies += queue
-        copies += key
-        copies += payload
+        now and the wall-clock time of its push (0: unknown): compaction's copies, and moves
+        to another queue (its seq, so its place in push order, kept). Its latest entry is then
+        in the active segment."""
+        self._copies += encode_copy(seq, deadline_ms, pushed_ms, prio, queue, key, payload)
         self._copied.append(seq)
 
     def seal(self, seq: int, base_ms: int) -> None:
@@ -534,7 +537,10 @@ class Journal:
         segments = self.segments
         while len(segments) > 1:
             oldest = segments[0]
-            if oldest.live or oldest is self.rotating or self.synced_pos < oldest.copies_at:
+            if oldest.live or oldest is self.rotating:
+                return
+            if self.synced_pos < oldest.copies_at:
+                self.wake()  # its copies must be on disk before it goes: fsync them now
                 return
             assert oldest.live == 0, f"{oldest.path}: {oldest.live} live packets"
             if self.compactor is not None:

@@ -12,18 +12,23 @@ One task (``Keeper.run``) does, in this order, whatever the journal needs:
    whatever the number of connections), under ``everysec`` once a second, and under any
    policy once compaction's copies must be on disk before their old segment can go.
 
-Under ``always`` with fsyncs back to back, the connections answered by one fsync send their
-next batches while the next fsync has already started, and wait for the one after: the
-clients split into two groups taking turns, each fsync serving half of them. So an fsync that
-follows another within ``GATHER_SECONDS`` first waits that long (never longer than the last
-fsync took), and the answered connections' batches join it: measured on this project's VM,
-fsyncs per batch fell from 0.65 to 0.3 at 4 connections, and throughput rose accordingly. A
-lone client is not delayed: its fsyncs do not follow each other that closely.
+Group commit waits for no timer: under ``always`` the keeper, woken by the write of a batch,
+fsyncs at its next turn of the event loop, so the batches of every connection read in the same
+turn share the fsync, the batches applied while it runs go into the next one, and a lone
+client's request is synced at once.
 
-fsyncs run in a worker thread (``trio.to_thread``), so the event loop keeps serving every
-connection meanwhile; only the output that waits on them is held (``wait_released``). A failed
-fsync or write stops the server (``LogFailure``): after a failed fsync the kernel may have
-dropped the data, so no later fsync could be trusted to mean anything.
+Where an fsync runs. A worker thread (``trio.to_thread``) keeps the event loop serving every
+connection while the disk works, but the hand-off costs tens of microseconds of CPU and a
+wake-up on each side, which on a disk that syncs in tens of microseconds is most of the cost
+of a request. So under ``always``, once ``FAST_FSYNCS`` fsyncs in a row have taken at most
+``INLINE_FSYNC_SECONDS``, the keeper fsyncs inline, in the event loop, as Redis does; the
+first inline fsync that takes longer sends it back to the thread, so a slow disk stalls the
+loop (``/healthz``, every connection's reads) for one fsync at most. Everything else that
+waits on the disk (``everysec``'s fsync of a second of writes, rotations, new segments) always
+runs in the thread. Only the output that waits on an fsync is held (``wait_released``).
+
+A failed fsync or write stops the server (``LogFailure``): after a failed fsync the kernel may
+have dropped the data, so no later fsync could be trusted to mean anything.
 """
 
 from __future__ import annotations
@@ -32,20 +37,23 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 
 import trio
 
 from pinpriq.persistence.journal import FsyncPolicy, Hold, Journal
 from pinpriq.persistence.segments import create_segment
 
-__all__ = ["GATHER_SECONDS", "RETRY_SECONDS", "Keeper", "LogFailure"]
+__all__ = ["FAST_FSYNCS", "INLINE_FSYNC_SECONDS", "RETRY_SECONDS", "Keeper", "LogFailure"]
 
 log = logging.getLogger("pinpriq.persistence")
 
 #: How often a full disk is tried again.
 RETRY_SECONDS = 1.0
-#: The longest an fsync that follows another waits for more batches to join it.
-GATHER_SECONDS = 0.001
+#: The longest an fsync may take to be run inline, in the event loop (under ``always``).
+INLINE_FSYNC_SECONDS = 0.001
+#: Fsyncs in a row, each at most ``INLINE_FSYNC_SECONDS``, before the keeper fsyncs inline.
+FAST_FSYNCS = 8
 
 
 class LogFailure(Exception):
@@ -56,13 +64,18 @@ class Keeper:
     """Runs a journal's fsyncs, rotations, spares and retries, and wakes output waiting on
     them."""
 
-    def __init__(self, journal: Journal) -> None:
+    def __init__(self, journal: Journal, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock`` (seconds, monotonic) times fsyncs and schedules everysec and retries."""
         self.journal = journal
+        self._clock = clock
         self._wake = trio.Event()
         self._progress = trio.Event()
         self._retry_at = -math.inf  # when to try making a spare, or writing, again
         self._deleted = 0  # segments deleted when the disk was last found full
-        self._synced_at = -math.inf  # when the last fsync of the active segment returned
+        #: Whether the active segment's fsyncs run inline, and how many fast ones in a row
+        #: the worker thread has made (see the module's docstring).
+        self.inline = False
+        self._fast = 0
         journal.wake = self._wake_up
 
     def _wake_up(self) -> None:
@@ -92,7 +105,7 @@ class Keeper:
     async def _work(self) -> bool:
         """Do the most urgent thing the journal needs, if any; returns whether it did."""
         journal = self.journal
-        now = time.monotonic()
+        now = self._clock()
         if journal.rotating is not None:
             seconds = await self._fsync(journal.rotating.fd)
             journal.rotated(seconds)
@@ -107,20 +120,33 @@ class Keeper:
             self._failed_at_retry()
             return True
         if journal.sync_due(now):
-            if journal.policy is FsyncPolicy.ALWAYS and now - self._synced_at < GATHER_SECONDS:
-                await trio.sleep(min(GATHER_SECONDS, journal.last_fsync_seconds))
-            position = journal.written_pos
-            seconds = await self._fsync(journal.active.fd)
-            journal.synced(position, seconds)
-            self._synced_at = time.monotonic()
+            await self._sync_active()
             return True
         return False
+
+    async def _sync_active(self) -> None:
+        """Fsync the active segment, inline or in the worker thread, and choose where the
+        next one runs."""
+        journal = self.journal
+        position = journal.written_pos
+        fd = journal.active.fd
+        if self.inline:
+            seconds = self._fsync_inline(fd)
+        else:
+            seconds = await self._fsync(fd)
+        if seconds > INLINE_FSYNC_SECONDS:
+            self.inline = False
+            self._fast = 0
+        elif not self.inline and journal.policy is FsyncPolicy.ALWAYS:
+            self._fast += 1
+            self.inline = self._fast >= FAST_FSYNCS
+        journal.synced(position, seconds)
 
     def _next_time(self) -> float:
         """When to look again without being woken (trio's clock): the next everysec fsync or
         retry."""
         journal = self.journal
-        now = time.monotonic()
+        now = self._clock()
         due = math.inf
         if journal.written_pos > journal.synced_pos and journal.policy is FsyncPolicy.EVERYSEC:
             due = journal.last_sync + 1.0
@@ -129,15 +155,24 @@ class Keeper:
         return trio.current_time() + max(0.0, due - now) if due != math.inf else math.inf
 
     async def _fsync(self, fd: int | None) -> float:
+        """Fsync ``fd`` in the worker thread; returns how long the fsync itself took."""
+        self.journal.last_sync = self._clock()
+        return await trio.to_thread.run_sync(self._timed_fsync, fd)
+
+    def _fsync_inline(self, fd: int | None) -> float:
+        """Fsync ``fd`` here, in the event loop; returns how long it took."""
+        self.journal.last_sync = self._clock()
+        return self._timed_fsync(fd)
+
+    def _timed_fsync(self, fd: int | None) -> float:
         assert fd is not None
-        journal = self.journal
-        started = journal.last_sync = time.monotonic()
+        started = self._clock()
         try:
-            await trio.to_thread.run_sync(os.fdatasync, fd)
+            os.fdatasync(fd)
         except OSError as error:
             log.critical("fsync of the log failed: %s; the server stops", error)
             raise LogFailure(f"fsync of the log failed: {error}") from None
-        return time.monotonic() - started
+        return self._clock() - started
 
     async def _make_spare(self) -> None:
         journal = self.journal
@@ -152,5 +187,5 @@ class Keeper:
         journal.spare_ready(number, fd)
 
     def _failed_at_retry(self) -> None:
-        self._retry_at = time.monotonic() + RETRY_SECONDS
+        self._retry_at = self._clock() + RETRY_SECONDS
         self._deleted = self.journal.segments_deleted

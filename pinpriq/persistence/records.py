@@ -20,10 +20,13 @@ Entries, each starting with its kind byte:
 
 * push ``70`` · u16 ttl_ms · u8 prio · u16 queue_len · u16 key_len · u16 payload_len · queue ·
   key · payload. TTL 0: never expires.
-* copy ``63`` · u64 seq · u64 deadline_ms (0: never) · u8 prio · u16 queue_len · u16 key_len ·
-  u16 payload_len · queue · key · payload: a live packet written again, whole, by compaction
-  (its old segment can then go), or by a move to another queue (a dead-letter move: seq, and
-  so its place in push order, prio and deadline kept), written with the queue it is in now.
+* copy ``63`` · u64 seq · u64 deadline_ms (0: never) · u64 pushed_ms (0: unknown) · u8 prio ·
+  u16 queue_len · u16 key_len · u16 payload_len · queue · key · payload: a live packet written
+  again, whole, by compaction (its old segment can then go), or by a move to another queue (a
+  dead-letter move: seq, and so its place in push order, prio and deadline kept), written
+  with the queue it is in now. ``pushed_ms`` is the wall-clock time at or before its push, so
+  a packet keeps its age once the block it was pushed in is gone. Format 1 (read, never
+  written) had no ``pushed_ms``: ``decode_entries(..., old_copies=True)``.
 * remove ``72`` · u64 seq: the packet left for good (pop, delivery, expiry, purge, ack).
 
 Replaying entries in log order rebuilds the live packets: a push or copy files the packet
@@ -46,6 +49,7 @@ __all__ = [
     "BLOCK_MAGIC",
     "BODY_HEADER",
     "COPY_HEADER",
+    "COPY_HEADER_1",
     "PUSH_HEADER",
     "REMOVE",
     "Block",
@@ -74,9 +78,16 @@ BLOCK_MAGIC: Final = b"PQLB"
 BLOCK_HEADER = struct.Struct(">4sII")  # magic, body length, CRC-32
 BODY_HEADER = struct.Struct(">QQ")  # seq_base, base_ms
 PUSH_HEADER = struct.Struct(">BHBHHH")  # kind, ttl_ms, prio, queue_len, key_len, payload_len
-COPY_HEADER = struct.Struct(">BQQBHHH")  # kind, seq, deadline_ms, prio, queue/key/payload lens
+#: kind, seq, deadline_ms, pushed_ms, prio, queue/key/payload lens
+COPY_HEADER = struct.Struct(">BQQQBHHH")
+#: The copy entry of log format 1: no pushed_ms.
+COPY_HEADER_1 = struct.Struct(">BQQBHHH")
 REMOVE = struct.Struct(">BQ")  # kind, seq
 _LENGTH = struct.Struct(">I")
+_PUSH_SIZE: Final = PUSH_HEADER.size
+_COPY_SIZE: Final = COPY_HEADER.size
+_COPY_1_SIZE: Final = COPY_HEADER_1.size
+_REMOVE_SIZE: Final = REMOVE.size
 
 
 class LogFormatError(ValueError):
@@ -93,8 +104,9 @@ class Block(NamedTuple):
 
 
 #: A decoded entry, one plain tuple per kind (the replay loop reads millions of them):
-#: ``(PUSH or COPY, seq, deadline_ms, prio, queue, key, payload)`` or ``(REMOVE, seq)``. A
-#: push's deadline is already made absolute; 0 means never.
+#: ``(PUSH or COPY, seq, deadline_ms, prio, queue, key, payload, pushed_ms)`` or
+#: ``(REMOVE, seq)``. A push's deadline is already made absolute (0 means never), and its
+#: ``pushed_ms`` is its block's ``base_ms``; a copy's is its own (0: unknown).
 Entry = tuple[Any, ...]
 
 # The kinds as plain ints, for the loops that compare every entry's first byte.
@@ -108,9 +120,17 @@ def encode_push(queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int
 
 
 def encode_copy(
-    seq: int, deadline_ms: int, prio: int, queue: bytes, key: bytes, payload: bytes
+    seq: int,
+    deadline_ms: int,
+    pushed_ms: int,
+    prio: int,
+    queue: bytes,
+    key: bytes,
+    payload: bytes,
 ) -> bytes:
-    header = COPY_HEADER.pack(Kind.COPY, seq, deadline_ms, prio, len(queue), len(key), len(payload))
+    header = COPY_HEADER.pack(
+        Kind.COPY, seq, deadline_ms, pushed_ms, prio, len(queue), len(key), len(payload)
+    )
     return b"".join((header, queue, key, payload))
 
 
@@ -168,36 +188,56 @@ def zeros_from(data: bytes, offset: int) -> bool:
     return True
 
 
-def decode_entries(data: bytes, block: Block) -> list[Entry]:
-    """The entries of a block of ``data``, in order, each as an ``Entry`` tuple. Raises
-    ``LogFormatError`` at an entry that is cut short or of an unknown kind (only a writer bug
-    or a newer format makes one: the block's checksum was right). One tight loop over the
-    bytes, since recovery decodes every entry of the log: about a microsecond each."""
+def decode_entries(data: bytes, block: Block, *, old_copies: bool = False) -> list[Entry]:
+    """The entries of a block of ``data``, in order, each as an ``Entry`` tuple (copies laid
+    out as log format 1 wrote them with ``old_copies``). Raises ``LogFormatError`` at an entry
+    that is cut short or of an unknown kind (only a writer bug or a newer format makes one: the
+    block's checksum was right).
+
+    One tight loop over the bytes, since recovery decodes every entry of the log. The fields
+    are read byte by byte rather than with ``struct``: this module is compiled (mypyc), where
+    indexing ``bytes`` and native integer arithmetic are C, while a ``struct`` call and the
+    tuple it returns cost more than the rest of the entry (recovery of a million packets spent
+    half its time here)."""
     entries: list[Entry] = []
     append = entries.append
-    pos, end = block.start, block.end
-    seq, base_ms = block.seq_base, block.base_ms
-    unpack_push, unpack_copy = PUSH_HEADER.unpack_from, COPY_HEADER.unpack_from
-    push_size, copy_size = PUSH_HEADER.size, COPY_HEADER.size
+    pos: int = block.start
+    end: int = block.end
+    seq: int = block.seq_base
+    base_ms: int = block.base_ms
     while pos < end:
         kind = data[pos]
         if kind == _PUSH:
-            if end - pos < push_size:
+            if end - pos < _PUSH_SIZE:
                 raise LogFormatError("a push entry cut short")
-            _, ttl_ms, prio, queue_len, key_len, payload_len = unpack_push(data, pos)
-            pos += push_size
+            ttl_ms = data[pos + 1] << 8 | data[pos + 2]
+            prio = data[pos + 3]
+            queue_len = data[pos + 4] << 8 | data[pos + 5]
+            key_len = data[pos + 6] << 8 | data[pos + 7]
+            payload_len = data[pos + 8] << 8 | data[pos + 9]
+            pos += _PUSH_SIZE
             seq += 1
-            number, deadline_ms = seq, base_ms + ttl_ms if ttl_ms else 0
+            number = seq
+            deadline_ms = base_ms + ttl_ms if ttl_ms else 0
+            pushed_ms = base_ms
         elif kind == _COPY:
-            if end - pos < copy_size:
+            size = _COPY_1_SIZE if old_copies else _COPY_SIZE
+            if end - pos < size:
                 raise LogFormatError("a copy entry cut short")
-            _, number, deadline_ms, prio, queue_len, key_len, payload_len = unpack_copy(data, pos)
-            pos += copy_size
+            number = _u64(data, pos + 1)
+            deadline_ms = _u64(data, pos + 9)
+            lengths = pos + size - 6  # prio before them, pushed_ms before it (format 2)
+            pushed_ms = 0 if old_copies else _u64(data, pos + 17)
+            prio = data[lengths - 1]
+            queue_len = data[lengths] << 8 | data[lengths + 1]
+            key_len = data[lengths + 2] << 8 | data[lengths + 3]
+            payload_len = data[lengths + 4] << 8 | data[lengths + 5]
+            pos += size
         elif kind == _REMOVE:
-            if end - pos < REMOVE.size:
+            if end - pos < _REMOVE_SIZE:
                 raise LogFormatError("a remove entry cut short")
-            append(REMOVE.unpack_from(data, pos))
-            pos += REMOVE.size
+            append((_REMOVE, _u64(data, pos + 1)))
+            pos += _REMOVE_SIZE
             continue
         else:
             raise LogFormatError(f"unknown entry kind 0x{kind:02x}")
@@ -215,7 +255,13 @@ def decode_entries(data: bytes, block: Block) -> list[Entry]:
                 data[pos:key_at],
                 data[key_at:payload_at],
                 data[payload_at:stop],
+                pushed_ms,
             )
         )
         pos = stop
     return entries
+
+
+def _u64(data: bytes, at: int) -> int:
+    """The big-endian u64 at ``at`` (the caller checked that its 8 bytes are there)."""
+    return int.from_bytes(data[at : at + 8], "big")

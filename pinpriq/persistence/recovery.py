@@ -31,6 +31,7 @@ from pinpriq.persistence.records import (
     BLOCK_HEADER,
     BLOCK_MAGIC,
     REMOVE,
+    Block,
     Kind,
     LogFormatError,
     decode_entries,
@@ -52,6 +53,8 @@ log = logging.getLogger("pinpriq.persistence")
 
 _PUSH, _COPY = int(Kind.PUSH), int(Kind.COPY)
 BLOCK_HEADER_SIZE = BLOCK_HEADER.size
+#: Ages are kept to within this (ms), as the running store notes the time about once a second.
+TIME_NOTE_MS = 1000
 
 
 class Cut(NamedTuple):
@@ -94,6 +97,11 @@ class Scan:
         self.expired: list[int] = []
         #: The deadlines (wall-clock ms) of the live packets that have one, by seq.
         self.deadlines: dict[int, int] = {}
+        #: ``(seq, ms)``: by wall-clock time ``ms``, packets up to ``seq`` had been pushed,
+        #: and the later ones were pushed at or after it; in seq order, about one a second of
+        #: the log's history (from the blocks' ``base_ms`` and the copies' ``pushed_ms``), so
+        #: recovered packets keep their ages (``QueueStore.load``'s ``times``).
+        self.times: list[tuple[int, int]] = []
         #: The last seq any block used: pushes go on from the next one.
         self.last_seq = 0
         self.blocks = 0
@@ -121,11 +129,12 @@ def scan(data_dir: DataDir, *, now_ms: int) -> Scan:
             _file_spare(result, number, path, data, last=index == len(files) - 1)
             continue
         try:
-            check_segment_header(data, path)
+            version = check_segment_header(data, path)
         except DataDirError as error:
             result.damage = _damage(path, 0, str(error), data, files[index + 1 :])
             break
         segment = Segment(number, path, len(data))
+        segment.version = version
         offset = replay.segment(segment, data)
         result.segments.append(segment)
         if offset is None and segment.first_seq is None and index < last_with_blocks:
@@ -153,6 +162,8 @@ class _Replay:
         self.next_seq: int | None = None  # the seq_base the next block must have
         self.failure = ""
         self.unsorted = False
+        self._noted_ms = -TIME_NOTE_MS  # the time of the last note kept from a block
+        self._copy_noted_ms = -TIME_NOTE_MS  # ... from a copy
 
     def segment(self, segment: Segment, data: bytes) -> int | None:
         """Replay one segment's blocks; returns ``None`` if all were good, else the offset of
@@ -168,20 +179,22 @@ class _Replay:
                     raise LogFormatError(
                         f"block seq {block.seq_base} does not follow {self.next_seq}"
                     )
-                entries = decode_entries(data, block)
+                entries = decode_entries(data, block, old_copies=segment.version == 1)
             except LogFormatError as error:
                 segment.end = offset
                 self.failure = str(error)
                 return offset
-            self._apply(segment, block.seq_base, block.end - block.start, entries)
+            self._apply(segment, block, entries)
             offset = block.end
 
-    def _apply(
-        self, segment: Segment, seq_base: int, body_bytes: int, entries: list[tuple[Any, ...]]
-    ) -> None:
+    def _apply(self, segment: Segment, block: Block, entries: list[tuple[Any, ...]]) -> None:
+        seq_base, base_ms, body_bytes = block.seq_base, block.base_ms, block.end - block.start
         result = self.result
         if segment.first_seq is None:
             segment.first_seq = seq_base + 1
+        if entries and entries[0][0] == _PUSH and base_ms >= self._noted_ms + TIME_NOTE_MS:
+            result.times.append((seq_base, base_ms))  # its pushes are at or after base_ms
+            self._noted_ms = base_ms
         count = len(entries)
         last = entries[-1] if entries else None
         if last is not None and last[0] == _PUSH and last[1] == seq_base + count:
@@ -217,6 +230,10 @@ class _Replay:
                 packets[copied_seq] = entry
                 copied[copied_seq] = number
                 copies += 1
+                pushed_ms = entry[7]
+                if pushed_ms and abs(pushed_ms - self._copy_noted_ms) >= TIME_NOTE_MS:
+                    self.result.times.append((copied_seq - 1, pushed_ms))
+                    self._copy_noted_ms = pushed_ms
             else:
                 packets.pop(entry[1], None)
                 copied.pop(entry[1], None)
@@ -229,6 +246,7 @@ class _Replay:
         result = self.result
         if self.unsorted:
             result.packets = dict(sorted(result.packets.items()))
+        result.times.sort()
         packets = result.packets
         segments = result.segments
         # Each segment holds the pushes of a range of seqs: count the live seqs per range by
@@ -256,7 +274,7 @@ def _file_spare(result: Scan, number: int, path: Path, data: bytes, *, last: boo
     """A segment file without blocks: a spare if its header is good, the leftover of an
     interrupted creation if it is the newest file and all zeros; anything else is damage."""
     try:
-        check_segment_header(data, path)
+        version = check_segment_header(data, path)
     except DataDirError as error:
         if last and zeros_from(data, 0):
             result.unfinished.append(path)
@@ -268,7 +286,9 @@ def _file_spare(result: Scan, number: int, path: Path, data: bytes, *, last: boo
         extent = _nonzero_extent(data, SEGMENT_HEADER_SIZE)
         result.damage = result.damage or Cut(path, SEGMENT_HEADER_SIZE, reason, extent)
         return
-    result.spares.append(Segment(number, path, len(data)))
+    spare = Segment(number, path, len(data))
+    spare.version = version
+    result.spares.append(spare)
 
 
 def _damage(

@@ -3,10 +3,15 @@ segment files created with their space reserved.
 
 A data directory holds::
 
-    FORMAT                  "pinpriq log format 1\\n", written when the directory is first used
+    FORMAT                  "pinpriq log format 2\\n", written when the directory is first used
     LOCK                    locked (flock) by the one server using the directory
     0000000000000001.log    segments, numbered upwards: the log is their blocks, in order
     0000000000000002.log    ...
+
+Format 2 (issue 21) adds the push time to copy entries (``records.py``). This version reads
+format 1 too: each segment's header says which format its blocks are in, a format-1 directory's
+``FORMAT`` is rewritten to 2 when a server opens it (the segments it writes are format 2, which
+an older server must refuse), and no block is ever appended to a format-1 segment.
 
 A segment is a 16-byte header (``PINPRIQL``, u32 format version, u32 CRC-32 of those 12 bytes)
 followed by blocks (``records.py``) and then zero bytes up to its reserved size: a segment is
@@ -29,6 +34,7 @@ from typing import Final
 
 __all__ = [
     "FORMAT_VERSION",
+    "READABLE_VERSIONS",
     "SEGMENT_HEADER_SIZE",
     "DataDir",
     "DataDirError",
@@ -38,7 +44,9 @@ __all__ = [
     "segment_header",
 ]
 
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2
+#: The formats this version reads (and the one it writes).
+READABLE_VERSIONS: Final = (1, 2)
 FORMAT_FILE: Final = "FORMAT"
 LOCK_FILE: Final = "LOCK"
 _FORMAT_PREFIX: Final = "pinpriq log format "
@@ -59,17 +67,20 @@ def segment_header() -> bytes:
     return head + zlib.crc32(head).to_bytes(4, "big")
 
 
-def check_segment_header(data: bytes, path: Path) -> None:
-    """Raise ``DataDirError`` unless ``data`` starts with a header this version reads."""
+def check_segment_header(data: bytes, path: Path) -> int:
+    """The format version of the segment ``data`` starts with; raises ``DataDirError`` unless
+    its header is sound and this version reads that format."""
     if len(data) < _HEADER.size:
         raise DataDirError(f"{path}: {len(data)} bytes, too short for a segment header")
     magic, version, crc = _HEADER.unpack_from(data)
     if magic != _SEGMENT_MAGIC or zlib.crc32(data[:12]) != crc:
         raise DataDirError(f"{path}: not a pinpriq log segment (bad header)")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise DataDirError(
-            f"{path}: written in log format {version}; this pinpriq reads format {FORMAT_VERSION}"
+            f"{path}: written in log format {version}; this pinpriq reads formats "
+            f"{' and '.join(map(str, READABLE_VERSIONS))}"
         )
+    return int(version)
 
 
 def fsync_dir(path: Path) -> None:
@@ -118,6 +129,7 @@ class Segment:
         "number",
         "path",
         "size",
+        "version",
     )
 
     def __init__(self, number: int, path: Path, size: int, end: int = SEGMENT_HEADER_SIZE) -> None:
@@ -141,6 +153,8 @@ class Segment:
         #: The log position that must be on disk before this segment may be deleted: the end of
         #: the copies compaction made of its packets (0: none made).
         self.copies_at = 0
+        #: The log format its blocks are in (its header says so).
+        self.version: int = FORMAT_VERSION
 
     def live_bytes(self) -> float:
         """An estimate of the bytes of live packet entries in this segment."""
@@ -236,12 +250,7 @@ class DataDir:
                     f"data directory {path} holds log segments but no {FORMAT_FILE} file"
                 ) from None
             if write:
-                try:
-                    _write_durably(format_file, f"{_FORMAT_PREFIX}{FORMAT_VERSION}\n")
-                except OSError as error:
-                    raise DataDirError(
-                        f"cannot write to data directory {path}: {_why(error)}"
-                    ) from None
+                _write_format(path)
             return
         version_text = text.strip().removeprefix(_FORMAT_PREFIX)
         if not text.startswith(_FORMAT_PREFIX) or not version_text.isdigit():
@@ -252,8 +261,10 @@ class DataDir:
                 f"data directory {path} was written by a newer pinpriq (log format {version}); "
                 f"this one reads format {FORMAT_VERSION}: upgrade pinpriq"
             )
-        if version < FORMAT_VERSION:  # there is no older format yet
+        if version not in READABLE_VERSIONS:
             raise DataDirError(f"{format_file}: unknown log format {version}")
+        if version < FORMAT_VERSION and write:  # what it writes from now on is the new format
+            _write_format(path)
 
     def segment_paths(self) -> list[tuple[int, Path]]:
         """The segment files, oldest first, as (number, path)."""
@@ -279,6 +290,14 @@ def _segment_number(name: str) -> int | None:
     if len(name) == _DIGITS + len(_SUFFIX) and stem != name and stem.isdigit():
         return int(stem)
     return None
+
+
+def _write_format(path: Path) -> None:
+    """Write the data directory's FORMAT file, naming the format this version writes."""
+    try:
+        _write_durably(path / FORMAT_FILE, f"{_FORMAT_PREFIX}{FORMAT_VERSION}\n")
+    except OSError as error:
+        raise DataDirError(f"cannot write to data directory {path}: {_why(error)}") from None
 
 
 def _write_durably(path: Path, text: str) -> None:

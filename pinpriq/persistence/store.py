@@ -177,11 +177,15 @@ class LoggedStore(QueueStore):
         order), prio and ``deadline`` (on the store's clock; ``inf``: none) kept: a dead-letter
         move (decision 19). It is written whole, as a copy entry naming its new queue. Call it
         in the same batch as the move, before ``flush``."""
+        now = self._clock()
+        to_wall = self._wall_clock() - now  # seconds from the store's clock to the wall clock
         deadline_ms = 0
         if deadline != math.inf:
-            deadline_ms = int((deadline + self._wall_clock() - self._clock()) * 1000)
+            deadline_ms = int((deadline + to_wall) * 1000)
         key, payload, prio, seq = packet[KEY], packet[PAYLOAD], packet[PRIO], packet[SEQ]
-        self.journal.add_copy(seq, deadline_ms, prio, queue, key, payload)
+        age = self._age(seq, now)  # at most: from the store's time notes
+        pushed_ms = 0 if age is None else int((now - age + to_wall) * 1000)  # 0: unknown
+        self.journal.add_copy(seq, deadline_ms, pushed_ms, prio, queue, key, payload)
 
     def locate(self, queue: bytes, key: bytes, seq: int) -> bytes | None:
         """The queue live packet ``seq`` is in now, ``None`` if it is gone (compaction asks
@@ -247,6 +251,7 @@ class LoggedStore(QueueStore):
                 map(_LOADED, result.packets.values()),
                 {seq: now + (ms - now_ms) / 1000 for seq, ms in result.deadlines.items()},
                 result.last_seq,
+                times=[(seq, now + (ms - now_ms) / 1000) for seq, ms in result.times],
             )
             try:
                 journal.open(result)
