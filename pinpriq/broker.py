@@ -53,7 +53,9 @@ Theory of operation, as the driver sees it:
 * **Counting.** ``totals()`` reads what the store already counts (pushes, expiries, purges,
   packets held) and the deliveries, and derives the rest: an addition per packet on the hot
   path costs more than a push's whole bookkeeping in the store, so there is none. The lease
-  table counts per lease (``lease_totals()``, ``leases.leased(queue)``).
+  table counts per lease (``lease_totals()``, ``leases.leased(queue)``). Pushes per queue
+  (``pushes``, for the admin layer's per-queue rates) are counted per run of pushes to one
+  queue within a batch, from the store's own count: a push pays one comparison of queue names.
 """
 
 from __future__ import annotations
@@ -195,6 +197,8 @@ class Broker:
         self.dirty: list[Session] = []
         #: Open sessions.
         self.sessions = 0
+        #: Pushes per queue since the admin layer last took them (``take_pushes``).
+        self.pushes: dict[bytes, int] = {}
 
     def open_session(self) -> Session:
         """The protocol state of a new connection."""
@@ -227,6 +231,17 @@ class Broker:
             if self.memory_full:
                 self.check_memory()
         return purged
+
+    def take_pushes(self) -> dict[bytes, int]:
+        """Pushes per queue since the last call (the admin layer's sampler calls it once a
+        second), forgetting them."""
+        pushes, self.pushes = self.pushes, {}
+        return pushes
+
+    def count_pushes(self, queue: bytes, count: int) -> None:
+        """Add a run of ``count`` pushes to ``queue`` to ``pushes``."""
+        if count:
+            self.pushes[queue] = self.pushes.get(queue, 0) + count
 
     def lease_totals(self) -> LeaseTotals:
         """What the leases count, for metrics (leased packets per queue: ``leases.leased``)."""
@@ -378,6 +393,10 @@ class Session(Subscriber):
         # which refuses it (decision 18). Only a handled frame can make the connection leased,
         # so ``pop`` is looked at again after each one, and the pop path pays nothing for it.
         pop = None if self.leased else Pop
+        # Pushes are counted per queue by runs: a run's count is what the store's own count
+        # grew by while it lasted, so a push pays a comparison, not a dictionary update.
+        run_queue: bytes | None = None
+        run_start = 0
         try:
             for index in range(start, len(frames)):
                 frame = frames[index]
@@ -387,6 +406,10 @@ class Session(Subscriber):
                         self.blocked = Blocked.MEMORY
                         return index
                     queue, key, payload, ttl_ms, prio = frame  # type: ignore[misc]
+                    if queue != run_queue:
+                        if run_queue is not None:
+                            broker.count_pushes(run_queue, store.pushed - run_start)
+                        run_queue, run_start = queue, store.pushed
                     deadline = store.push(queue, key, payload, ttl_ms, prio)
                     if ttl_ms and deadline < broker.timer:
                         broker.timer = deadline
@@ -416,6 +439,8 @@ class Session(Subscriber):
             self.blocked = None
             return index
         finally:
+            if run_queue is not None:
+                broker.count_pushes(run_queue, store.pushed - run_start)
             if broker.memory_full:
                 broker.check_memory()  # pops and deliveries may have made room
 

@@ -28,12 +28,16 @@ async def serve_admin(
     host: str = "127.0.0.1",
     max_queues: int = DEFAULT_MAX_QUEUES,
     tls: ssl.SSLContext | None = None,
+    sampler: Sampler | None = None,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the admin API for ``server`` on ``host:port`` (0: a free port) until cancelled,
     over HTTPS with ``tls`` (the data port's context: one certificate, one client CA); reports
-    the TCP listeners through ``task_status`` once requests are accepted."""
-    sampler = Sampler(server.broker, trio.current_time)
+    the TCP listeners through ``task_status`` once requests are accepted. A ``sampler`` given
+    is not ticked here: its owner (a test) ticks it, so rates and charts are what it chose."""
+    ticked = sampler is None
+    if sampler is None:
+        sampler = Sampler(server.broker, trio.current_time)
     app = AdminApp(server, sampler, max_queues=max_queues)
     # Outside the nursery, so that a port in use is a plain OSError for the caller.
     sockets = await trio.open_tcp_listeners(port, host=host)
@@ -43,7 +47,8 @@ async def serve_admin(
         listeners = [trio.SSLListener(each, tls, https_compatible=True) for each in sockets]
     scheme = "http" if tls is None else "https"
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_sample, sampler)
+        if ticked:
+            nursery.start_soon(_sample, sampler)
         nursery.start_soon(partial(serve_http, app.handle, listeners, probes=PROBES))
         for listener in sockets:
             address = listener.socket.getsockname()
