@@ -232,6 +232,10 @@ class Browser:
             f"setTimeout(() => document.querySelector({json.dumps(selector)}).click(), 0)"
         )
 
+    async def close(self) -> None:
+        await self._to.aclose()
+        await self._from.aclose()
+
     async def answer(self, accept: bool) -> None:
         await self.call("Page.handleJavaScriptDialog", accept=accept)
 
@@ -271,6 +275,7 @@ async def start_browser(nursery: trio.Nursery) -> Browser:
             process.kill()
             with trio.CancelScope(shield=True):
                 await process.wait()
+                await browser.close()
             profile.cleanup()
 
     nursery.start_soon(run)
@@ -470,3 +475,11 @@ async def test_the_queue_page_asks_for_the_token_and_purges_with_it(
         await browser.until(ANSWERED)
         assert await browser.text("#action-result") == "Purged 2 packets."
         assert admin.live.store.queue_info(b"jobs").packets == 0
+
+
+async def test_a_queue_page_with_a_malformed_name_says_what_the_server_refused(
+    start_server: StartServer, nursery: trio.Nursery
+) -> None:
+    admin, _, _ = await start_sampled_admin(start_server, nursery, PinpriqServer())
+    page = await render(f"http://127.0.0.1:{admin.port}/#queue=%ZZ")
+    assert page.by_id["status"].startswith("the server refused: a malformed percent escape in %ZZ")
