@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from pinpriq.admin.stats import Sampler, connection_stats, listed_queues, server_stats
+from pinpriq.admin.stats import (
+    MAX_RATED_QUEUES,
+    Sampler,
+    connection_stats,
+    listed_queues,
+    server_stats,
+)
 from pinpriq.broker import Broker
 from pinpriq.store import QueueStore
 from pinpriq.wire import Pop, Push, Reserve, Subscribe
@@ -68,6 +74,7 @@ def test_queue_rates_count_pushes_per_queue_and_take_pops_from_depths() -> None:
     producer, consumer = broker.open_session(), broker.open_session()
     sampler = Sampler(broker, clock)
     sampler.watch(b"jobs")
+    sampler.watch(b"other")
     sampler.tick()
     for second in range(10):
         clock.now += 1.0
@@ -82,6 +89,8 @@ def test_queue_rates_count_pushes_per_queue_and_take_pops_from_depths() -> None:
     assert rates["history"] == {"pushed_per_s": [6.0] * 10, "popped_per_s": [4.0] * 10}
     assert sampler.queue_rates(b"other")["pushed_per_s"] == 1.0
     assert sampler.queue_rates(b"other")["popped_per_s"] == 0.0
+    # Nobody looked at it: nothing kept, nothing sampled.
+    assert sampler.queue_rates(b"unwatched")["popped_per_s"] is None
 
 
 def test_queue_rates_leave_purges_out_and_forget_queues_after_a_minute() -> None:
@@ -89,21 +98,20 @@ def test_queue_rates_leave_purges_out_and_forget_queues_after_a_minute() -> None
     broker = Broker(QueueStore(clock))
     session = broker.open_session()
     sampler = Sampler(broker, clock)
+    sampler.watch(b"q")
     sampler.tick()
     clock.now += 1.0
     session.receive([Push(b"q", b"k%d" % i, b"") for i in range(5)])
-    sampler.tick()
-    clock.now += 1.0
     sampler.purged(b"q", broker.purge(b"q"))
     sampler.tick()
     rates = sampler.queue_rates(b"q")
-    # Depths are sampled from the first push on: one second, five pushed, five purged.
-    assert (rates["window_s"], rates["pushed_per_s"], rates["popped_per_s"]) == (1.0, 0.0, 0.0)
+    # Five pushed and five purged in a second: none taken.
+    assert (rates["window_s"], rates["pushed_per_s"], rates["popped_per_s"]) == (1.0, 5.0, 0.0)
     assert sampler.queue_rates(b"never")["popped_per_s"] is None  # no depth sampled yet
-    for _ in range(61):  # a minute without pushes or questions: no longer sampled
+    for _ in range(61):  # a minute without questions: no longer sampled
         clock.now += 1.0
         sampler.tick()
-    assert b"q" not in sampler.tracked
+    assert b"q" not in sampler.watched
     for _ in range(61):  # and a minute later no sample holds it
         clock.now += 1.0
         sampler.tick()
@@ -137,3 +145,33 @@ def test_connection_stats_group_connections_by_peer_address() -> None:
         {"address": "[::1]", "connections": 1, "subscribers": 0, "leased": 1, "leases": 2},
     ]
     assert connection_stats([])["by_address"] == []
+
+
+def test_a_broker_counts_pushes_per_queue_only_once_a_sampler_takes_them() -> None:
+    clock = FakeClock()
+    broker = Broker(QueueStore(clock))
+    session = broker.open_session()
+    session.receive([Push(b"q%d" % i, b"k", b"") for i in range(100)])
+    assert broker.pushes is None  # no admin listener: no count per queue kept
+    assert broker.take_pushes() == {}
+    session.receive([Push(b"a", b"k", b""), Push(b"b", b"k", b""), Push(b"a", b"j", b"")])
+    assert broker.take_pushes() == {b"a": 2, b"b": 1}
+    assert broker.take_pushes() == {}
+
+
+def test_the_sampler_keeps_at_most_its_limit_of_queues() -> None:
+    clock = FakeClock()
+    broker = Broker(QueueStore(clock))
+    session = broker.open_session()
+    sampler = Sampler(broker, clock)
+    names = [b"q%d" % i for i in range(MAX_RATED_QUEUES + 5)]
+    for name in names:
+        sampler.watch(name)
+    sampler.tick()
+    session.receive([Push(name, b"k", b"") for name in names])
+    clock.now += 1.0
+    sampler.tick()
+    last = sampler.queue_samples[-1]
+    assert len(sampler.watched) == len(last.depths) == len(last.pushed) == MAX_RATED_QUEUES
+    assert sampler.queue_rates(names[0])["pushed_per_s"] == 1.0
+    assert sampler.queue_rates(names[-1])["popped_per_s"] is None  # past the limit

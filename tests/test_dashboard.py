@@ -320,7 +320,7 @@ async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     assert (orders["pushed"], orders["popped"]) == ("4.0", "0.5")  # 8 pushed, 1 taken, in 2 s
     assert page.prios["orders"] == {"0": "1", "1": "2", "2": "2", "3": "2"}
     assert page.rows[escape(odd)]["name"] == "<b>café</b>\\\\\\xff"  # shown as text
-    assert page.rows[escape(odd)]["popped"] == NO_FIGURE  # not sampled before its first push
+    assert page.rows[escape(odd)]["popped"] == NO_FIGURE  # nobody looked at it before: no rates
     assert "b" not in page.tags_in_table  # never as markup
     assert page.prios[escape(odd)] == {"9": "1"}
     assert page.rows["empty"]["packets"] == "0"

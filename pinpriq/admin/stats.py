@@ -9,13 +9,14 @@ Rates come from ``Sampler``: once a second the server records the totals and the
 and a rate is the difference between now and a sample about ten seconds old. The samples of the
 last five minutes are kept for the dashboard's chart.
 
-Per-queue rates cover the last minute. Pushes per queue are counted by the broker per run of
-pushes (``Broker.take_pushes``); pops are not counted per queue at all (a count per pop,
-delivery and lease would cost the hot path): a queue's packets taken are its pushes less its
-purges less how much deeper it got, from its depth sampled each second. So they include
-packets that expired, and packets coming back from leases or arriving as dead letters count
-against them. Depths are sampled for the queues pushed to or asked about (``watch``) in the
-last minute, at most ``MAX_RATED_QUEUES`` of them.
+Per-queue rates cover the last minute of the queues someone looks at: those ``/stats`` listed
+or ``/queues/NAME`` answered for (``watch``) in the last minute, at most ``MAX_RATED_QUEUES``;
+while nobody looks, a second's sample costs nothing per queue. Pushes per queue are counted by
+the broker per run of pushes (``Broker.take_pushes``); pops are not counted per queue at all (a
+count per pop, delivery and lease would cost the hot path): a queue's packets taken are its
+pushes less its purges less how much deeper it got, from its depth sampled each second. So
+they include packets that expired, and packets coming back from leases or arriving as dead
+letters count against them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pinpriq.persistence.journal import Journal
 __all__ = [
     "DEFAULT_MAX_QUEUES",
     "HISTORY_SECONDS",
+    "MAX_RATED_QUEUES",
     "QUEUE_RATE_WINDOW",
     "RATE_WINDOW",
     "Sample",
@@ -56,8 +58,8 @@ RATE_WINDOW = 10.0
 HISTORY_SECONDS = 300
 #: Seconds per-queue rates look back over.
 QUEUE_RATE_WINDOW = 60
-#: Queues whose depth is sampled each second, at most: the cost of a second's sample is
-#: O(these queues' priority levels).
+#: Queues whose rates are kept, at most: a second's sample costs O(these queues' priority
+#: levels).
 MAX_RATED_QUEUES = 10_000
 #: Peer addresses ``connection_stats`` lists, at most (those with the most connections).
 MAX_ADDRESSES = 100
@@ -105,8 +107,8 @@ class Sampler:
         self.started = clock()
         self.samples: deque[Sample] = deque(maxlen=HISTORY_SECONDS + 1)
         self.queue_samples: deque[QueueSample] = deque(maxlen=QUEUE_RATE_WINDOW + 1)
-        #: Queues whose depth is sampled, and when each was last pushed to or asked about.
-        self.tracked: dict[bytes, float] = {}
+        #: Queues whose rates are kept, and when each was last asked about.
+        self.watched: dict[bytes, float] = {}
         #: Packets purged per queue since the last tick (``purged``).
         self.purges: dict[bytes, int] = {}
 
@@ -123,9 +125,9 @@ class Sampler:
         self.broker.store.note_time()
 
     def watch(self, queue: bytes) -> None:
-        """Sample ``queue``'s depth for the next minute: someone is looking at it."""
-        if queue in self.tracked or len(self.tracked) < MAX_RATED_QUEUES:
-            self.tracked[queue] = self.clock()
+        """Keep ``queue``'s rates for the next minute: someone is looking at it."""
+        if queue in self.watched or len(self.watched) < MAX_RATED_QUEUES:
+            self.watched[queue] = self.clock()
 
     def purged(self, queue: bytes, count: int) -> None:
         """Note a purge, so that its packets are not taken for pops."""
@@ -133,15 +135,16 @@ class Sampler:
             self.purges[queue] = self.purges.get(queue, 0) + count
 
     def _sample_queues(self, now: float) -> None:
-        pushed = self.broker.take_pushes()
+        every_push = self.broker.take_pushes()
         purged, self.purges = self.purges, {}
-        tracked = self.tracked
-        for queue in pushed:
-            self.watch(queue)
-        for queue in [q for q, seen in tracked.items() if now - seen > QUEUE_RATE_WINDOW]:
-            del tracked[queue]
+        watched = self.watched
+        for queue in [q for q, seen in watched.items() if now - seen > QUEUE_RATE_WINDOW]:
+            del watched[queue]
         info = self.broker.store.queue_info
-        depths = {queue: info(queue).packets for queue in tracked}
+        depths = {queue: info(queue).packets for queue in watched}
+        # Only the watched queues' counts are kept: pushes to a million names in a second
+        # must not be a million entries.
+        pushed = {queue: every_push[queue] for queue in watched if queue in every_push}
         self.queue_samples.append(QueueSample(now, pushed, purged, depths))
 
     def queue_rates(self, queue: bytes) -> dict[str, Any]:
