@@ -700,6 +700,11 @@ class PinpriqServer:
         """Connections being served now."""
         return len(self._connections)
 
+    def peers(self) -> list[tuple[str, Session]]:
+        """Each connection being served: its peer (HOST:PORT, as the log names it) and its
+        protocol state, for the admin listener to read, never to change. O(connections)."""
+        return [(conn.peer, session) for session, conn in self._connections.items()]
+
     def after_batch(self) -> None:
         """Called by a connection's reader right after ``Session.receive``, with no await in
         between: moves the expiry timer forward if a push needs it, and writes the deliveries

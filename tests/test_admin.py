@@ -228,6 +228,7 @@ async def test_stats_tell_each_queues_packets_bytes_priorities_and_times(admin: 
     assert 28_000 <= work["next_expiry_ms"] <= 30_000
     assert idle == {
         "name": "idle",
+        "path_name": "idle",
         "packets": 0,
         "bytes": 0,
         "by_priority": {},
@@ -235,6 +236,13 @@ async def test_stats_tell_each_queues_packets_bytes_priorities_and_times(admin: 
         "leased": 0,
         "oldest_age_ms": None,
         "next_expiry_ms": None,
+        # Never pushed to, and first asked about now: nothing sampled yet.
+        "rates": {
+            "window_s": 0,
+            "pushed_per_s": 0.0,
+            "popped_per_s": None,
+            "history": {"pushed_per_s": [], "popped_per_s": []},
+        },
     }
     assert stats["connections"] == 2
     assert stats["subscribers"] == 1
@@ -597,3 +605,51 @@ async def test_a_handler_error_is_a_500_and_the_listener_goes_on(
     assert "internal error" in json.loads(body)["error"]
     assert "a bug" in caplog.text
     assert (await admin.request("GET", "/healthz"))[0] == 200
+
+
+async def test_connections_are_counted_per_peer_address_with_subscribers_and_leases(
+    admin: Admin,
+) -> None:
+    assert await admin.json("/connections") == {
+        "connections": 0,
+        "subscribers": 0,
+        "leased": 0,
+        "leases": 0,
+        "addresses": 0,
+        "by_address": [],
+    }
+    plain, subscriber, worker = [await admin.live.connect() for _ in range(3)]
+    await applied(subscriber, subscribe(b"q"))
+    await applied(worker, push(b"jobs", b"a", b"") + push(b"jobs", b"b", b""))
+    await worker.send(reserve(b"jobs") + reserve(b"jobs"))
+    await worker.receive_exactly(2 * len(lease_reply(1, 1, (b"a", b""))))
+    await applied(plain, b"")
+    figures = {"connections": 3, "subscribers": 1, "leased": 1, "leases": 2}
+    assert await admin.json("/connections") == {
+        **figures,
+        "addresses": 1,
+        "by_address": [{"address": "127.0.0.1", **figures}],
+    }
+
+
+async def test_peek_previews_keys_and_payloads_as_escaped_text_cut_with_their_lengths(
+    admin: Admin,
+) -> None:
+    peer = await admin.live.connect()
+    await applied(peer, push(b"q", b"k\n", b"<b>caf\xc3\xa9</b>\xff" + b"z" * 100))
+    peeked = await admin.json("/queues/q/peek?preview=8")
+    assert peeked["packets"] == [
+        {
+            "prio": 1,
+            "key_text": "k\\n",
+            "key_bytes": 2,
+            "payload_text": "<b>caf\u00e9",  # the first 8 bytes, shown as display.escape does
+            "payload_bytes": 113,
+        }
+    ]
+    cut_in_a_character = (await admin.json("/queues/q/peek?preview=7"))["packets"][0]
+    assert cut_in_a_character["payload_text"] == "<b>caf\\xc3"  # a byte is a byte
+    whole = (await admin.json("/queues/q/peek?preview=65535"))["packets"][0]
+    assert whole["payload_text"] == "<b>caf\u00e9</b>\\xff" + "z" * 100
+    status, _, _ = await admin.request("GET", "/queues/q/peek?preview=0")
+    assert status == 400

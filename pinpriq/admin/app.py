@@ -6,8 +6,10 @@
     GET  /readyz                200 when ready; 503 while starting or shutting down
     GET  /metrics               Prometheus text exposition
     GET  /stats[?limit=N]       the server's figures and its N deepest queues' (JSON)
-    GET  /queues/NAME           one queue's figures (JSON)
-    GET  /queues/NAME/peek?n=N  the next N packets pops would return, none removed (JSON)
+    GET  /connections           the data port's connections, per peer address (JSON)
+    GET  /queues/NAME           one queue's figures, with its rates over the last minute (JSON)
+    GET  /queues/NAME/peek?n=N  the next N packets pops would return, none removed (JSON);
+                                with &preview=B, keys and payloads as text cut after B bytes
     POST /queues/NAME/purge     remove every packet of the queue; DELETE is the same (JSON)
 
 NAME is the queue's bytes, percent-encoded. When the server has a token, every path but
@@ -25,15 +27,22 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from importlib.resources import files
 from typing import Any, Protocol, TypeVar
 from urllib.parse import parse_qs, unquote_to_bytes
 
 from pinpriq.admin.http import Request, Response
 from pinpriq.admin.metrics import CONTENT_TYPE_LATEST, BrokerCollector, exposition, registry_for
-from pinpriq.admin.stats import DEFAULT_MAX_QUEUES, Sampler, queue_stats, server_stats
+from pinpriq.admin.stats import (
+    DEFAULT_MAX_QUEUES,
+    Sampler,
+    connection_stats,
+    queue_stats,
+    server_stats,
+)
 from pinpriq.auth import tokens_match
-from pinpriq.broker import Broker
+from pinpriq.broker import Broker, Session
 from pinpriq.display import escape, json_value
 from pinpriq.persistence.journal import Journal
 from pinpriq.store_contract import BatchedStore, PeekedPacket
@@ -76,6 +85,9 @@ class Observed(Protocol):
 
     @property
     def recovering(self) -> bool: ...
+
+    def peers(self) -> list[tuple[str, Session]]:
+        """Each connection: its peer (HOST:PORT) and its protocol state, to read only."""
 
     async def log_stored(self) -> None:
         """Return once the store's changes so far are logged as the fsync policy promises."""
@@ -142,6 +154,7 @@ class AdminApp:
             b"/readyz": self._readyz,
             b"/metrics": lambda _: Response(200, exposition(self.registry), CONTENT_TYPE_LATEST),
             b"/stats": self._stats,
+            b"/connections": lambda _: _json(connection_stats(self.server.peers())),
         }
         allowed = ("GET", "HEAD")
         if path in routes:
@@ -188,24 +201,32 @@ class AdminApp:
 
     def _queue(self, queue: bytes) -> Callable[[dict[str, list[str]]], Response]:
         _check_name(queue)
-        return lambda _: _json(queue_stats(self.broker, queue))
+        return lambda _: _json(queue_stats(self.broker, queue, self.sampler))
 
     def _peek(self, queue: bytes) -> Callable[[dict[str, list[str]]], Response]:
         _check_name(queue)
 
-        def answer(found: Sequence[PeekedPacket]) -> Response:
-            packets = [
-                {"key": json_value(key), "payload": json_value(payload), "prio": prio}
-                for key, payload, prio, *_ in found
-            ]
+        def answer(found: Sequence[PeekedPacket], preview: int) -> Response:
+            if preview:
+                packets = [
+                    _preview(key, payload, prio, preview) for key, payload, prio, *_ in found
+                ]
+            else:
+                packets = [
+                    {"key": json_value(key), "payload": json_value(payload), "prio": prio}
+                    for key, payload, prio, *_ in found
+                ]
             return _json({"queue": escape(queue), "packets": packets})
 
         def peek(query: dict[str, list[str]]) -> Response:
             count = _number(query, "n", DEFAULT_PEEK, 1, MAX_PEEK)
+            preview = _number(query, "preview", 0, 1, MAX_FIELD)
             store = self.broker.store
             if isinstance(store, BatchedStore):  # in another process: answered after a wait
-                return _later(lambda: store.peek_async(queue, count), answer)
-            return answer(store.peek(queue, count))
+                return _later(
+                    lambda: store.peek_async(queue, count), partial(answer, preview=preview)
+                )
+            return answer(store.peek(queue, count), preview)
 
         return peek
 
@@ -213,6 +234,7 @@ class AdminApp:
         _check_name(queue)
 
         def answer(purged: int) -> Response:
+            self.sampler.purged(queue, purged)  # so that the queue's rates do not count them
             return _json({"queue": escape(queue), "purged": purged})
 
         store = self.broker.store
@@ -238,6 +260,18 @@ def _later(work: Callable[[], Awaitable[_T]], answer: Callable[[_T], Response]) 
         return answer(await work())
 
     return Response(200, later=run)
+
+
+def _preview(key: bytes, payload: bytes, prio: int, size: int) -> dict[str, Any]:
+    """A peeked packet for people (``?preview=SIZE``): its key and payload as text, shown as
+    ``display.escape`` shows bytes, each cut after ``size`` bytes, with their lengths."""
+    return {
+        "prio": prio,
+        "key_text": escape(key[:size]),
+        "key_bytes": len(key),
+        "payload_text": escape(payload[:size]),
+        "payload_bytes": len(payload),
+    }
 
 
 def _check_action(request: Request) -> None:

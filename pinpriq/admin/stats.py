@@ -8,6 +8,15 @@ priority levels), never O(packets): the store keeps its counts as it changes
 Rates come from ``Sampler``: once a second the server records the totals and the packets held,
 and a rate is the difference between now and a sample about ten seconds old. The samples of the
 last five minutes are kept for the dashboard's chart.
+
+Per-queue rates cover the last minute of the queues someone looks at: those ``/stats`` listed
+or ``/queues/NAME`` answered for (``watch``) in the last minute, at most ``MAX_RATED_QUEUES``;
+while nobody looks, a second's sample costs nothing per queue. Pushes per queue are counted by
+the broker per run of pushes (``Broker.take_pushes``); pops are not counted per queue at all (a
+count per pop, delivery and lease would cost the hot path): a queue's packets taken are its
+pushes less its purges less how much deeper it got, from its depth sampled each second. So
+they include packets that expired, and packets coming back from leases or arriving as dead
+letters count against them.
 """
 
 from __future__ import annotations
@@ -19,18 +28,22 @@ from collections.abc import Callable, Iterable
 from itertools import islice
 from operator import itemgetter
 from typing import Any
+from urllib.parse import quote
 
 from pinpriq import __version__
-from pinpriq.broker import Broker, Totals
+from pinpriq.broker import Broker, Session, Totals
 from pinpriq.display import escape
 from pinpriq.persistence.journal import Journal
 
 __all__ = [
     "DEFAULT_MAX_QUEUES",
     "HISTORY_SECONDS",
+    "MAX_RATED_QUEUES",
+    "QUEUE_RATE_WINDOW",
     "RATE_WINDOW",
     "Sample",
     "Sampler",
+    "connection_stats",
     "listed_queues",
     "queue_stats",
     "server_stats",
@@ -43,6 +56,13 @@ DEFAULT_MAX_QUEUES = 1000
 RATE_WINDOW = 10.0
 #: Seconds of samples kept for the dashboard's chart, one a second.
 HISTORY_SECONDS = 300
+#: Seconds per-queue rates look back over.
+QUEUE_RATE_WINDOW = 60
+#: Queues whose rates are kept, at most: a second's sample costs O(these queues' priority
+#: levels).
+MAX_RATED_QUEUES = 10_000
+#: Peer addresses ``connection_stats`` lists, at most (those with the most connections).
+MAX_ADDRESSES = 100
 
 
 def _ms(seconds: float | None) -> int | None:
@@ -60,6 +80,24 @@ class Sample:
         self.packets = packets
 
 
+class QueueSample:
+    """One second of per-queue figures: pushes and purges during it, depths at its end."""
+
+    __slots__ = ("depths", "purged", "pushed", "time")
+
+    def __init__(
+        self,
+        time: float,
+        pushed: dict[bytes, int],
+        purged: dict[bytes, int],
+        depths: dict[bytes, int],
+    ) -> None:
+        self.time = time
+        self.pushed = pushed
+        self.purged = purged
+        self.depths = depths
+
+
 class Sampler:
     """One sample a second (``tick``, called by the server), for rates and the chart."""
 
@@ -68,6 +106,11 @@ class Sampler:
         self.clock = clock
         self.started = clock()
         self.samples: deque[Sample] = deque(maxlen=HISTORY_SECONDS + 1)
+        self.queue_samples: deque[QueueSample] = deque(maxlen=QUEUE_RATE_WINDOW + 1)
+        #: Queues whose rates are kept, and when each was last asked about.
+        self.watched: dict[bytes, float] = {}
+        #: Packets purged per queue since the last tick (``purged``).
+        self.purges: dict[bytes, int] = {}
 
     def now(self) -> Sample:
         """A sample of this moment (not kept)."""
@@ -76,8 +119,58 @@ class Sampler:
 
     def tick(self) -> None:
         """Keep a sample of this moment, and let the store note the time (packets' ages)."""
-        self.samples.append(self.now())
+        sample = self.now()
+        self.samples.append(sample)
+        self._sample_queues(sample.time)
         self.broker.store.note_time()
+
+    def watch(self, queue: bytes) -> None:
+        """Keep ``queue``'s rates for the next minute: someone is looking at it."""
+        if queue in self.watched or len(self.watched) < MAX_RATED_QUEUES:
+            self.watched[queue] = self.clock()
+
+    def purged(self, queue: bytes, count: int) -> None:
+        """Note a purge, so that its packets are not taken for pops."""
+        if count:
+            self.purges[queue] = self.purges.get(queue, 0) + count
+
+    def _sample_queues(self, now: float) -> None:
+        every_push = self.broker.take_pushes()
+        purged, self.purges = self.purges, {}
+        watched = self.watched
+        for queue in [q for q, seen in watched.items() if now - seen > QUEUE_RATE_WINDOW]:
+            del watched[queue]
+        info = self.broker.store.queue_info
+        depths = {queue: info(queue).packets for queue in watched}
+        # Only the watched queues' counts are kept: pushes to a million names in a second
+        # must not be a million entries.
+        pushed = {queue: every_push[queue] for queue in watched if queue in every_push}
+        self.queue_samples.append(QueueSample(now, pushed, purged, depths))
+
+    def queue_rates(self, queue: bytes) -> dict[str, Any]:
+        """Packets pushed to and taken from ``queue`` per second: over the last minute (or the
+        seconds since its depth was first sampled), and second by second, oldest first.
+        ``None`` for taken while its depth has not been sampled twice."""
+        window = [s for s in self.queue_samples if queue in s.depths]
+        rates: dict[str, Any] = {"window_s": 0, "pushed_per_s": 0.0, "popped_per_s": None}
+        pushed_each, popped_each = [], []
+        for before, after in zip(window, islice(window, 1, None), strict=False):
+            pushed = after.pushed.get(queue, 0)
+            taken = pushed - after.purged.get(queue, 0) - after.depths[queue] + before.depths[queue]
+            elapsed = max(after.time - before.time, 1e-9)
+            pushed_each.append(round(pushed / elapsed, 3))
+            popped_each.append(round(max(0, taken) / elapsed, 3))
+        if len(window) >= 2:
+            first, last = window[0], window[-1]
+            elapsed = last.time - first.time
+            pushed = sum(s.pushed.get(queue, 0) for s in window[1:])
+            purged = sum(s.purged.get(queue, 0) for s in window[1:])
+            taken = pushed - purged - last.depths[queue] + first.depths[queue]
+            rates["window_s"] = round(elapsed, 3)
+            rates["pushed_per_s"] = round(pushed / elapsed, 3)
+            rates["popped_per_s"] = round(max(0, taken) / elapsed, 3)
+        rates["history"] = {"pushed_per_s": pushed_each, "popped_per_s": popped_each}
+        return rates
 
     def rates(self, now: Sample) -> dict[str, float]:
         """Packets per second over the last ``RATE_WINDOW`` seconds (fewer just after start),
@@ -128,11 +221,13 @@ def listed_queues(broker: Broker, limit: int) -> list[tuple[bytes, int, int]]:
     return listed
 
 
-def queue_stats(broker: Broker, queue: bytes) -> dict[str, Any]:
-    """One queue's figures. O(priority levels)."""
+def queue_stats(broker: Broker, queue: bytes, sampler: Sampler) -> dict[str, Any]:
+    """One queue's figures. O(priority levels + a minute's samples)."""
     info = broker.store.queue_info(queue)
+    sampler.watch(queue)
     return {
         "name": escape(queue),
+        "path_name": quote(queue, safe=""),  # as /queues/NAME takes it
         "packets": info.packets,
         "bytes": info.bytes,
         "by_priority": info.by_priority,  # JSON makes the keys strings
@@ -140,6 +235,34 @@ def queue_stats(broker: Broker, queue: bytes) -> dict[str, Any]:
         "leased": broker.leases.leased(queue),  # on a lease: in no queue, not in "packets"
         "oldest_age_ms": _ms(info.oldest_age),
         "next_expiry_ms": _ms(info.next_expiry),
+        "rates": sampler.queue_rates(queue),
+    }
+
+
+def connection_stats(peers: Iterable[tuple[str, Session]]) -> dict[str, Any]:
+    """The data port's connections: how many, how many subscribe and hold leases, and the
+    same per peer address (the ``MAX_ADDRESSES`` with the most connections). O(connections)."""
+    by_address: dict[str, list[int]] = {}
+    for peer, session in peers:
+        host = peer.rpartition(":")[0] or peer  # one address, any port ("unknown peer": as is)
+        figures = by_address.setdefault(host, [0, 0, 0, 0])
+        leases = len(session.holder.leases)
+        figures[0] += 1
+        figures[1] += bool(session.queues)
+        figures[2] += bool(leases)
+        figures[3] += leases
+    fields = ("connections", "subscribers", "leased", "leases")
+    totals = [sum(column) for column in zip(*by_address.values(), strict=True)] or [0] * 4
+    busiest = heapq.nsmallest(
+        MAX_ADDRESSES, by_address.items(), key=lambda item: (-item[1][0], item[0])
+    )
+    return {
+        **dict(zip(fields, totals, strict=True)),
+        "addresses": len(by_address),
+        "by_address": [
+            {"address": host, **dict(zip(fields, figures, strict=True))}
+            for host, figures in busiest
+        ],
     }
 
 
@@ -175,7 +298,7 @@ def server_stats(
         "leases": broker.lease_totals()._asdict(),
         "log": None if journal is None else journal.stats()._asdict(),
         "rates_per_s": sampler.rates(now),
-        "queues": [queue_stats(broker, queue) for queue, _, _ in queues],
+        "queues": [queue_stats(broker, queue, sampler) for queue, _, _ in queues],
     }
     describe = getattr(store, "describe", None)  # a store in another process says what it is
     stats["store"] = describe() if describe is not None else {"kind": "memory"}
