@@ -14,10 +14,12 @@ test is skipped, except under CI=true, where it fails: CI must never pass withou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from html.parser import HTMLParser
@@ -124,7 +126,9 @@ class Rendered(HTMLParser):
 
 async def render(url: str) -> Rendered:
     assert CHROMIUM is not None
-    with tempfile.TemporaryDirectory() as profile:
+    # Chromium's helper processes may outlive the one we wait for by a moment, still writing
+    # into the profile: its removal must not fail the test.
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         command = [
             CHROMIUM,
             *FLAGS,
@@ -234,7 +238,7 @@ class Browser:
 async def start_browser(nursery: trio.Nursery) -> Browser:
     """Headless Chromium on a pipe, until the test's nursery is cancelled."""
     assert CHROMIUM is not None
-    profile = tempfile.TemporaryDirectory()
+    profile = tempfile.TemporaryDirectory(ignore_cleanup_errors=True)
     commands_read, commands_write = os.pipe()
     events_read, events_write = os.pipe()
     # Chromium reads commands from descriptor 3 and writes to 4: bash puts them there (dash
@@ -252,6 +256,7 @@ async def start_browser(nursery: trio.Nursery) -> Browser:
     process = await trio.lowlevel.open_process(
         command,
         pass_fds=(commands_read, events_write),
+        start_new_session=True,  # its helper processes too are ended with the group
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -263,7 +268,8 @@ async def start_browser(nursery: trio.Nursery) -> Browser:
         try:
             await browser.read()
         finally:
-            process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
             with trio.CancelScope(shield=True):
                 await process.wait()
                 await browser.close()
