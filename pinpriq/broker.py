@@ -62,7 +62,7 @@ import enum
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from pinpriq.auth import tokens_match
 from pinpriq.leases import (
@@ -92,9 +92,9 @@ from pinpriq.wire import (
     Sync,
     Touch,
     Unsubscribe,
+    append_reply,
     encode_lease_reply,
     encode_lease_status,
-    encode_reply,
 )
 
 __all__ = [
@@ -118,7 +118,7 @@ LOW_WATER_FRACTION = 0.9
 #: A session whose unread output passes this applies no more frames and is given no more
 #: deliveries until its output drains: a client pipelining pops without reading its replies,
 #: or a subscriber that stops reading, must not grow the server's memory.
-OUTPUT_HIGH_WATER = 4 * 1024 * 1024
+OUTPUT_HIGH_WATER: Final = 4 * 1024 * 1024
 #: Seconds a rejected connection is held before it is closed (decision 12): long enough to make
 #: guessing tokens slow, short enough that a client with a wrong token learns it soon.
 REJECT_DELAY = 0.5
@@ -378,11 +378,12 @@ class Session(Subscriber):
         # which refuses it (decision 18). Only a handled frame can make the connection leased,
         # so ``pop`` is looked at again after each one, and the pop path pays nothing for it.
         pop = None if self.leased else Pop
+        push = Push  # a local: compiled, a module global is a dict lookup each time it is read
         try:
             for index in range(start, len(frames)):
                 frame = frames[index]
                 kind = frame.__class__
-                if kind is Push:  # the hot path: inline, no reply
+                if kind is push:  # the hot path: inline, no reply
                     if broker.memory_full:
                         self.blocked = Blocked.MEMORY
                         return index
@@ -396,7 +397,7 @@ class Session(Subscriber):
                         broker.check_memory()
                     continue
                 if kind is pop:
-                    output += encode_reply(store.pop(frame[0]))  # type: ignore[misc,arg-type]
+                    append_reply(output, store.pop(frame[0]))  # type: ignore[misc,arg-type]
                 else:
                     try:
                         handle = _HANDLERS[kind]
@@ -536,7 +537,7 @@ class Session(Subscriber):
             if lease.due < broker.timer:
                 broker.timer = lease.due
         else:
-            self.output += encode_reply(packets)
+            append_reply(self.output, packets)
             broker.delivered += len(packets)
         if not self.dirty:
             self.dirty = True

@@ -88,17 +88,22 @@ __all__ = [
 Clock = Callable[[], float]
 
 #: Most packets one pop returns: a pop reply's count is a u16 (decision 3).
-DEFAULT_MAX_POP = 0xFFFF
-_NEVER = math.inf
+DEFAULT_MAX_POP: Final = 0xFFFF
+_NEVER: Final = math.inf
+#: ``_NEVER`` as one shared float object, the deadline of every packet without a TTL. mypyc
+#: keeps a ``float`` unboxed, so storing ``_NEVER`` in a packet tuple would box a new float
+#: object per packet: 24 bytes a packet and an allocation per push. Typed ``Any`` so it stays
+#: the object it is.
+_NO_DEADLINE: Final[Any] = _NEVER
 
 #: Estimated bytes of bookkeeping per queued packet beyond its key and payload bytes: the packet
 #: object, its bytes objects' headers, its entries in a level, a key group and the expiry heap.
 #: Measured with tracemalloc on 200,000 pushes of 8-byte keys and 16-byte payloads: 157 bytes
 #: with unique keys and no TTL, 261 with a TTL, 134 when keys repeat; the server's resident memory
 #: grows by 271 bytes per packet (docs/performance.md), allocator overhead included.
-PACKET_OVERHEAD = 256
+PACKET_OVERHEAD: Final = 256
 #: Stale level entries a queue may hold beyond its live packets before its levels are rebuilt.
-_STALE_SLACK = 64
+_STALE_SLACK: Final = 64
 #: Most time notes (``note_time``) kept; past it the older half is thinned to every other note,
 #: so the age of old packets is known more coarsely, and memory stays bounded.
 _MAX_TIME_NOTES = 4096
@@ -374,8 +379,10 @@ class QueueStore:
         self._seq += 1
         seq = self._seq
         deadline = self._clock() + ttl_ms / 1000 if ttl_ms else _NEVER
-        # Annotated: one tuple object (above).
-        packet: QueuedPacket = (key, payload, prio, seq, deadline, 0)
+        # Any: one float object for the packet and its expiry entry, the shared one for no TTL.
+        boxed: Any = deadline if ttl_ms else _NO_DEADLINE
+        # Annotated where it is assigned: one tuple object (above).
+        packet: QueuedPacket = (key, payload, prio, seq, boxed, 0)
         size = len(key) + len(payload) + PACKET_OVERHEAD
         q = self._queues.get(queue)
         if q is None:
@@ -399,7 +406,7 @@ class QueueStore:
         else:
             self.unselectable_bytes += size
         if ttl_ms:
-            self._file_expiry(q, (deadline, seq, q.name, key))
+            self._file_expiry(q, (boxed, seq, q.name, key))
         q.size += 1
         q.bytes += size
         self.bytes_held += size
@@ -634,7 +641,8 @@ class QueueStore:
             if queue != name:
                 q = queues.get(queue) or queues.setdefault(queue, _Queue(queue))
                 name = queue
-            deadline = deadlines.get(seq, _NEVER) if deadlines else _NEVER
+            # Any: a boxed float, the shared one for no TTL (see push).
+            deadline: Any = deadlines.get(seq, _NO_DEADLINE) if deadlines else _NO_DEADLINE
             packet: QueuedPacket = (key, payload, prio, seq, deadline, 0)  # one object (above)
             groups = q.groups
             group = groups.get(key)
