@@ -18,7 +18,9 @@ Layout of one queue, chosen so that no operation touches packets it does not ret
   packet. Once a queue's stale entries outnumber its live packets, its levels are rebuilt,
   which keeps memory O(live) at O(1) amortised cost.
 * ``mask``: bit ``p`` set while ``levels[p]`` is non-empty, so the best level is the lowest set
-  bit, found in O(1) whatever the number of levels.
+  bit, found in O(1) whatever the number of levels; ``best`` is that bit's number, kept as the
+  mask changes (a level is made or emptied), so a pop reads a small int instead of doing
+  arithmetic on a 256-bit one (which allocates, compiled or not).
 
 Across all queues, one heap of ``(deadline, seq, queue, key)`` orders packets with a TTL, with
 the same lazy deletion: entries of packets that left by pop stay until they reach the top, or
@@ -90,6 +92,8 @@ Clock = Callable[[], float]
 #: Most packets one pop returns: a pop reply's count is a u16 (decision 3).
 DEFAULT_MAX_POP: Final = 0xFFFF
 _NEVER: Final = math.inf
+#: ``_Queue.best`` of a queue with no selectable packet: beyond every priority.
+_NO_LEVEL: Final = 256
 #: ``_NEVER`` as one shared float object, the deadline of every packet without a TTL. mypyc
 #: keeps a ``float`` unboxed, so storing ``_NEVER`` in a packet tuple would box a new float
 #: object per packet: 24 bytes a packet and an allocation per push. Typed ``Any`` so it stays
@@ -171,6 +175,7 @@ def _members(group: _Group) -> Iterable[QueuedPacket]:
 
 class _Queue:
     __slots__ = (
+        "best",
         "bytes",
         "displaced",
         "entries",
@@ -189,6 +194,7 @@ class _Queue:
         self.groups: dict[bytes, _Group] = {}
         self.levels: dict[int, list[QueuedPacket]] = {}
         self.mask = 0
+        self.best = _NO_LEVEL  # the lowest set bit of mask; _NO_LEVEL while it is 0
         self.size = 0  # live packets, prio 0 included
         self.entries = 0  # level entries, live or stale
         self.bytes = 0  # its share of bytes_held
@@ -206,9 +212,8 @@ class _Queue:
     def top(self) -> tuple[int, int, QueuedPacket] | None:
         """The best live selectable packet as ``(prio, seq, packet)``, without removing it;
         stale entries found on the way are dropped. ``None`` if nothing is selectable."""
-        while self.mask:
-            mask = self.mask
-            prio = (mask & -mask).bit_length() - 1  # the lowest set bit: the best level
+        while self.best != _NO_LEVEL:
+            prio = self.best
             level = self.levels[prio]
             packet = level[-1]
             if self.holds(packet):
@@ -222,8 +227,21 @@ class _Queue:
         self.entries -= 1
         self.stale[prio] -= 1  # type: ignore[index]  # a stale entry was counted there
         if not level:
-            del self.levels[prio]
-            self.mask &= ~(1 << prio)
+            self.drop_level(prio)
+
+    def add_level(self, prio: int, packet: QueuedPacket) -> None:
+        """Make the level of ``prio``, which holds nothing yet, with ``packet`` in it."""
+        self.levels[prio] = [packet]
+        self.mask |= 1 << prio
+        if prio < self.best:
+            self.best = prio
+
+    def drop_level(self, prio: int) -> None:
+        """Forget the level of ``prio``, which has emptied."""
+        del self.levels[prio]
+        mask = self.mask & ~(1 << prio)
+        self.mask = mask
+        self.best = (mask & -mask).bit_length() - 1 if mask else _NO_LEVEL
 
     def went_stale(self, packets: Iterable[QueuedPacket]) -> None:
         """Count the level entries of packets that left other than by being popped off their
@@ -276,8 +294,7 @@ class _Queue:
         prio, seq = packet[PRIO], packet[SEQ]
         level = self.levels.get(prio)
         if level is None:
-            self.levels[prio] = [packet]
-            self.mask |= 1 << prio
+            self.add_level(prio, packet)
             self.entries += 1
             return
         at = bisect_left(level, seq, key=_seq_of)
@@ -297,6 +314,7 @@ class _Queue:
                 levels[prio] = live
         self.levels = levels
         self.mask = sum(1 << prio for prio in levels)
+        self.best = min(levels, default=_NO_LEVEL)
         self.entries = sum(len(level) for level in levels.values())
         self.stale = None
 
@@ -398,8 +416,7 @@ class QueueStore:
         if prio:
             level = q.levels.get(prio)
             if level is None:
-                q.levels[prio] = [packet]
-                q.mask |= 1 << prio
+                q.add_level(prio, packet)
             else:
                 level.append(packet)
             q.entries += 1
@@ -435,16 +452,14 @@ class QueueStore:
             return []
         levels, groups = q.levels, q.groups
         while True:  # the newest entry of the best level, skipping stale ones
-            mask = q.mask
-            if not mask:
+            prio = q.best
+            if prio == _NO_LEVEL:
                 return []
-            prio = (mask & -mask).bit_length() - 1  # the lowest set bit: the best level
             level = levels[prio]
             selected = level.pop()
             q.entries -= 1
             if not level:
-                del levels[prio]
-                q.mask = mask & ~(1 << prio)
+                q.drop_level(prio)
             key = selected[KEY]
             group = groups.get(key)
             if group is selected:  # a key of its own: the common case
@@ -656,8 +671,7 @@ class QueueStore:
             if prio:
                 level = q.levels.get(prio)
                 if level is None:
-                    q.levels[prio] = [packet]
-                    q.mask |= 1 << prio
+                    q.add_level(prio, packet)
                 else:
                     level.append(packet)
                 q.entries += 1
@@ -848,6 +862,7 @@ class QueueStore:
                 seqs = [p[SEQ] for p in level]
                 assert seqs == sorted(seqs), "level out of push order"
             assert q.mask == sum(1 << prio for prio in q.levels), "mask disagrees with levels"
+            assert q.best == min(q.levels, default=_NO_LEVEL), "best is not the best level"
             assert q.entries <= 2 * q.size + _STALE_SLACK + 1, "stale entries not compacted"
             assert q.bytes == _held(q.packets()), f"queue {name!r}: bytes is wrong"
             for prio, level in q.levels.items():
