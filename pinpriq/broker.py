@@ -73,6 +73,7 @@ from pinpriq.leases import (
     Leases,
     LeaseTotals,
 )
+from pinpriq.store import QueueStore
 from pinpriq.store_contract import Store
 from pinpriq.subscriptions import Subscriber, Subscriptions
 from pinpriq.wire import (
@@ -173,6 +174,10 @@ class Broker:
         ``lease_default_ms`` is the lease time of lease frames that say 0; a group goes to its
         dead-letter queue after ``max_deliveries`` attempts (0: never)."""
         self.store = store
+        #: The store again if it is the built-in ``QueueStore`` itself (no subclass, no other
+        #: store), for ``Session.receive``'s push and pop: compiled, a call through this type is
+        #: a C call, where one through ``Store`` is a Python method call with boxed arguments.
+        self.native_store = store if store.__class__ is QueueStore else None
         self.token = token
         self.subscriptions = Subscriptions(store)
         self.leases = Leases(store, default_ms=lease_default_ms, max_deliveries=max_deliveries)
@@ -371,6 +376,7 @@ class Session(Subscriber):
                 return start
         broker = self.broker
         store, subscriptions, output = broker.store, broker.subscriptions, self.output
+        native = broker.native_store
         waiting_queues = subscriptions.waiting_queues
         max_memory = broker.max_memory
         room = OUTPUT_HIGH_WATER - self.unsent
@@ -388,16 +394,23 @@ class Session(Subscriber):
                         self.blocked = Blocked.MEMORY
                         return index
                     queue, key, payload, ttl_ms, prio = frame  # type: ignore[misc]
-                    deadline = store.push(queue, key, payload, ttl_ms, prio)
+                    if native is not None:  # the same call, made natively
+                        deadline = native.push(queue, key, payload, ttl_ms, prio)
+                        held = native.bytes_held
+                    else:
+                        deadline = store.push(queue, key, payload, ttl_ms, prio)
+                        held = store.bytes_held
                     if ttl_ms and deadline < broker.timer:
                         broker.timer = deadline
                     if prio and queue in waiting_queues:
                         subscriptions.offer(queue)
-                    if store.bytes_held >= max_memory:
+                    if held >= max_memory:
                         broker.check_memory()
                     continue
                 if kind is pop:
-                    append_reply(output, store.pop(frame[0]))  # type: ignore[misc,arg-type]
+                    name: bytes = frame[0]  # type: ignore[assignment,misc]
+                    popped = native.pop(name) if native is not None else store.pop(name)
+                    append_reply(output, popped)
                 else:
                     try:
                         handle = _HANDLERS[kind]

@@ -92,8 +92,9 @@ Clock = Callable[[], float]
 #: Most packets one pop returns: a pop reply's count is a u16 (decision 3).
 DEFAULT_MAX_POP: Final = 0xFFFF
 _NEVER: Final = math.inf
-#: ``_Queue.best`` of a queue with no selectable packet: beyond every priority.
-_NO_LEVEL: Final = 256
+#: ``_Queue.best`` of a queue with no selectable packet: beyond every priority the store may be
+#: given (the protocol's are 1..255; a test's wrong store files prio 0 as 256), and a small int.
+_NO_LEVEL: Final = 1 << 60
 #: ``_NEVER`` as one shared float object, the deadline of every packet without a TTL. mypyc
 #: keeps a ``float`` unboxed, so storing ``_NEVER`` in a packet tuple would box a new float
 #: object per packet: 24 bytes a packet and an allocation per push. Typed ``Any`` so it stays
