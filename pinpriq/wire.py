@@ -103,7 +103,6 @@ _NAME_HEADER = struct.Struct(">H")  # queue_len of pop, subscribe, unsubscribe; 
 _COUNT = struct.Struct(">H")  # a reply's packet count
 _PACKET_HEADER = struct.Struct(">HH")  # key_len, payload_len
 _PUSH_PREFIX = struct.Struct(">BHHBHH")  # opcode + push header, for encoding
-_ONE_PACKET_HEADER = struct.Struct(">HHH")  # count 1, key_len, payload_len
 _EMPTY_REPLY = b"\x00\x00"
 _TIMED_NAME_HEADER = struct.Struct(">IH")  # lease_ms, queue_len of reserve, leased subscribe
 #: What the server sends on a lease: lease id, attempt (or status), count; then the packets.
@@ -415,13 +414,16 @@ def encode(frame: ClientFrame) -> bytes:
 
 def append_reply(output: bytearray, packets: Sequence[KeyedPayload]) -> None:
     """Append a pop reply or a delivery (``encode_reply``'s bytes) to ``output``: the server
-    writes a batch's replies into one buffer, with no bytes object per reply."""
+    writes a batch's replies into one buffer, with no bytes object per reply. Headers are
+    ``int.to_bytes``, which mypyc compiles to one call, where ``struct`` is a method call."""
     count = len(packets)
     if count == 1:  # the common reply: one packet of a unique key
         packet = packets[0]
         key: bytes = packet[0]
         payload: bytes = packet[1]
-        output += _ONE_PACKET_HEADER.pack(1, len(key), len(payload))
+        if len(key) > MAX_FIELD or len(payload) > MAX_FIELD:  # would overflow into the next field
+            _check_packet(key, payload)
+        output += ((1 << 32) | (len(key) << 16) | len(payload)).to_bytes(6, "big")
         output += key
         output += payload
         return
@@ -429,10 +431,12 @@ def append_reply(output: bytearray, packets: Sequence[KeyedPayload]) -> None:
         output += _EMPTY_REPLY
         return
     _check_count(count)
-    output += _COUNT.pack(count)
+    output += count.to_bytes(2, "big")
     for packet in packets:  # a key group: one pass, straight into the buffer
         key, payload = packet[0], packet[1]
-        output += _PACKET_HEADER.pack(len(key), len(payload))
+        if len(key) > MAX_FIELD or len(payload) > MAX_FIELD:
+            _check_packet(key, payload)
+        output += ((len(key) << 16) | len(payload)).to_bytes(4, "big")
         output += key
         output += payload
 
@@ -442,6 +446,11 @@ def encode_reply(packets: Sequence[KeyedPayload]) -> bytes:
     output = bytearray()
     append_reply(output, packets)
     return bytes(output)
+
+
+def _check_packet(key: bytes, payload: bytes) -> None:
+    _check_field("key", key)
+    _check_field("payload", payload)
 
 
 def _check_count(count: int) -> None:

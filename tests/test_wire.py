@@ -18,8 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pinpriq import wire
+from pinpriq.errors import ArgumentError
 from pinpriq.wire import (
     LEASED_EMPTY,
+    MAX_FIELD,
     READY,
     SYNC,
     Ack,
@@ -630,6 +632,15 @@ def test_append_reply_appends_the_bytes_of_encode_reply(count: int) -> None:
     output = bytearray(b"earlier")
     append_reply(output, packets)
     assert bytes(output) == b"earlier" + encode_reply(packets)
+
+
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("field", ["key", "payload"])
+def test_a_reply_refuses_a_field_its_u16_length_cannot_hold(count: int, field: str) -> None:
+    # Lengths are packed into one integer: a longer field would spill into the next one.
+    big = {"key": b"k", "payload": b"p", field: bytes(MAX_FIELD + 1)}
+    with pytest.raises(ArgumentError, match=field):
+        append_reply(bytearray(), [(big["key"], big["payload"])] * count)
 
 
 def test_append_reply_leaves_no_memory_behind() -> None:
