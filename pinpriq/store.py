@@ -68,8 +68,8 @@ from typing import Any, Final
 
 from mypy_extensions import mypyc_attr
 
-# The one thing the store takes from the rest of pinpriq: the record its contract returns.
-from pinpriq.store_contract import QueueInfo
+# The one thing the store takes from the rest of pinpriq: the types its contract names.
+from pinpriq.store_contract import QueuedPacket, QueueInfo
 
 __all__ = [
     "DEADLINE",
@@ -122,7 +122,8 @@ _ExpiryEntry = tuple[float, int, bytes, bytes, *tuple[bytes, ...]]
 #: A packet to ``load``: ``(queue, key, payload, prio, seq)``.
 LoadedPacket = tuple[bytes, bytes, bytes, int, int]
 
-#: A packet held by the store: ``(key, payload, prio, seq, deadline, leases)``, where ``seq`` is
+#: A packet held by the store (``QueuedPacket``, which the contract, ``store_contract``, names):
+#: ``(key, payload, prio, seq, deadline, leases)``, where ``seq`` is
 #: store-wide push order, ``deadline`` its TTL deadline on the store's clock (inf for TTL 0), and
 #: ``leases`` how many times it was leased (decision 13's attempt count; the store only keeps
 #: it). A plain tuple, read through the indices below, because the store builds one per push
@@ -136,8 +137,8 @@ LoadedPacket = tuple[bytes, bytes, bytes, int, int]
 #: locals and boxes a new tuple object each time one is stored, which gave each packet a second
 #: tuple (one in its level, one in its key group: 104 bytes more a packet), two allocations per
 #: pop, and broke the identity tests below (``group is packet``: a packet is live while its
-#: group holds that very object).
-QueuedPacket = tuple[bytes, bytes, int, int, float, int, *tuple[Any, ...]]
+#: group holds that very object). Packets without a TTL share one ``inf`` object
+#: (``_NO_DEADLINE``).
 KEY: Final = 0
 PAYLOAD: Final = 1
 PRIO: Final = 2
