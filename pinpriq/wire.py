@@ -81,21 +81,21 @@ class Opcode(enum.IntEnum):
 
 
 #: The TCP port a pinpriq server listens on, and a client connects to, unless told otherwise.
-DEFAULT_PORT = 7000
+DEFAULT_PORT: Final = 7000
 #: Longest queue name, key or payload: the length fields are u16.
-MAX_FIELD = 0xFFFF
+MAX_FIELD: Final = 0xFFFF
 #: Most packets in one reply: the count field is u16.
-MAX_REPLY_PACKETS = 0xFFFF
+MAX_REPLY_PACKETS: Final = 0xFFFF
 #: Largest legal frame, a push with three maximal fields: 1+2+2+1+4+3*65535.
-MAX_FRAME = 1 + 2 + 2 + 1 + 4 + 3 * MAX_FIELD
-MAX_TTL_MS = 0xFFFF
-MAX_PRIO = 0xFF
+MAX_FRAME: Final = 1 + 2 + 2 + 1 + 4 + 3 * MAX_FIELD
+MAX_TTL_MS: Final = 0xFFFF
+MAX_PRIO: Final = 0xFF
 #: Longest lease time or release delay, in milliseconds (24 h); a frame with more is malformed.
-MAX_LEASE_MS = 86_400_000
+MAX_LEASE_MS: Final = 86_400_000
 #: Lease ids are u64; a server numbers a connection's leases from 1, and 0 means "no lease".
-MAX_LEASE_ID = 0xFFFF_FFFF_FFFF_FFFF
+MAX_LEASE_ID: Final = 0xFFFF_FFFF_FFFF_FFFF
 #: The attempt byte of a lease reply saturates here; the count it stands for does not.
-MAX_ATTEMPT = 0xFF
+MAX_ATTEMPT: Final = 0xFF
 
 # Headers after the opcode byte.
 _PUSH_HEADER = struct.Struct(">HHBHH")  # queue_len, ttl_ms, prio, key_len, payload_len
@@ -103,7 +103,7 @@ _NAME_HEADER = struct.Struct(">H")  # queue_len of pop, subscribe, unsubscribe; 
 _COUNT = struct.Struct(">H")  # a reply's packet count
 _PACKET_HEADER = struct.Struct(">HH")  # key_len, payload_len
 _PUSH_PREFIX = struct.Struct(">BHHBHH")  # opcode + push header, for encoding
-_EMPTY_REPLY = b"\x00\x00"
+_EMPTY_REPLY: Final = b"\x00\x00"
 _TIMED_NAME_HEADER = struct.Struct(">IH")  # lease_ms, queue_len of reserve, leased subscribe
 #: What the server sends on a lease: lease id, attempt (or status), count; then the packets.
 _LEASE_HEADER = struct.Struct(">QBH")
