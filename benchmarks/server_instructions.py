@@ -5,12 +5,14 @@ depend on what else the machine is doing.
     python benchmarks/server_instructions.py --compare ../baseline  # and another, side by side
     python benchmarks/server_instructions.py -t push -n 64000 --runs 3
     python benchmarks/server_instructions.py --fsync everysec      # with --data-dir (a log)
+    python benchmarks/server_instructions.py -P 1 -n 8000          # a round trip per request
 
 Each measurement starts ``pinpriq-server`` under ``valgrind --tool=callgrind``, drives it with
-``pinpriq-bench`` (4 client processes, pipeline 64, 8-byte keys, 16-byte payloads, prio 1..255,
-as ``compare_redis.py``), stops it with SIGTERM and reads the instruction total valgrind prints.
-It does so for N and for 2N operations and divides the difference by N, so start-up, imports
-and shutdown cancel out. Pop scenarios push their packets first, so "pop" is a push and a pop.
+``pinpriq-bench`` (4 client processes, pipeline 64 or ``-P``, 8-byte keys, 16-byte payloads,
+prio 1..255, as ``compare_redis.py``), stops it with SIGTERM and reads the instruction total
+valgrind prints. It does so for N and for 2N operations and divides the difference by N, so
+start-up, imports and shutdown cancel out. Pop scenarios push their packets first, so "pop" is
+a push and a pop.
 
 With ``--fsync POLICY`` each server runs with ``--data-dir`` on a fresh temporary directory and
 that policy, so the figure includes logging every push and pop (fsyncs themselves are the
@@ -38,15 +40,17 @@ from typing import IO
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(sys.executable).parent / "pinpriq-bench"
-WORKLOAD = ["-c", "4", "-P", "64", "--key-size", "8", "--payload-size", "16"]
-WORKLOAD += ["--prio-levels", "255"]
+WORKLOAD = ["-c", "4", "--key-size", "8", "--payload-size", "16", "--prio-levels", "255"]
 TOTAL = re.compile(rb"Collected : (\d+)")
 LISTENING = re.compile(rb"listening on \S+ port (\d+)")
 
 
-def server_instructions(checkout: Path, scenario: str, ops: int, fsync: str | None = None) -> int:
-    """Instructions of one server process serving ``ops`` operations of ``scenario``; with a
-    log on a fresh directory if ``fsync`` names a policy."""
+def server_instructions(
+    checkout: Path, scenario: str, ops: int, fsync: str | None = None, pipeline: int = 64
+) -> int:
+    """Instructions of one server process serving ``ops`` operations of ``scenario`` at
+    ``pipeline`` requests in flight per connection; with a log on a fresh directory if
+    ``fsync`` names a policy."""
     valgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     with tempfile.TemporaryFile() as log, tempfile.TemporaryDirectory() as data:
         command = [str(checkout / ".venv" / "bin" / "pinpriq-server"), "--port", "0"]
@@ -61,7 +65,7 @@ def server_instructions(checkout: Path, scenario: str, ops: int, fsync: str | No
             port = _port(log, server)
             bench = [str(BENCH), "--port", str(port), "-q", "--json", "-t", scenario]
             subprocess.run(
-                [*bench, "-n", str(ops), "--timeout", "600", *WORKLOAD],
+                [*bench, "-n", str(ops), "--timeout", "600", "-P", str(pipeline), *WORKLOAD],
                 check=True,
                 stdout=subprocess.DEVNULL,
                 timeout=3600,
@@ -98,11 +102,13 @@ def _port(log: IO[bytes], server: subprocess.Popen[bytes]) -> int:
     raise SystemExit("the server did not listen within 120 s under valgrind")
 
 
-def per_op(checkout: Path, scenario: str, ops: int, fsync: str | None = None) -> float:
+def per_op(
+    checkout: Path, scenario: str, ops: int, fsync: str | None = None, pipeline: int = 64
+) -> float:
     """Instructions per operation: the difference between 2N and N operations, over N."""
     return (
-        server_instructions(checkout, scenario, 2 * ops, fsync)
-        - server_instructions(checkout, scenario, ops, fsync)
+        server_instructions(checkout, scenario, 2 * ops, fsync, pipeline)
+        - server_instructions(checkout, scenario, ops, fsync, pipeline)
     ) / ops
 
 
@@ -110,6 +116,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-t", dest="scenarios", default="push,pop", help="(default: push,pop)")
     parser.add_argument("-n", dest="ops", type=int, default=64_000, help="N (default: 64000)")
+    parser.add_argument(
+        "-P", dest="pipeline", type=int, default=64, help="requests in flight (default: 64)"
+    )
     parser.add_argument("--runs", type=int, default=1, help="repeat, report the median")
     parser.add_argument("--compare", type=Path, help="another checkout, with its own .venv")
     parser.add_argument(
@@ -124,7 +133,10 @@ def main() -> None:
     for scenario in args.scenarios.split(","):
         figures = []
         for checkout in checkouts:
-            runs = [per_op(checkout, scenario, args.ops, args.fsync) for _ in range(args.runs)]
+            runs = [
+                per_op(checkout, scenario, args.ops, args.fsync, args.pipeline)
+                for _ in range(args.runs)
+            ]
             figures.append(statistics.median(runs))
             print(f"{scenario:5} {checkout}: {figures[-1]:,.0f} instructions per op", flush=True)
         if len(figures) == 2:

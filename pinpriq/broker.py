@@ -67,7 +67,7 @@ import enum
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from pinpriq.auth import tokens_match
 from pinpriq.leases import (
@@ -78,6 +78,7 @@ from pinpriq.leases import (
     Leases,
     LeaseTotals,
 )
+from pinpriq.store import QueueStore
 from pinpriq.store_contract import Store
 from pinpriq.subscriptions import Subscriber, Subscriptions
 from pinpriq.wire import (
@@ -97,9 +98,9 @@ from pinpriq.wire import (
     Sync,
     Touch,
     Unsubscribe,
+    append_reply,
     encode_lease_reply,
     encode_lease_status,
-    encode_reply,
 )
 
 __all__ = [
@@ -123,7 +124,7 @@ LOW_WATER_FRACTION = 0.9
 #: A session whose unread output passes this applies no more frames and is given no more
 #: deliveries until its output drains: a client pipelining pops without reading its replies,
 #: or a subscriber that stops reading, must not grow the server's memory.
-OUTPUT_HIGH_WATER = 4 * 1024 * 1024
+OUTPUT_HIGH_WATER: Final = 4 * 1024 * 1024
 #: Seconds a rejected connection is held before it is closed (decision 12): long enough to make
 #: guessing tokens slow, short enough that a client with a wrong token learns it soon.
 REJECT_DELAY = 0.5
@@ -178,6 +179,10 @@ class Broker:
         ``lease_default_ms`` is the lease time of lease frames that say 0; a group goes to its
         dead-letter queue after ``max_deliveries`` attempts (0: never)."""
         self.store = store
+        #: The store again if it is the built-in ``QueueStore`` itself (no subclass, no other
+        #: store), for ``Session.receive``'s push and pop: compiled, a call through this type is
+        #: a C call, where one through ``Store`` is a Python method call with boxed arguments.
+        self.native_store = store if store.__class__ is QueueStore else None
         self.token = token
         self.subscriptions = Subscriptions(store)
         self.leases = Leases(store, default_ms=lease_default_ms, max_deliveries=max_deliveries)
@@ -400,6 +405,7 @@ class Session(Subscriber):
                 return start
         broker = self.broker
         store, subscriptions, output = broker.store, broker.subscriptions, self.output
+        native = broker.native_store
         waiting_queues = subscriptions.waiting_queues
         max_memory = broker.max_memory
         room = OUTPUT_HIGH_WATER - self.unsent
@@ -413,11 +419,12 @@ class Session(Subscriber):
         queue: bytes
         run_queue = b""
         run_length = 0
+        push = Push  # a local: compiled, a module global is a dict lookup each time it is read
         try:
             for index in range(start, len(frames)):
                 frame = frames[index]
                 kind = frame.__class__
-                if kind is Push:  # the hot path: inline, no reply
+                if kind is push:  # the hot path: inline, no reply
                     if broker.memory_full:
                         self.blocked = Blocked.MEMORY
                         return index
@@ -427,16 +434,23 @@ class Session(Subscriber):
                             broker.count_pushes(run_queue, run_length)
                         run_queue, run_length = queue, 0
                     run_length += 1
-                    deadline = store.push(queue, key, payload, ttl_ms, prio)
+                    if native is not None:  # the same call, made natively
+                        deadline = native.push(queue, key, payload, ttl_ms, prio)
+                        held = native.bytes_held
+                    else:
+                        deadline = store.push(queue, key, payload, ttl_ms, prio)
+                        held = store.bytes_held
                     if ttl_ms and deadline < broker.timer:
                         broker.timer = deadline
                     if prio and queue in waiting_queues:
                         subscriptions.offer(queue)
-                    if store.bytes_held >= max_memory:
+                    if held >= max_memory:
                         broker.check_memory()
                     continue
                 if kind is pop:
-                    output += encode_reply(store.pop(frame[0]))  # type: ignore[misc,arg-type]
+                    name: bytes = frame[0]  # type: ignore[assignment,misc]
+                    popped = native.pop(name) if native is not None else store.pop(name)
+                    append_reply(output, popped)
                 else:
                     try:
                         handle = _HANDLERS[kind]
@@ -599,7 +613,7 @@ class Session(Subscriber):
             if lease.due < broker.timer:
                 broker.timer = lease.due
         else:
-            self.output += encode_reply(packets)
+            append_reply(self.output, packets)
             broker.delivered += len(packets)
         if not self.dirty:
             self.dirty = True

@@ -18,7 +18,9 @@ Layout of one queue, chosen so that no operation touches packets it does not ret
   packet. Once a queue's stale entries outnumber its live packets, its levels are rebuilt,
   which keeps memory O(live) at O(1) amortised cost.
 * ``mask``: bit ``p`` set while ``levels[p]`` is non-empty, so the best level is the lowest set
-  bit, found in O(1) whatever the number of levels.
+  bit, found in O(1) whatever the number of levels; ``best`` is that bit's number, kept as the
+  mask changes (a level is made or emptied), so a pop reads a small int instead of doing
+  arithmetic on a 256-bit one (which allocates, compiled or not).
 
 Across all queues, one heap of ``(deadline, seq, queue, key)`` orders packets with a TTL, with
 the same lazy deletion: entries of packets that left by pop stay until they reach the top, or
@@ -66,8 +68,8 @@ from typing import Any, Final
 
 from mypy_extensions import mypyc_attr
 
-# The one thing the store takes from the rest of pinpriq: the record its contract returns.
-from pinpriq.store_contract import QueueInfo
+# The one thing the store takes from the rest of pinpriq: the types its contract names.
+from pinpriq.store_contract import QueuedPacket, QueueInfo
 
 __all__ = [
     "DEADLINE",
@@ -88,17 +90,25 @@ __all__ = [
 Clock = Callable[[], float]
 
 #: Most packets one pop returns: a pop reply's count is a u16 (decision 3).
-DEFAULT_MAX_POP = 0xFFFF
-_NEVER = math.inf
+DEFAULT_MAX_POP: Final = 0xFFFF
+_NEVER: Final = math.inf
+#: ``_Queue.best`` of a queue with no selectable packet: beyond every priority the store may be
+#: given (the protocol's are 1..255; a test's wrong store files prio 0 as 256), and a small int.
+_NO_LEVEL: Final = 1 << 60
+#: ``_NEVER`` as one shared float object, the deadline of every packet without a TTL. mypyc
+#: keeps a ``float`` unboxed, so storing ``_NEVER`` in a packet tuple would box a new float
+#: object per packet: 24 bytes a packet and an allocation per push. Typed ``Any`` so it stays
+#: the object it is.
+_NO_DEADLINE: Final[Any] = _NEVER
 
 #: Estimated bytes of bookkeeping per queued packet beyond its key and payload bytes: the packet
 #: object, its bytes objects' headers, its entries in a level, a key group and the expiry heap.
 #: Measured with tracemalloc on 200,000 pushes of 8-byte keys and 16-byte payloads: 157 bytes
 #: with unique keys and no TTL, 261 with a TTL, 134 when keys repeat; the server's resident memory
 #: grows by 271 bytes per packet (docs/performance.md), allocator overhead included.
-PACKET_OVERHEAD = 256
+PACKET_OVERHEAD: Final = 256
 #: Stale level entries a queue may hold beyond its live packets before its levels are rebuilt.
-_STALE_SLACK = 64
+_STALE_SLACK: Final = 64
 #: Most time notes (``note_time``) kept; past it the older half is thinned to every other note,
 #: so the age of old packets is known more coarsely, and memory stays bounded.
 _MAX_TIME_NOTES = 4096
@@ -112,7 +122,8 @@ _ExpiryEntry = tuple[float, int, bytes, bytes, *tuple[bytes, ...]]
 #: A packet to ``load``: ``(queue, key, payload, prio, seq)``.
 LoadedPacket = tuple[bytes, bytes, bytes, int, int]
 
-#: A packet held by the store: ``(key, payload, prio, seq, deadline, leases)``, where ``seq`` is
+#: A packet held by the store (``QueuedPacket``, which the contract, ``store_contract``, names):
+#: ``(key, payload, prio, seq, deadline, leases)``, where ``seq`` is
 #: store-wide push order, ``deadline`` its TTL deadline on the store's clock (inf for TTL 0), and
 #: ``leases`` how many times it was leased (decision 13's attempt count; the store only keeps
 #: it). A plain tuple, read through the indices below, because the store builds one per push
@@ -126,8 +137,8 @@ LoadedPacket = tuple[bytes, bytes, bytes, int, int]
 #: locals and boxes a new tuple object each time one is stored, which gave each packet a second
 #: tuple (one in its level, one in its key group: 104 bytes more a packet), two allocations per
 #: pop, and broke the identity tests below (``group is packet``: a packet is live while its
-#: group holds that very object).
-QueuedPacket = tuple[bytes, bytes, int, int, float, int, *tuple[Any, ...]]
+#: group holds that very object). Packets without a TTL share one ``inf`` object
+#: (``_NO_DEADLINE``).
 KEY: Final = 0
 PAYLOAD: Final = 1
 PRIO: Final = 2
@@ -166,6 +177,7 @@ def _members(group: _Group) -> Iterable[QueuedPacket]:
 
 class _Queue:
     __slots__ = (
+        "best",
         "bytes",
         "displaced",
         "entries",
@@ -184,6 +196,7 @@ class _Queue:
         self.groups: dict[bytes, _Group] = {}
         self.levels: dict[int, list[QueuedPacket]] = {}
         self.mask = 0
+        self.best = _NO_LEVEL  # the lowest set bit of mask; _NO_LEVEL while it is 0
         self.size = 0  # live packets, prio 0 included
         self.entries = 0  # level entries, live or stale
         self.bytes = 0  # its share of bytes_held
@@ -201,9 +214,8 @@ class _Queue:
     def top(self) -> tuple[int, int, QueuedPacket] | None:
         """The best live selectable packet as ``(prio, seq, packet)``, without removing it;
         stale entries found on the way are dropped. ``None`` if nothing is selectable."""
-        while self.mask:
-            mask = self.mask
-            prio = (mask & -mask).bit_length() - 1  # the lowest set bit: the best level
+        while self.best != _NO_LEVEL:
+            prio = self.best
             level = self.levels[prio]
             packet = level[-1]
             if self.holds(packet):
@@ -217,8 +229,21 @@ class _Queue:
         self.entries -= 1
         self.stale[prio] -= 1  # type: ignore[index]  # a stale entry was counted there
         if not level:
-            del self.levels[prio]
-            self.mask &= ~(1 << prio)
+            self.drop_level(prio)
+
+    def add_level(self, prio: int, packet: QueuedPacket) -> None:
+        """Make the level of ``prio``, which holds nothing yet, with ``packet`` in it."""
+        self.levels[prio] = [packet]
+        self.mask |= 1 << prio
+        if prio < self.best:
+            self.best = prio
+
+    def drop_level(self, prio: int) -> None:
+        """Forget the level of ``prio``, which has emptied."""
+        del self.levels[prio]
+        mask = self.mask & ~(1 << prio)
+        self.mask = mask
+        self.best = (mask & -mask).bit_length() - 1 if mask else _NO_LEVEL
 
     def went_stale(self, packets: Iterable[QueuedPacket]) -> None:
         """Count the level entries of packets that left other than by being popped off their
@@ -271,8 +296,7 @@ class _Queue:
         prio, seq = packet[PRIO], packet[SEQ]
         level = self.levels.get(prio)
         if level is None:
-            self.levels[prio] = [packet]
-            self.mask |= 1 << prio
+            self.add_level(prio, packet)
             self.entries += 1
             return
         at = bisect_left(level, seq, key=_seq_of)
@@ -292,6 +316,7 @@ class _Queue:
                 levels[prio] = live
         self.levels = levels
         self.mask = sum(1 << prio for prio in levels)
+        self.best = min(levels, default=_NO_LEVEL)
         self.entries = sum(len(level) for level in levels.values())
         self.stale = None
 
@@ -374,8 +399,10 @@ class QueueStore:
         self._seq += 1
         seq = self._seq
         deadline = self._clock() + ttl_ms / 1000 if ttl_ms else _NEVER
-        # Annotated: one tuple object (above).
-        packet: QueuedPacket = (key, payload, prio, seq, deadline, 0)
+        # Any: one float object for the packet and its expiry entry, the shared one for no TTL.
+        boxed: Any = deadline if ttl_ms else _NO_DEADLINE
+        # Annotated where it is assigned: one tuple object (above).
+        packet: QueuedPacket = (key, payload, prio, seq, boxed, 0)
         size = len(key) + len(payload) + PACKET_OVERHEAD
         q = self._queues.get(queue)
         if q is None:
@@ -391,15 +418,14 @@ class QueueStore:
         if prio:
             level = q.levels.get(prio)
             if level is None:
-                q.levels[prio] = [packet]
-                q.mask |= 1 << prio
+                q.add_level(prio, packet)
             else:
                 level.append(packet)
             q.entries += 1
         else:
             self.unselectable_bytes += size
         if ttl_ms:
-            self._file_expiry(q, (deadline, seq, q.name, key))
+            self._file_expiry(q, (boxed, seq, q.name, key))
         q.size += 1
         q.bytes += size
         self.bytes_held += size
@@ -428,16 +454,14 @@ class QueueStore:
             return []
         levels, groups = q.levels, q.groups
         while True:  # the newest entry of the best level, skipping stale ones
-            mask = q.mask
-            if not mask:
+            prio = q.best
+            if prio == _NO_LEVEL:
                 return []
-            prio = (mask & -mask).bit_length() - 1  # the lowest set bit: the best level
             level = levels[prio]
             selected = level.pop()
             q.entries -= 1
             if not level:
-                del levels[prio]
-                q.mask = mask & ~(1 << prio)
+                q.drop_level(prio)
             key = selected[KEY]
             group = groups.get(key)
             if group is selected:  # a key of its own: the common case
@@ -641,7 +665,8 @@ class QueueStore:
             if queue != name:
                 q = queues.get(queue) or queues.setdefault(queue, _Queue(queue))
                 name = queue
-            deadline = deadlines.get(seq, _NEVER) if deadlines else _NEVER
+            # Any: a boxed float, the shared one for no TTL (see push).
+            deadline: Any = deadlines.get(seq, _NO_DEADLINE) if deadlines else _NO_DEADLINE
             packet: QueuedPacket = (key, payload, prio, seq, deadline, 0)  # one object (above)
             groups = q.groups
             group = groups.get(key)
@@ -655,8 +680,7 @@ class QueueStore:
             if prio:
                 level = q.levels.get(prio)
                 if level is None:
-                    q.levels[prio] = [packet]
-                    q.mask |= 1 << prio
+                    q.add_level(prio, packet)
                 else:
                     level.append(packet)
                 q.entries += 1
@@ -854,6 +878,7 @@ class QueueStore:
                 seqs = [p[SEQ] for p in level]
                 assert seqs == sorted(seqs), "level out of push order"
             assert q.mask == sum(1 << prio for prio in q.levels), "mask disagrees with levels"
+            assert q.best == min(q.levels, default=_NO_LEVEL), "best is not the best level"
             assert q.entries <= 2 * q.size + _STALE_SLACK + 1, "stale entries not compacted"
             assert q.bytes == _held(q.packets()), f"queue {name!r}: bytes is wrong"
             for prio, level in q.levels.items():

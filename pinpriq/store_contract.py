@@ -36,14 +36,26 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from pinpriq.wire import ClientFrame, KeyedPayload
 
-if TYPE_CHECKING:  # store.py imports QueueInfo from here
-    from pinpriq.store import QueuedPacket
+__all__ = [
+    "BatchedStore",
+    "Deliveries",
+    "PeekedPacket",
+    "QueueInfo",
+    "QueuedPacket",
+    "Rank",
+    "Store",
+]
 
-__all__ = ["BatchedStore", "Deliveries", "PeekedPacket", "QueueInfo", "Rank", "Store"]
+#: A packet a store holds and hands out (``take``, a pop's reply): ``(key, payload, prio, seq,
+#: deadline, leases)``, read by index (``store.KEY`` and the rest); ``seq`` is push order,
+#: ``deadline`` the TTL deadline on the store's clock (inf for none), ``leases`` how many times
+#: it was leased. The built-in store (``store.py``) says why it is a plain tuple spelled with an
+#: empty variadic tail.
+QueuedPacket = tuple[bytes, bytes, int, int, float, int, *tuple[Any, ...]]
 
 #: How good the packet a pop of a queue would select is: ``(prio, -seq)``, smaller is better.
 Rank = tuple[int, int]

@@ -21,7 +21,7 @@ import enum
 import struct
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple, TypeAlias, TypeVar
+from typing import Any, Final, NamedTuple, TypeAlias, TypeVar
 
 from pinpriq.errors import ArgumentError, PinpriqError
 
@@ -57,6 +57,7 @@ __all__ = [
     "Sync",
     "Touch",
     "Unsubscribe",
+    "append_reply",
     "encode",
     "encode_lease_reply",
     "encode_lease_status",
@@ -80,21 +81,21 @@ class Opcode(enum.IntEnum):
 
 
 #: The TCP port a pinpriq server listens on, and a client connects to, unless told otherwise.
-DEFAULT_PORT = 7000
+DEFAULT_PORT: Final = 7000
 #: Longest queue name, key or payload: the length fields are u16.
-MAX_FIELD = 0xFFFF
+MAX_FIELD: Final = 0xFFFF
 #: Most packets in one reply: the count field is u16.
-MAX_REPLY_PACKETS = 0xFFFF
+MAX_REPLY_PACKETS: Final = 0xFFFF
 #: Largest legal frame, a push with three maximal fields: 1+2+2+1+4+3*65535.
-MAX_FRAME = 1 + 2 + 2 + 1 + 4 + 3 * MAX_FIELD
-MAX_TTL_MS = 0xFFFF
-MAX_PRIO = 0xFF
+MAX_FRAME: Final = 1 + 2 + 2 + 1 + 4 + 3 * MAX_FIELD
+MAX_TTL_MS: Final = 0xFFFF
+MAX_PRIO: Final = 0xFF
 #: Longest lease time or release delay, in milliseconds (24 h); a frame with more is malformed.
-MAX_LEASE_MS = 86_400_000
+MAX_LEASE_MS: Final = 86_400_000
 #: Lease ids are u64; a server numbers a connection's leases from 1, and 0 means "no lease".
-MAX_LEASE_ID = 0xFFFF_FFFF_FFFF_FFFF
+MAX_LEASE_ID: Final = 0xFFFF_FFFF_FFFF_FFFF
 #: The attempt byte of a lease reply saturates here; the count it stands for does not.
-MAX_ATTEMPT = 0xFF
+MAX_ATTEMPT: Final = 0xFF
 
 # Headers after the opcode byte.
 _PUSH_HEADER = struct.Struct(">HHBHH")  # queue_len, ttl_ms, prio, key_len, payload_len
@@ -102,8 +103,7 @@ _NAME_HEADER = struct.Struct(">H")  # queue_len of pop, subscribe, unsubscribe; 
 _COUNT = struct.Struct(">H")  # a reply's packet count
 _PACKET_HEADER = struct.Struct(">HH")  # key_len, payload_len
 _PUSH_PREFIX = struct.Struct(">BHHBHH")  # opcode + push header, for encoding
-_ONE_PACKET_HEADER = struct.Struct(">HHH")  # count 1, key_len, payload_len
-_EMPTY_REPLY = b"\x00\x00"
+_EMPTY_REPLY: Final = b"\x00\x00"
 _TIMED_NAME_HEADER = struct.Struct(">IH")  # lease_ms, queue_len of reserve, leased subscribe
 #: What the server sends on a lease: lease id, attempt (or status), count; then the packets.
 _LEASE_HEADER = struct.Struct(">QBH")
@@ -304,7 +304,14 @@ SYNC = Sync()
 # The decoder's view of ``FRAMES``: for each possible first byte, the frame's layout, its class
 # and, for one-byte frames, the frame itself (they carry nothing, so one instance serves every
 # time). Tuples indexed by the byte: an index into a tuple is the cheapest lookup CPython has.
-_UNKNOWN, _PUSH, _NAMED, _SINGLE, _TIMED_NAME, _FIXED = range(6)
+# Every table is ``Final``: mypyc then keeps it in a C global (or inlines the constant) instead
+# of looking it up in the module's dict on every frame.
+_UNKNOWN: Final = 0
+_PUSH: Final = 1
+_NAMED: Final = 2
+_SINGLE: Final = 3
+_TIMED_NAME: Final = 4
+_FIXED: Final = 5
 #: The frames laid out as an opcode and one u16-length byte string have one of these fields.
 _NAMED_FIELDS = (("queue",), ("token",))
 
@@ -337,18 +344,18 @@ def _fixed_struct(cls: type[ClientFrame]) -> struct.Struct:
     return struct.Struct(">" + "".join(_INT_FIELDS[name][0] for name in cls._fields))
 
 
-_CLASSES: tuple[Any, ...] = tuple(FRAMES.get(byte) for byte in range(256))
-_LAYOUTS = tuple(_layout(cls) for cls in _CLASSES)
-_SINGLETONS: tuple[Any, ...] = tuple(
+_CLASSES: Final[tuple[Any, ...]] = tuple(FRAMES.get(byte) for byte in range(256))
+_LAYOUTS: Final[tuple[int, ...]] = tuple(_layout(cls) for cls in _CLASSES)
+_SINGLETONS: Final[tuple[Any, ...]] = tuple(
     cls() if layout == _SINGLE else None for cls, layout in zip(_CLASSES, _LAYOUTS, strict=True)
 )
 #: The fields after the opcode of each integers-only frame, by opcode (None for the others).
-_STRUCTS: tuple[struct.Struct | None, ...] = tuple(
+_STRUCTS: Final[tuple[struct.Struct | None, ...]] = tuple(
     _fixed_struct(cls) if layout == _FIXED else None
     for cls, layout in zip(_CLASSES, _LAYOUTS, strict=True)
 )
 #: Whether an integers-only frame ends with a time (release, touch; not ack), by opcode.
-_ENDS_TIMED = tuple(
+_ENDS_TIMED: Final[tuple[bool, ...]] = tuple(
     layout == _FIXED and cls._fields[-1].endswith("_ms")
     for cls, layout in zip(_CLASSES, _LAYOUTS, strict=True)
 )
@@ -405,20 +412,45 @@ def encode(frame: ClientFrame) -> bytes:
     return b"".join((opcode, _NAME_HEADER.pack(len(field)), field))
 
 
-def encode_reply(packets: Sequence[KeyedPayload]) -> bytes:
-    """The bytes of a pop reply or a delivery: ``u16 count`` then each packet."""
+def append_reply(output: bytearray, packets: Sequence[KeyedPayload]) -> None:
+    """Append a pop reply or a delivery (``encode_reply``'s bytes) to ``output``: the server
+    writes a batch's replies into one buffer, with no bytes object per reply. Headers are
+    ``int.to_bytes``, which mypyc compiles to one call, where ``struct`` is a method call."""
     count = len(packets)
     if count == 1:  # the common reply: one packet of a unique key
         packet = packets[0]
         key: bytes = packet[0]
         payload: bytes = packet[1]
-        # join, not ``header + key + payload``: mypyc 1.20's compiled bytes concatenation of
-        # these leaked the result of every call (~90 bytes a reply; found by the soak).
-        return b"".join((_ONE_PACKET_HEADER.pack(1, len(key), len(payload)), key, payload))
+        if len(key) > MAX_FIELD or len(payload) > MAX_FIELD:  # would overflow into the next field
+            _check_packet(key, payload)
+        output += ((1 << 32) | (len(key) << 16) | len(payload)).to_bytes(6, "big")
+        output += key
+        output += payload
+        return
     if not count:
-        return _EMPTY_REPLY
+        output += _EMPTY_REPLY
+        return
     _check_count(count)
-    return _join_packets(_COUNT.pack(count), packets)
+    output += count.to_bytes(2, "big")
+    for packet in packets:  # a key group: one pass, straight into the buffer
+        key, payload = packet[0], packet[1]
+        if len(key) > MAX_FIELD or len(payload) > MAX_FIELD:
+            _check_packet(key, payload)
+        output += ((len(key) << 16) | len(payload)).to_bytes(4, "big")
+        output += key
+        output += payload
+
+
+def encode_reply(packets: Sequence[KeyedPayload]) -> bytes:
+    """The bytes of a pop reply or a delivery: ``u16 count`` then each packet."""
+    output = bytearray()
+    append_reply(output, packets)
+    return bytes(output)
+
+
+def _check_packet(key: bytes, payload: bytes) -> None:
+    _check_field("key", key)
+    _check_field("payload", payload)
 
 
 def _check_count(count: int) -> None:
@@ -482,9 +514,23 @@ class _Buffer:
         return len(self._data) - self._pos
 
 
-_PUSH_HEAD = 1 + _PUSH_HEADER.size
-_NAME_HEAD = 1 + _NAME_HEADER.size
-_TIMED_NAME_HEAD = 1 + _TIMED_NAME_HEADER.size
+# Frame header sizes, opcode included, and the two hot opcodes, as literals mypyc inlines.
+_PUSH_HEAD: Final = 10  # opcode, queue_len u16, ttl_ms u16, prio u8, key_len u16, payload_len u16
+_NAME_HEAD: Final = 3  # opcode, u16 length
+_TIMED_NAME_HEAD: Final = 7  # opcode, lease_ms u32, queue_len u16
+_OP_PUSH: Final = 0x70
+_OP_POP: Final = 0x50
+#: Whether this module runs compiled (mypyc): the push header is then read byte by byte, which
+#: compiles to native reads, where the interpreter does better with one ``struct`` call (the
+#: byte reads made the interpreted decode of a push 3,100 instructions dearer).
+_COMPILED: Final = not __file__.endswith(".py")
+#: Longest queue name a decoder keeps between frames to share among them (see FrameDecoder).
+_SHARED_NAME_MAX: Final = 256
+assert _PUSH_HEADER.size + 1 == _PUSH_HEAD
+assert _NAME_HEADER.size + 1 == _NAME_HEAD
+assert _TIMED_NAME_HEADER.size + 1 == _TIMED_NAME_HEAD
+assert Opcode.PUSH.value == _OP_PUSH
+assert Opcode.POP.value == _OP_POP
 
 
 def _too_long(offset: int, opcode: int, ms: int) -> MalformedFrame:
@@ -514,6 +560,12 @@ class FrameDecoder:
         self._need = 1  # bytes the next frame needs before decoding can progress
         self._offset = 0  # stream offset of _data[0]
         self._backlog: list[ClientFrame] = []  # decoded, not yet taken by next_frame()
+        # The queue name of the last push or pop, and the last pop frame (of that name or an
+        # earlier one): a connection mostly names one queue, so its frames share one name object,
+        # whose hash the store's dict lookups compute once, and a pipelined pop one frame. Only
+        # names up to _SHARED_NAME_MAX bytes, so an idle connection holds little.
+        self._queue = b""
+        self._pop: Pop | None = None
         #: The unknown opcode that stopped decoding, once reached; the stream is unusable after.
         self.error: ProtocolError | None = None
 
@@ -543,19 +595,29 @@ class FrameDecoder:
         data = b"".join((self._data, *parts)) if self._data or len(parts) > 1 else parts[0]
         parts.clear()
         frames: list[ClientFrame] = []
-        # Locals, looked up once per chunk rather than once per frame.
-        append, unpack_push, new = frames.append, _PUSH_HEADER.unpack_from, tuple.__new__
-        layouts, classes = _LAYOUTS, _CLASSES
-        seen: dict[bytes, ClientFrame] = {}  # the named frames of this chunk, by their bytes
+        # Locals, looked up once per chunk rather than once per frame (classes are not Final).
+        append, new, push_type, pop_type = frames.append, tuple.__new__, Push, Pop
+        unpack_push = _PUSH_HEADER.unpack_from
+        last_queue, last_pop = self._queue, self._pop
+        seen: dict[bytes, ClientFrame] = {}  # the other named frames of this chunk, by bytes
         pos, end, need = 0, len(data), 1
         while pos < end:
             opcode = data[pos]
-            layout = layouts[opcode]
-            if layout == _PUSH:
+            # Push and pop first, with no table on their way. Compiled, the push header is read
+            # byte by byte (mypyc turns each ``data[i]`` into a native read), each field is one
+            # slice (one copy); interpreted, ``struct`` reads the header (see _COMPILED).
+            if opcode == _OP_PUSH:
                 if end - pos < _PUSH_HEAD:
                     need = _PUSH_HEAD
                     break
-                queue_len, ttl_ms, prio, key_len, payload_len = unpack_push(data, pos + 1)
+                if _COMPILED:  # a native read per byte: no call, no tuple, no boxed ints
+                    queue_len = (data[pos + 1] << 8) | data[pos + 2]
+                    ttl_ms = (data[pos + 3] << 8) | data[pos + 4]
+                    prio = data[pos + 5]
+                    key_len = (data[pos + 6] << 8) | data[pos + 7]
+                    payload_len = (data[pos + 8] << 8) | data[pos + 9]
+                else:  # interpreted, one struct call costs less than a dozen bytecodes
+                    queue_len, ttl_ms, prio, key_len, payload_len = unpack_push(data, pos + 1)
                 key_at = pos + _PUSH_HEAD
                 payload_at = key_at + key_len
                 queue_at = payload_at + payload_len
@@ -563,20 +625,16 @@ class FrameDecoder:
                 if stop > end:
                     need = stop - pos
                     break
-                append(
-                    new(
-                        Push,
-                        (
-                            data[queue_at:stop],
-                            data[key_at:payload_at],
-                            data[payload_at:queue_at],
-                            ttl_ms,
-                            prio,
-                        ),
-                    )
-                )
+                queue = data[queue_at:stop]
+                if queue == last_queue:
+                    queue = last_queue
+                elif stop - queue_at <= _SHARED_NAME_MAX:
+                    last_queue = queue
+                fields = (queue, data[key_at:payload_at], data[payload_at:queue_at], ttl_ms, prio)
+                append(new(push_type, fields))
                 pos = stop
-            elif layout == _NAMED:
+                continue
+            if opcode == _OP_POP:
                 if end - pos < _NAME_HEAD:
                     need = _NAME_HEAD
                     break
@@ -584,12 +642,34 @@ class FrameDecoder:
                 if stop > end:
                     need = stop - pos
                     break
-                # A pipelining consumer sends the same pop many times in one chunk: one
-                # frame object, immutable, serves them all (a named tuple is costly to build).
+                queue = data[pos + _NAME_HEAD : stop]
+                if queue == last_queue:
+                    # A pipelining consumer sends the same pop many times: one frame object,
+                    # immutable, serves them all (a named tuple is costly to build).
+                    if last_pop is None or last_pop[0] is not last_queue:
+                        last_pop = new(pop_type, (last_queue,))
+                    append(last_pop)
+                elif stop - pos - _NAME_HEAD <= _SHARED_NAME_MAX:
+                    last_queue = queue
+                    last_pop = new(pop_type, (queue,))
+                    append(last_pop)
+                else:
+                    append(new(pop_type, (queue,)))
+                pos = stop
+                continue
+            layout = _LAYOUTS[opcode]
+            if layout == _NAMED:
+                if end - pos < _NAME_HEAD:
+                    need = _NAME_HEAD
+                    break
+                stop = pos + _NAME_HEAD + ((data[pos + 1] << 8) | data[pos + 2])
+                if stop > end:
+                    need = stop - pos
+                    break
                 raw = data[pos:stop]
                 frame = seen.get(raw)
                 if frame is None:
-                    frame = seen[raw] = new(classes[opcode], (raw[_NAME_HEAD:],))
+                    frame = seen[raw] = new(_CLASSES[opcode], (raw[_NAME_HEAD:],))
                 append(frame)
                 pos = stop
             elif layout == _SINGLE:
@@ -606,7 +686,7 @@ class FrameDecoder:
                 if _ENDS_TIMED[opcode] and values[-1] > MAX_LEASE_MS:
                     self.error = _too_long(self._offset + pos, opcode, values[-1])
                     break
-                append(new(classes[opcode], values))
+                append(new(_CLASSES[opcode], values))
                 pos = stop
             elif layout == _TIMED_NAME:  # reserve, leased subscribe
                 if end - pos < _TIMED_NAME_HEAD:
@@ -623,13 +703,14 @@ class FrameDecoder:
                 raw = data[pos:stop]  # a worker pipelining reserves: one frame serves them all
                 frame = seen.get(raw)
                 if frame is None:
-                    frame = new(classes[opcode], (raw[_TIMED_NAME_HEAD:], lease_ms))
+                    frame = new(_CLASSES[opcode], (raw[_TIMED_NAME_HEAD:], lease_ms))
                     seen[raw] = frame
                 append(frame)
                 pos = stop
             else:
                 self.error = ProtocolError(self._offset + pos, opcode)
                 break
+        self._queue, self._pop = last_queue, last_pop
         self._offset += pos
         self._data = data[pos:] if pos else data
         self._pending = end - pos

@@ -148,8 +148,12 @@ def test_progress_goes_to_stderr_only(server: Server) -> None:
     json.loads(done.stdout)  # stdout holds the JSON alone
 
 
-def test_runs_against_the_null_server() -> None:
-    null = Server(sys.executable, str(ROOT / "benchmarks" / "null_server.py"), "--reply-packet")
+@pytest.mark.parametrize(
+    "null_server", [("null_server.py", "--reply-packet"), ("trio_null_server.py",)]
+)
+def test_runs_against_the_null_server(null_server: tuple[str, ...]) -> None:
+    script, *options = null_server
+    null = Server(sys.executable, str(ROOT / "benchmarks" / script), *options)
     try:
         results = bench_json(null.port, "-t", "push,pop", "-n", "40", "-c", "2", "-P", "8")
     finally:

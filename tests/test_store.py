@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from pinpriq import wire
 from pinpriq.store import (
+    DEADLINE,
     DEFAULT_MAX_POP,
     KEY,
     LEASES,
@@ -85,6 +86,16 @@ def test_ttl_is_in_milliseconds(store: QueueStore, clock: FakeClock) -> None:
 def test_push_returns_deadline_on_store_clock(store: QueueStore) -> None:
     assert push(store, b"a", ttl_ms=1500) == 1001.5
     assert push(store, b"b", ttl_ms=0) == float("inf")
+
+
+def test_packets_without_a_ttl_share_one_deadline_object(store: QueueStore) -> None:
+    # The compiled store once boxed a new float ``inf`` into every packet without a TTL: 24
+    # bytes a queued packet, and an allocation per push.
+    for key in (b"a", b"b", b"c"):
+        push(store, key, ttl_ms=0)
+    deadlines = [packet[DEADLINE] for packet in store.peek(b"q", 3)]
+    assert deadlines == [float("inf")] * 3
+    assert deadlines[0] is deadlines[1] is deadlines[2]
 
 
 def test_ttl_zero_never_expires(store: QueueStore, clock: FakeClock) -> None:

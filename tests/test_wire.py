@@ -18,8 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pinpriq import wire
+from pinpriq.errors import ArgumentError
 from pinpriq.wire import (
     LEASED_EMPTY,
+    MAX_FIELD,
     READY,
     SYNC,
     Ack,
@@ -39,6 +41,7 @@ from pinpriq.wire import (
     Subscribe,
     Touch,
     Unsubscribe,
+    append_reply,
     encode,
     encode_lease_reply,
     encode_lease_status,
@@ -620,3 +623,65 @@ def test_replies_leave_no_memory_behind(count: int) -> None:
     finally:
         tracemalloc.stop()
     assert grown < 10_000, f"{grown} bytes left behind by 10,000 replies"
+
+
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_append_reply_appends_the_bytes_of_encode_reply(count: int) -> None:
+    # The server writes a batch's replies into one buffer: what is there already stays.
+    packets = [(b"key%d" % i, b"payload" * i, 1) for i in range(count)]
+    output = bytearray(b"earlier")
+    append_reply(output, packets)
+    assert bytes(output) == b"earlier" + encode_reply(packets)
+
+
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("field", ["key", "payload"])
+def test_a_reply_refuses_a_field_its_u16_length_cannot_hold(count: int, field: str) -> None:
+    # Lengths are packed into one integer: a longer field would spill into the next one.
+    big = {"key": b"k", "payload": b"p", field: bytes(MAX_FIELD + 1)}
+    with pytest.raises(ArgumentError, match=field):
+        append_reply(bytearray(), [(big["key"], big["payload"])] * count)
+
+
+def test_append_reply_leaves_no_memory_behind() -> None:
+    packets = [(b"key", b"payload")]
+    output = bytearray()
+    append_reply(output, packets)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(10_000):
+            append_reply(output, packets)
+            del output[:]
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 10_000, f"{grown} bytes left behind by 10,000 replies"
+
+
+def test_frames_naming_one_queue_share_one_name_object() -> None:
+    # The store looks queues up by name: one object per connection's queue means its hash is
+    # computed once, not for every frame; a pipelined pop is one frame object.
+    decoder = FrameDecoder()
+    decoder.feed(encode(Push(b"jobs", b"k", b"p")) + encode(Pop(b"jobs")) * 2)
+    push, pop, again = decoder.decode()
+    decoder.feed(encode(Push(b"jobs", b"k2", b"p")) + encode(Pop(b"other")))
+    later, other = decoder.decode()
+    assert push.queue is pop.queue is later.queue
+    assert pop is again
+    assert other == Pop(b"other")
+
+
+def test_a_long_queue_name_is_not_kept_by_the_decoder() -> None:
+    # Names are shared only up to a bound, so an idle connection never holds a 64 KiB name.
+    long_name = b"q" * 0xFFFF
+    decoder = FrameDecoder()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        decoder.feed(encode(Push(long_name, b"k", b"p")) + encode(Pop(long_name)))
+        assert decoder.decode() == [Push(long_name, b"k", b"p"), Pop(long_name)]
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 0xFFFF, f"the decoder holds {held} bytes after decoding every frame"
