@@ -238,13 +238,7 @@ class _Connection:
             if self.sending:
                 await self._backed_up()
             elif session.output:
-                if server.journal is None:
-                    # Straight to the socket, with no coroutine or event per batch: at one
-                    # request per round trip this is most of what a reply costs. What the
-                    # kernel does not take goes to the writer task (bounded by the session).
-                    self.write_pending()
-                else:
-                    await self._send_output()
+                await self._send_output()
             if session.error is not None:  # a frame broke decision 18
                 log.warning("closing %s: %s", self.peer, session.error)
                 self.close_reason = session.error
