@@ -237,7 +237,7 @@ class _Connection:
                     server.after_batch()
             if self.sending:
                 await self._backed_up()
-            elif session.output:
+            elif session.output and not self._wrote_all():
                 await self._send_output()
             if session.error is not None:  # a frame broke decision 18
                 log.warning("closing %s: %s", self.peer, session.error)
@@ -371,6 +371,24 @@ class _Connection:
                 continue
             except OSError:
                 return b""
+
+    def _wrote_all(self) -> bool:
+        """Hand a batch's output to the kernel directly, with no coroutine or event, when the
+        log holds nothing back; whether it took everything. If not, the read loop awaits the
+        rest (``_send_output``), which is what stops it reading from a client that does not
+        read its replies."""
+        if self.server.journal is not None:
+            return False
+        session = self.session
+        try:
+            sent = self._send_now(session.output)
+        except trio.BrokenResourceError:
+            return False  # _send_output meets the same error and closes the connection
+        del session.output[:sent]
+        if session.output:
+            return False
+        session.output_drained()
+        return True
 
     def write_pending(self) -> None:
         """Write what is pending straight to the socket, if nobody is sending; leave what the
