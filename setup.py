@@ -32,9 +32,22 @@ def _say(message: str) -> None:
     print(f"pinpriq build: {message}", file=sys.stderr)
 
 
+def _pure_requested() -> bool:
+    return os.environ.get(PURE_VARIABLE, "") not in ("", "0")
+
+
+def packed_extension() -> list[Extension]:
+    """The packed store's C core (pinpriq/_packed.c, issue 20): plain C on Python's C API, so
+    it needs only the compiler and headers mypyc's modules need. Without it (or with
+    PINPRIQ_PURE_PYTHON=1) the server uses store.QueueStore."""
+    if _pure_requested():
+        return []
+    return [Extension("pinpriq._packed", ["pinpriq/_packed.c"], extra_compile_args=["-O2"])]
+
+
 def compiled_extensions() -> list[Extension]:
     """The mypyc extensions, or none when the build is to be plain Python."""
-    if os.environ.get(PURE_VARIABLE, "") not in ("", "0"):
+    if _pure_requested():
         _say(f"{PURE_VARIABLE} is set: installing the plain-Python modules")
         return []
     try:
@@ -78,4 +91,4 @@ class OptionalBuildExt(build_ext):
             Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
 
 
-setup(ext_modules=compiled_extensions(), cmdclass={"build_ext": OptionalBuildExt})
+setup(ext_modules=[*compiled_extensions(), *packed_extension()], cmdclass={"build_ext": OptionalBuildExt})

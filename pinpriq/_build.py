@@ -21,7 +21,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["COMPILED", "PURE_VARIABLE", "build_name", "compiled_modules", "force_pure_python"]
+__all__ = [
+    "COMPILED",
+    "PACKED",
+    "PURE_VARIABLE",
+    "build_name",
+    "compiled_modules",
+    "force_pure_python",
+    "packed_store_built",
+]
 
 #: The modules setup.py compiles: the codec, the store and what applies frames to it.
 COMPILED = (
@@ -31,6 +39,10 @@ COMPILED = (
     "pinpriq.broker",
     "pinpriq.persistence.records",
 )
+#: The packed store's C core (``pinpriq/_packed.c``), built beside the mypyc modules; with
+#: ``PURE_VARIABLE`` set it is not loaded (``pinpriq/packed.py``), and the server uses
+#: ``store.QueueStore``.
+PACKED = "pinpriq._packed"
 #: Set to anything but "" or "0": run the plain-Python modules even where compiled ones exist.
 #: Read by setup.py too, which then compiles nothing.
 PURE_VARIABLE = "PINPRIQ_PURE_PYTHON"
@@ -72,13 +84,25 @@ def compiled_modules() -> list[str]:
     return [name for name in COMPILED if _is_extension(importlib.import_module(name))]
 
 
+def packed_store_built() -> bool:
+    """Whether the packed store's C core is installed and wanted in this process."""
+    if pure_python_requested():
+        return False
+    spec = importlib.util.find_spec(PACKED)
+    # Beside this file: an editable install's import hooks may find another checkout's.
+    return spec is not None and Path(spec.origin or "").parent == _PACKAGE_DIR
+
+
 def build_name() -> str:
     """What runs, in a few words, for ``--version`` and the server's first log line."""
     compiled = compiled_modules()
+    packed = packed_store_built()
     if len(compiled) == len(COMPILED):
-        return "compiled (mypyc)"
+        return "compiled (mypyc, packed store)" if packed else "compiled (mypyc, no packed store)"
     if compiled:  # a broken install: some extensions built, some not
         return "partly compiled (mypyc): " + ", ".join(compiled)
     if pure_python_requested():
         return f"pure Python ({PURE_VARIABLE} is set)"
+    if packed:  # mypyc was missing, the C compiler was not
+        return "pure Python with the packed store (C)"
     return "pure Python (not compiled when installed)"

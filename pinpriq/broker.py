@@ -78,6 +78,7 @@ from pinpriq.leases import (
     Leases,
     LeaseTotals,
 )
+from pinpriq.packed import PackedStore
 from pinpriq.store import QueueStore
 from pinpriq.store_contract import Store
 from pinpriq.subscriptions import Subscriber, Subscriptions
@@ -183,6 +184,11 @@ class Broker:
         #: store), for ``Session.receive``'s push and pop: compiled, a call through this type is
         #: a C call, where one through ``Store`` is a Python method call with boxed arguments.
         self.native_store = store if store.__class__ is QueueStore else None
+        #: The store again if it is the packed store (``packed.PackedStore``, the server's
+        #: default where its C core is built), for ``Session.receive``'s pop: its
+        #: ``pop_reply`` writes the reply straight into the session's output, making no object
+        #: per packet. Typed ``Any``: a C type mypyc knows nothing of.
+        self.packed_store: Any = store if store.__class__ is PackedStore else None
         self.token = token
         self.subscriptions = Subscriptions(store)
         self.leases = Leases(store, default_ms=lease_default_ms, max_deliveries=max_deliveries)
@@ -406,6 +412,7 @@ class Session(Subscriber):
         broker = self.broker
         store, subscriptions, output = broker.store, broker.subscriptions, self.output
         native = broker.native_store
+        packed = broker.packed_store
         waiting_queues = subscriptions.waiting_queues
         max_memory = broker.max_memory
         room = OUTPUT_HIGH_WATER - self.unsent
@@ -449,8 +456,11 @@ class Session(Subscriber):
                     continue
                 if kind is pop:
                     name: bytes = frame[0]  # type: ignore[assignment,misc]
-                    popped = native.pop(name) if native is not None else store.pop(name)
-                    append_reply(output, popped)
+                    if packed is not None:  # the reply's bytes, written by the store
+                        packed.pop_reply(name, output)
+                    else:
+                        popped = native.pop(name) if native is not None else store.pop(name)
+                        append_reply(output, popped)
                 else:
                     try:
                         handle = _HANDLERS[kind]

@@ -61,10 +61,10 @@ from pinpriq.auth import TOKEN_VARIABLE, is_loopback
 from pinpriq.broker import DEFAULT_MAX_MEMORY, REJECT_DELAY, Blocked, Broker, Session
 from pinpriq.client_memory import ClientMemory, default_budget
 from pinpriq.leases import DEFAULT_LEASE_MS, DEFAULT_MAX_DELIVERIES
+from pinpriq.packed import default_store
 from pinpriq.persistence.journal import Journal
 from pinpriq.persistence.keeper import Keeper
 from pinpriq.persistence.store import LoggedStore
-from pinpriq.store import QueueStore
 from pinpriq.store_contract import BatchedStore, Deliveries, Store
 from pinpriq.tls import describe_tls_error
 from pinpriq.wire import (
@@ -634,7 +634,8 @@ class PinpriqServer:
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
         deliveries: Deliveries | None = None,
     ) -> None:
-        """``store`` defaults to an in-memory ``QueueStore`` on trio's clock. ``max_memory``
+        """``store`` defaults to the in-memory store on trio's clock (``packed.default_store``:
+        the packed store where its C core is built, else ``QueueStore``). ``max_memory``
         caps ``store.bytes_held`` (0 for no cap); ``max_connections`` caps concurrent
         connections (further ones are accepted and closed at once); ``frame_timeout`` is how
         many seconds of reading a connection may hold an incomplete frame, and, on a server
@@ -648,7 +649,7 @@ class PinpriqServer:
         after ``max_deliveries`` attempts (0: never). A ``BatchedStore`` (the Redis store) comes
         with its ``deliveries``, the subscriptions that deliver from it."""
         self.broker = Broker(
-            store if store is not None else QueueStore(trio.current_time),
+            store if store is not None else default_store(trio.current_time),
             max_memory=max_memory,
             token=token,
             lease_default_ms=lease_default_ms,

@@ -175,6 +175,25 @@ def _members(group: _Group) -> Iterable[QueuedPacket]:
     return group.values() if isinstance(group, dict) else (group,)
 
 
+def note_time(notes: list[tuple[int, float]], seq: int, now: float) -> None:
+    """Note in ``notes`` that packets up to ``seq`` had been pushed by ``now`` (a store's
+    ``note_time``, shared with the packed store). O(1) amortised."""
+    if notes and notes[-1][0] == seq:
+        # Nothing pushed since: this note replaces that one, or the next push would be
+        # dated to the start of the quiet spell.
+        notes.pop()
+    notes.append((seq, now))
+    if len(notes) > _MAX_TIME_NOTES:
+        half = len(notes) // 2
+        notes[:half] = notes[:half:2]
+
+
+def age(notes: Sequence[tuple[int, float]], seq: int, now: float) -> float | None:
+    """Seconds since packet ``seq`` was pushed, at most: since the last note before it."""
+    index = bisect_left(notes, (seq, -math.inf)) - 1  # the last note with a smaller seq
+    return now - notes[index][1] if index >= 0 else None
+
+
 class _Queue:
     __slots__ = (
         "best",
@@ -829,21 +848,11 @@ class QueueStore:
     def note_time(self) -> None:
         """Note which packets had been pushed by now; ``queue_info`` reads packets' ages from
         these notes. The server calls it about once a second. O(1) amortised."""
-        notes = self._time_notes
-        if notes and notes[-1][0] == self._seq:
-            # Nothing pushed since: this note replaces that one, or the next push would be
-            # dated to the start of the quiet spell.
-            notes.pop()
-        notes.append((self._seq, self._clock()))
-        if len(notes) > _MAX_TIME_NOTES:
-            half = len(notes) // 2
-            notes[:half] = notes[:half:2]
+        note_time(self._time_notes, self._seq, self._clock())
 
     def _age(self, seq: int, now: float) -> float | None:
         """Seconds since packet ``seq`` was pushed, at most: since the last note before it."""
-        notes = self._time_notes
-        index = bisect_left(notes, (seq, -math.inf)) - 1  # the last note with a smaller seq
-        return now - notes[index][1] if index >= 0 else None
+        return age(self._time_notes, seq, now)
 
     def check_invariants(self) -> None:
         """Assert the internal structures agree with each other. For tests; O(n log n)."""

@@ -80,7 +80,7 @@ def test_a_build_whose_compiler_fails_installs_plain_python(tmp_path: Path) -> N
 
 def test_the_variable_at_build_time_compiles_nothing(tmp_path: Path) -> None:
     wheel = build_wheel(tmp_path, {PURE_VARIABLE: "1"})
-    assert extensions(wheel) == []
+    assert extensions(wheel) == []  # neither the mypyc modules nor the packed store
 
 
 def test_the_variable_at_run_time_loads_the_plain_modules() -> None:
@@ -107,4 +107,4 @@ def test_version_says_which_build_runs() -> None:
 def test_this_install_is_compiled() -> None:
     # CI runs the suite on the compiled build: a silent fallback would test the wrong thing.
     assert os.environ.get(PURE_VARIABLE, "") in ("", "0")
-    assert build_name() == "compiled (mypyc)"
+    assert build_name() == "compiled (mypyc, packed store)"

@@ -6,6 +6,7 @@ so the float arithmetic of deadlines is exact and "at the deadline" means exactl
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pinpriq import wire
+from pinpriq import packed, wire
 from pinpriq.store import (
     DEADLINE,
     DEFAULT_MAX_POP,
@@ -48,9 +49,24 @@ def clock() -> FakeClock:
     return FakeClock(1000.0)
 
 
+#: Every in-memory backend built here: the reference, and the packed store where its C core is
+#: built (not in the plain-Python run, where the server uses QueueStore too).
+STORES: list[type[QueueStore]] = [QueueStore, *([packed.PackedStore] if packed.available else [])]
+
+
+@pytest.fixture(params=STORES, ids=lambda cls: cls.__name__)
+def store_class(request: pytest.FixtureRequest) -> type[QueueStore]:
+    return request.param  # type: ignore[no-any-return]
+
+
 @pytest.fixture
-def store(clock: FakeClock) -> QueueStore:
-    return QueueStore(clock)
+def store(store_class: type[QueueStore], clock: FakeClock) -> QueueStore:
+    return store_class(clock)
+
+
+def overhead(store: QueueStore) -> int:
+    """The bytes_held estimate per packet of this store's layout."""
+    return packed.PACKET_OVERHEAD if isinstance(store, packed.PackedStore) else PACKET_OVERHEAD
 
 
 def payloads(packets: list[QueuedPacket]) -> list[bytes]:
@@ -278,8 +294,10 @@ def test_expired_sibling_left_out(store: QueueStore, clock: FakeClock) -> None:
     assert len(store) == 0
 
 
-def test_max_pop_leaves_further_siblings_queued(clock: FakeClock) -> None:
-    store = QueueStore(clock, max_pop=3)
+def test_max_pop_leaves_further_siblings_queued(
+    store_class: type[QueueStore], clock: FakeClock
+) -> None:
+    store = store_class(clock, max_pop=3)
     for n in range(1, 6):
         push(store, b"k%d" % n, key=b"k")
     assert payloads(store.pop(b"q")) == [b"k5", b"k1", b"k2"]
@@ -288,8 +306,10 @@ def test_max_pop_leaves_further_siblings_queued(clock: FakeClock) -> None:
     store.check_invariants()
 
 
-def test_max_pop_leftover_prio_zero_siblings_stay_unselectable(clock: FakeClock) -> None:
-    store = QueueStore(clock, max_pop=2)
+def test_max_pop_leftover_prio_zero_siblings_stay_unselectable(
+    store_class: type[QueueStore], clock: FakeClock
+) -> None:
+    store = store_class(clock, max_pop=2)
     push(store, b"z1", key=b"k", prio=0)
     push(store, b"z2", key=b"k", prio=0)
     push(store, b"sel", key=b"k", prio=1)
@@ -335,7 +355,7 @@ def test_unselectable_bytes_count_prio_zero_packets_until_they_leave(
     push(store, b"selectable", key=b"k", prio=1)
     clock.advance(0.125)
     store.expire()
-    assert store.unselectable_bytes == len(b"k" + b"rider") + PACKET_OVERHEAD
+    assert store.unselectable_bytes == len(b"k" + b"rider") + overhead(store)
     assert store.expired == 1
     assert payloads(store.pop(b"q")) == [b"selectable", b"rider"]
     assert (store.unselectable_bytes, store.bytes_held) == (0, 0)
@@ -431,9 +451,11 @@ def test_peek_rank_changes_when_a_newer_equal_packet_arrives(store: QueueStore) 
 # --- expiry heap stays bounded -------------------------------------------------------------------
 
 
-def test_popped_ttl_packets_do_not_grow_expiry_heap(store: QueueStore) -> None:
+def test_popped_ttl_packets_do_not_grow_expiry_heap(clock: FakeClock) -> None:
     # A popped packet leaves a stale entry in the expiry heap; nothing public shows how many,
     # so this test reads store._expiry to check that compaction bounds them by the live count.
+    # (The packed store's heap has no stale entries: its check_invariants counts them.)
+    store = QueueStore(clock)
     longest = 0
     for n in range(20_000):
         push(store, b"%d" % n, ttl_ms=60_000)
@@ -485,7 +507,7 @@ def test_purge_removes_every_packet_prio_zero_included(store: QueueStore, clock:
     assert store.purge(b"q") == 3
     assert store.purge(b"q") == 0
     assert (store.depth(b"q"), len(store), store.purged) == (0, 1, 3)
-    assert store.bytes_held == 1 + 1 + PACKET_OVERHEAD
+    assert store.bytes_held == 1 + 1 + overhead(store)
     assert store.unselectable_bytes == 0
     store.check_invariants()
     # Its expiry entries went stale: a reused name and key are not expired with them.
@@ -503,7 +525,7 @@ def test_queue_info_counts_bytes_and_packets_per_priority(store: QueueStore) -> 
     store.push(b"q", b"k4", b"", 0, 255)
     info = store.queue_info(b"q")
     assert info.packets == 4
-    assert info.bytes == 2 * 4 + 6 + 4 * PACKET_OVERHEAD
+    assert info.bytes == 2 * 4 + 6 + 4 * overhead(store)
     assert info.by_priority == {0: 1, 7: 2, 255: 1}
     assert info.next_expiry is None
     assert store.queue_info(b"none") == (0, 0, {}, None, None)
@@ -613,6 +635,7 @@ class Model:
     peek and expire, so its counts include due packets until one of those runs."""
 
     max_pop: int
+    overhead: int = PACKET_OVERHEAD  # the store's bytes_held estimate per packet
     now: float = 0.0
     packets: list[ModelPacket] = field(default_factory=list)  # push order
     seq: int = 0
@@ -671,7 +694,7 @@ class Model:
             by_priority[p.prio] = by_priority.get(p.prio, 0) + 1
         deadlines = [p.deadline for p in mine if p.deadline != float("inf")]
         next_expiry = max(0.0, min(deadlines) - self.now) if deadlines else None
-        size = sum(len(p.key) + len(p.payload) + PACKET_OVERHEAD for p in mine)
+        size = sum(len(p.key) + len(p.payload) + self.overhead for p in mine)
         return len(mine), size, by_priority, next_expiry
 
     def next_deadline(self) -> float | None:
@@ -700,12 +723,13 @@ def described_model(packets: list[ModelPacket]) -> list[tuple[bytes, bytes, int]
 
 class StoreVersusModel(RuleBasedStateMachine):
     MAX_POP = 3
+    STORE: type[QueueStore] = QueueStore
 
     @initialize()
     def start(self) -> None:
         self.clock = FakeClock(0.0)
-        self.store = QueueStore(self.clock, max_pop=self.MAX_POP)
-        self.model = Model(max_pop=self.MAX_POP)
+        self.store = self.STORE(self.clock, max_pop=self.MAX_POP)
+        self.model = Model(max_pop=self.MAX_POP, overhead=overhead(self.store))
         self.pushes = 0
         self.taken: list[tuple[list[QueuedPacket], list[ModelPacket]]] = []
 
@@ -790,7 +814,7 @@ class StoreVersusModel(RuleBasedStateMachine):
     def same_counts(self) -> None:
         self.store.check_invariants()
         assert self.store.taken_bytes == sum(
-            len(p[KEY]) + len(p[PAYLOAD]) + PACKET_OVERHEAD
+            len(p[KEY]) + len(p[PAYLOAD]) + overhead(self.store)
             for group, _ in self.taken
             for p in group
         )
@@ -812,6 +836,14 @@ StoreVersusModel.TestCase.settings = settings(
 )
 test_store_matches_naive_model = StoreVersusModel.TestCase
 
+if packed.available:
+
+    class PackedStoreVersusModel(StoreVersusModel):
+        STORE = packed.PackedStore
+
+    PackedStoreVersusModel.TestCase.settings = StoreVersusModel.TestCase.settings
+    test_packed_store_matches_naive_model = PackedStoreVersusModel.TestCase
+
 
 def test_stale_level_entries_stay_bounded() -> None:
     # Packets that leave with a key group or by expiry leave stale entries in their priority
@@ -832,9 +864,10 @@ def test_stale_level_entries_stay_bounded() -> None:
     assert store.depth(b"q") == len(store)
 
 
-def test_displaced_keys_stay_bounded(store: QueueStore, clock: FakeClock) -> None:
+def test_displaced_keys_stay_bounded(clock: FakeClock) -> None:
     # Groups that lose their oldest packet are remembered (for the queue's oldest packet); the
     # memory must not grow with keys that have since left. White-box: reads the queue's set.
+    store = QueueStore(clock)
     for round_number in range(20):
         for i in range(100):
             key = b"k%d-%d" % (round_number, i)
@@ -1016,8 +1049,102 @@ def test_load_rebuilds_the_order_pushes_made(
     assert restored.pop(b"a")[0][SEQ] == pushed.pop(b"a")[0][SEQ]  # seqs go on after the last
 
 
-def test_load_refuses_packets_out_of_push_order(store: QueueStore) -> None:
+def test_load_refuses_packets_out_of_push_order(clock: FakeClock) -> None:
+    store = QueueStore(clock)  # load is the log-backed store's, which is built on QueueStore
     store.load([(b"q", b"k", b"", 1, 5)], {}, 7)
     assert (len(store), store.pushed) == (1, 1)
     with pytest.raises(ValueError, match="loading seq 7 after seq 7"):
         store.load([(b"q", b"k", b"", 1, 7)], {}, 7)
+
+
+# --- the packed store against the reference ------------------------------------------------------
+
+
+def _same_state(reference: QueueStore, other: QueueStore, taken: int) -> None:
+    """Two stores given the same calls hold the same packets. Their ``bytes_held`` differ only
+    by each layout's overhead estimate per packet held (queued, or ``taken`` by leases)."""
+    other.check_invariants()
+    assert (len(other), other.expired, other.purged, other.pushed) == (
+        len(reference),
+        reference.expired,
+        reference.purged,
+        reference.pushed,
+    )
+    held = len(reference) + taken
+    assert other.bytes_held - held * overhead(other) == (
+        reference.bytes_held - held * overhead(reference)
+    )
+    assert [(name, n, b - n * overhead(other)) for name, n, b in other.sizes()] == [
+        (name, n, b - n * overhead(reference)) for name, n, b in reference.sizes()
+    ]
+    assert other.next_deadline() == reference.next_deadline()
+
+
+@pytest.mark.skipif(not packed.available, reason="the packed store's C core is not built")
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_store_matches_queue_store_at_scale(seed: int) -> None:
+    """Thousands of random calls, many keys and priorities, TTLs, leases and purges, on both
+    stores: every answer the same (packets with their seq, deadline and lease count), which
+    drives the packed store through table growth, level compaction and heap removals that the
+    state machine's few packets never reach."""
+    rng = random.Random(seed)
+    clock = FakeClock(0.0)
+    reference, packed_store = QueueStore(clock, max_pop=5), packed.PackedStore(clock, max_pop=5)
+    queues = [b"a", b"b", b"c", b"a.dead"]
+    keys = [b"k%d" % i for i in range(60)]
+    taken: list[tuple[bytes, list[QueuedPacket], list[QueuedPacket]]] = []
+    taken_count = 0
+    for step in range(6000):
+        queue = rng.choice(queues)
+        roll = rng.random()
+        if roll < 0.5:
+            args = (
+                queue,
+                rng.choice(keys),
+                b"%d" % step,
+                rng.choice([0, 0, 0, 125, 250, 2000]),
+                rng.choice([0, 1, 1, 2, 3, 7, 255]),
+            )
+            assert reference.push(*args) == packed_store.push(*args)
+        elif roll < 0.72:
+            assert reference.pop(queue) == packed_store.pop(queue)
+        elif roll < 0.8:
+            group = reference.take(queue)
+            assert packed_store.take(queue) == group
+            if group:
+                taken.append((queue, group, list(group)))
+                taken_count += len(group)
+        elif roll < 0.86 and taken:
+            home, group, same = taken.pop(rng.randrange(len(taken)))
+            taken_count -= len(group)
+            if rng.random() < 0.3:
+                reference.discard(group)
+                packed_store.discard(same)
+            else:
+                target = rng.choice([home, home + b".dead"])
+                assert reference.restore(target, group) == packed_store.restore(target, same)
+        elif roll < 0.9:
+            count = rng.randrange(1, 20)
+            assert described(packed_store.peek(queue, count)) == described(
+                reference.peek(queue, count)
+            )
+        elif roll < 0.93:
+            assert reference.peek_rank(queue) == packed_store.peek_rank(queue)
+            info, packed_info = reference.queue_info(queue), packed_store.queue_info(queue)
+            assert (info.packets, info.by_priority, info.next_expiry) == (
+                packed_info.packets,
+                packed_info.by_priority,
+                packed_info.next_expiry,
+            )
+        elif roll < 0.935:
+            assert reference.purge(queue) == packed_store.purge(queue)
+        else:
+            clock.advance(rng.choice([0.125, 0.25, 1.0]))
+            assert reference.expire() == packed_store.expire()
+        if step % 250 == 0:
+            _same_state(reference, packed_store, taken_count)
+    _same_state(reference, packed_store, taken_count)
+    for queue in queues:
+        while reply := reference.pop(queue):
+            assert packed_store.pop(queue) == reply
+        assert packed_store.pop(queue) == []

@@ -1,0 +1,1826 @@
+/* The packed packet store: store.QueueStore's queues with each packet in one malloc'd record.
+ *
+ * store.py is the reference and says what every rule is; this file keeps the same rules
+ * (decisions 1-5, 13-16, 21-22) with a layout that holds no Python object per packet:
+ *
+ * - Packet: one record per queued packet, key and payload inline after a fixed header (seq,
+ *   deadline, prio, lease count, TTL and delay state, its place in the two expiry heaps, its
+ *   key group's links). 8-byte key + 16-byte payload: 86 bytes, a 96-byte malloc chunk.
+ * - Queue: a Python object (the store's dict maps names to them), holding
+ *   - groups: an open-addressing table (linear probing, backward-shift deletion) from key to
+ *     the oldest packet of that key; a key's packets form a circular doubly-linked list in push
+ *     order through gnext/gprev, so the oldest's gprev is the newest. A packet is live exactly
+ *     while its group holds it, as in store.py.
+ *   - levels: per priority 0..255 present, an array of entries in push order (a deque: start,
+ *     end); an entry is a packet pointer or, for a packet that left other than from the top
+ *     (a sibling taken with its group, an expiry), a tombstone (seq << 1 | 1) that keeps the
+ *     seq so bisection by seq still works and a packet coming back from a lease reuses it. The
+ *     first and last entries of a level are always live: a pop reads its packet at the end,
+ *     and the queue's oldest packet is the oldest first entry. Levels are kept in a small
+ *     array sorted by prio, indexed through a 256-bit mask (rank = bits set below prio);
+ *     prio 0 has a level too (never selected: it gives push order for the oldest packet).
+ *     Once tombstones outnumber live packets (plus slack), the levels are rebuilt: O(1)
+ *     amortised, memory O(live).
+ *   - qheap: the queue's live TTL packets, a heap by (deadline, seq), for queue_info's next
+ *     expiry; delayed: its delayed packets (decision 21), a circular list through gnext/gprev.
+ * - the store: one heap of every packet with a TTL deadline or a due time, by (time, seq),
+ *   each packet knowing its place (hpos), so a pop removes its entry in O(log t) and nothing
+ *   is stale.
+ *
+ * Packets that leave by pop become tuples (key, payload, prio, seq, deadline, leases): the
+ * contract's QueuedPacket, which take/restore hand back and forth. ``pop_reply`` writes a pop's
+ * reply bytes straight into the session's output instead, making no object per packet.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define STALE_SLACK 64
+#define MAX_FIELD 0xFFFF
+#define MAX_POP_LIMIT 0xFFFF
+
+/* ---------------------------------------------------------------------------------------- */
+/* Records */
+
+struct QueueObject;
+
+typedef struct Packet {
+    struct Packet *gnext, *gprev; /* key group (or the delayed list), circular, push order */
+    struct QueueObject *queue;
+    uint64_t seq;
+    double deadline;  /* TTL deadline (INFINITY: none); while delayed, the due time */
+    uint32_t hpos;    /* 1 + index in the store's heap; 0: not in it */
+    uint32_t qhpos;   /* 1 + index in its queue's heap; 0: not in it */
+    uint32_t ttl_ms;  /* kept while delayed: the deadline is due time + TTL */
+    uint32_t leases;  /* times leased (decision 13), saturating */
+    uint16_t klen, plen;
+    uint8_t prio;
+    uint8_t flags;
+    char data[];      /* key, then payload */
+} Packet;
+
+#define F_DELAYED 1
+#define F_MARK 2 /* peek's "already listed"; check_invariants' "seen" */
+
+#define KEY(p) ((p)->data)
+#define PAYLOAD(p) ((p)->data + (p)->klen)
+/* What bytes_held counts for a packet: key, payload and the overhead estimate. */
+#define HELD(p) ((int64_t)(p)->klen + (p)->plen + packet_overhead)
+
+/* The bytes_held estimate per packet beyond key and payload: the record's header and malloc
+ * chunk rounding, a level entry and a group slot (docs/performance.md measures it). */
+#define PACKET_OVERHEAD 112
+static const int64_t packet_overhead = PACKET_OVERHEAD;
+
+typedef uintptr_t Entry; /* a Packet pointer, or a tombstone seq << 1 | 1 */
+#define IS_TOMB(e) ((e) & 1)
+#define TOMB(seq) (((Entry)(seq) << 1) | 1)
+#define ENTRY_SEQ(e) (IS_TOMB(e) ? (uint64_t)((e) >> 1) : ((Packet *)(e))->seq)
+
+typedef struct {
+    Entry *a;
+    uint32_t start, end, cap, stale;
+    uint8_t prio;
+} Level;
+
+typedef struct {
+    Packet **a;
+    uint32_t n, cap;
+} Heap;
+
+typedef struct QueueObject {
+    PyObject_HEAD
+    PyObject *name;
+    Packet **slots; /* key groups: the oldest packet of each key */
+    uint32_t slot_cap, groups;
+    uint64_t mask[4];
+    Level *levels;
+    uint16_t nlevels, level_cap;
+    int64_t size;    /* live packets, prio 0 included, delayed excluded */
+    int64_t bytes;   /* its share of bytes_held, delayed packets included */
+    int64_t entries; /* level entries, live or tombstones */
+    Heap qheap;
+    Packet *delayed_head;
+    int64_t delayed, delayed_bytes;
+} QueueObject;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *clock;
+    PyObject *queues; /* dict: name -> QueueObject */
+    PyObject *arrived; /* dict used as an ordered set: queues delayed packets entered */
+    PyObject *dict;
+    Py_ssize_t max_pop;
+    long long bytes_held, unselectable_bytes, expired, purged, taken_bytes, delayed_bytes;
+    long long pushed, held;
+    uint64_t seq;
+    Heap heap;
+} StoreObject;
+
+static PyTypeObject QueueType;
+static PyTypeObject StoreType;
+static PyObject *inf_float; /* the deadline of every packet without a TTL: one object */
+
+/* ---------------------------------------------------------------------------------------- */
+/* Hashing keys */
+
+static inline uint64_t hash_key(const char *s, size_t n) {
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ (n * 0xff51afd7ed558ccdull);
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, s, 8);
+        h = (h ^ w) * 0xbf58476d1ce4e5b9ull;
+        h ^= h >> 31;
+        s += 8;
+        n -= 8;
+    }
+    uint64_t w = 0;
+    memcpy(&w, s, n);
+    h = (h ^ w) * 0x94d049bb133111ebull;
+    h ^= h >> 29;
+    h *= 0xbf58476d1ce4e5b9ull;
+    h ^= h >> 32;
+    return h;
+}
+
+static inline int key_is(const Packet *p, const char *key, size_t n) {
+    return p->klen == n && memcmp(p->data, key, n) == 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Key groups: open addressing from key to the group's oldest packet */
+
+/* The slot holding key's group, or the empty slot where it would go. */
+static inline uint32_t group_slot(QueueObject *q, const char *key, size_t n) {
+    uint32_t mask = q->slot_cap - 1;
+    uint32_t i = (uint32_t)hash_key(key, n) & mask;
+    for (;;) {
+        Packet *p = q->slots[i];
+        if (p == NULL || key_is(p, key, n))
+            return i;
+        i = (i + 1) & mask;
+    }
+}
+
+static Packet *group_find(QueueObject *q, const char *key, size_t n) {
+    if (q->slot_cap == 0)
+        return NULL;
+    return q->slots[group_slot(q, key, n)];
+}
+
+static int groups_grow(QueueObject *q) {
+    uint32_t old_cap = q->slot_cap, cap = old_cap ? old_cap * 2 : 8;
+    Packet **old = q->slots;
+    Packet **slots = PyMem_Calloc(cap, sizeof(Packet *));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    q->slots = slots;
+    q->slot_cap = cap;
+    for (uint32_t i = 0; i < old_cap; i++)
+        if (old[i] != NULL)
+            slots[group_slot(q, KEY(old[i]), old[i]->klen)] = old[i];
+    PyMem_Free(old);
+    return 0;
+}
+
+/* Make room for one more group: the table stays at most 3/4 full. */
+static inline int groups_reserve(QueueObject *q) {
+    if ((uint64_t)(q->groups + 1) * 4 > (uint64_t)q->slot_cap * 3)
+        return groups_grow(q);
+    return 0;
+}
+
+/* Empty slot i, shifting back the entries after it that probed past it. */
+static void groups_delete_slot(QueueObject *q, uint32_t i) {
+    uint32_t mask = q->slot_cap - 1;
+    uint32_t j = i;
+    q->slots[i] = NULL;
+    q->groups--;
+    for (;;) {
+        j = (j + 1) & mask;
+        Packet *p = q->slots[j];
+        if (p == NULL)
+            return;
+        uint32_t home = (uint32_t)hash_key(KEY(p), p->klen) & mask;
+        /* p may move to i if i lies cyclically in [home, j) */
+        if (((j - home) & mask) >= ((j - i) & mask)) {
+            q->slots[i] = p;
+            q->slots[j] = NULL;
+            i = j;
+        }
+    }
+}
+
+/* Circular lists through gnext/gprev: a key group, or a queue's delayed packets. */
+static inline void ring_insert_after(Packet *at, Packet *p) {
+    p->gprev = at;
+    p->gnext = at->gnext;
+    at->gnext->gprev = p;
+    at->gnext = p;
+}
+
+static inline void ring_unlink(Packet *p) {
+    p->gprev->gnext = p->gnext;
+    p->gnext->gprev = p->gprev;
+    p->gnext = p->gprev = p;
+}
+
+/* File p in its key group, in push order (its seq may be older than the group's newest).
+ * The table must have room (groups_reserve). */
+static void group_add(QueueObject *q, Packet *p) {
+    uint32_t i = group_slot(q, KEY(p), p->klen);
+    Packet *head = q->slots[i];
+    if (head == NULL) {
+        p->gnext = p->gprev = p;
+        q->slots[i] = p;
+        q->groups++;
+        return;
+    }
+    Packet *at = head->gprev; /* the newest */
+    while (at->seq > p->seq && at != head)
+        at = at->gprev;
+    if (at->seq > p->seq) { /* older than the whole group: the new head */
+        ring_insert_after(head->gprev, p);
+        q->slots[i] = p;
+    } else {
+        ring_insert_after(at, p);
+    }
+}
+
+/* Take p out of its key group: what removes a packet. */
+static void group_remove(QueueObject *q, Packet *p) {
+    if (p->gnext == p) {
+        groups_delete_slot(q, group_slot(q, KEY(p), p->klen));
+        return;
+    }
+    uint32_t i = group_slot(q, KEY(p), p->klen);
+    if (q->slots[i] == p)
+        q->slots[i] = p->gnext;
+    ring_unlink(p);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Heaps by (time, seq), each packet knowing its place */
+
+static inline uint32_t *heap_pos(Packet *p, int queue_heap) {
+    return queue_heap ? &p->qhpos : &p->hpos;
+}
+
+static inline int earlier(const Packet *a, const Packet *b) {
+    return a->deadline < b->deadline || (a->deadline == b->deadline && a->seq < b->seq);
+}
+
+static void heap_set(Heap *h, uint32_t i, Packet *p, int qh) {
+    h->a[i] = p;
+    *heap_pos(p, qh) = i + 1;
+}
+
+static void heap_up(Heap *h, uint32_t i, int qh) {
+    Packet *p = h->a[i];
+    while (i > 0) {
+        uint32_t parent = (i - 1) / 2;
+        if (!earlier(p, h->a[parent]))
+            break;
+        heap_set(h, i, h->a[parent], qh);
+        i = parent;
+    }
+    heap_set(h, i, p, qh);
+}
+
+static void heap_down(Heap *h, uint32_t i, int qh) {
+    Packet *p = h->a[i];
+    for (;;) {
+        uint32_t child = 2 * i + 1;
+        if (child >= h->n)
+            break;
+        if (child + 1 < h->n && earlier(h->a[child + 1], h->a[child]))
+            child++;
+        if (!earlier(h->a[child], p))
+            break;
+        heap_set(h, i, h->a[child], qh);
+        i = child;
+    }
+    heap_set(h, i, p, qh);
+}
+
+static int heap_push(Heap *h, Packet *p, int qh) {
+    if (h->n == h->cap) {
+        uint32_t cap = h->cap ? h->cap + h->cap / 2 + 4 : 4;
+        Packet **a = PyMem_Realloc(h->a, cap * sizeof(Packet *));
+        if (a == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        h->a = a;
+        h->cap = cap;
+    }
+    h->a[h->n++] = p;
+    heap_up(h, h->n - 1, qh);
+    return 0;
+}
+
+static void heap_remove(Heap *h, Packet *p, int qh) {
+    uint32_t *pos = heap_pos(p, qh);
+    uint32_t i = *pos - 1;
+    *pos = 0;
+    Packet *last = h->a[--h->n];
+    if (i < h->n) {
+        h->a[i] = last;
+        if (i > 0 && earlier(last, h->a[(i - 1) / 2]))
+            heap_up(h, i, qh);
+        else
+            heap_down(h, i, qh);
+    }
+    if (h->n == 0) {
+        PyMem_Free(h->a);
+        h->a = NULL;
+        h->cap = 0;
+    } else if (h->cap > 64 && h->n < h->cap / 4) {
+        uint32_t cap = h->cap / 2;
+        Packet **a = PyMem_Realloc(h->a, cap * sizeof(Packet *));
+        if (a != NULL) {
+            h->a = a;
+            h->cap = cap;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Levels */
+
+static inline int mask_has(const uint64_t *mask, int prio) {
+    return (mask[prio >> 6] >> (prio & 63)) & 1;
+}
+
+/* The index of prio's level in q->levels: how many levels have a lower prio. */
+static inline int level_rank(const QueueObject *q, int prio) {
+    int rank = 0, word = prio >> 6;
+    for (int w = 0; w < word; w++)
+        rank += __builtin_popcountll(q->mask[w]);
+    uint64_t below = q->mask[word] & ((1ull << (prio & 63)) - 1);
+    return rank + __builtin_popcountll(below);
+}
+
+static inline Level *level_of(QueueObject *q, int prio) {
+    return mask_has(q->mask, prio) ? &q->levels[level_rank(q, prio)] : NULL;
+}
+
+/* The best selectable level (prio 1..255), or NULL. */
+static inline Level *best_level(QueueObject *q) {
+    if (q->nlevels == 0)
+        return NULL;
+    Level *first = &q->levels[0];
+    if (first->prio != 0)
+        return first;
+    return q->nlevels > 1 ? &q->levels[1] : NULL;
+}
+
+static Level *level_make(QueueObject *q, int prio) {
+    if (q->nlevels == q->level_cap) {
+        uint16_t cap = q->level_cap ? (q->level_cap * 2 > 256 ? 256 : q->level_cap * 2) : 2;
+        Level *levels = PyMem_Realloc(q->levels, cap * sizeof(Level));
+        if (levels == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        q->levels = levels;
+        q->level_cap = cap;
+    }
+    int rank = level_rank(q, prio);
+    memmove(&q->levels[rank + 1], &q->levels[rank], (q->nlevels - rank) * sizeof(Level));
+    q->nlevels++;
+    q->mask[prio >> 6] |= 1ull << (prio & 63);
+    Level *level = &q->levels[rank];
+    memset(level, 0, sizeof(Level));
+    level->prio = (uint8_t)prio;
+    return level;
+}
+
+static void level_drop(QueueObject *q, Level *level) {
+    int prio = level->prio, rank = (int)(level - q->levels);
+    PyMem_Free(level->a);
+    memmove(&q->levels[rank], &q->levels[rank + 1], (q->nlevels - rank - 1) * sizeof(Level));
+    q->nlevels--;
+    q->mask[prio >> 6] &= ~(1ull << (prio & 63));
+    if (q->nlevels == 0) {
+        PyMem_Free(q->levels);
+        q->levels = NULL;
+        q->level_cap = 0;
+    }
+}
+
+/* Room for one more entry at the end (or anywhere: the caller may shift). */
+static int level_reserve(Level *level) {
+    if (level->end < level->cap)
+        return 0;
+    uint32_t len = level->end - level->start;
+    if (level->start > 0 && level->start >= len / 2) { /* reuse the room a drained front left */
+        memmove(level->a, level->a + level->start, len * sizeof(Entry));
+        level->start = 0;
+        level->end = len;
+        return 0;
+    }
+    uint32_t cap = level->cap ? level->cap + level->cap / 2 + 2 : 2;
+    Entry *a = PyMem_Realloc(level->a, cap * sizeof(Entry));
+    if (a == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    level->a = a;
+    level->cap = cap;
+    return 0;
+}
+
+/* Give back memory of a level that shrank to a quarter of its room. */
+static void level_shrink(Level *level) {
+    uint32_t len = level->end - level->start;
+    if (level->cap <= 64 || len >= level->cap / 4)
+        return;
+    memmove(level->a, level->a + level->start, len * sizeof(Entry));
+    level->start = 0;
+    level->end = len;
+    uint32_t cap = level->cap / 2;
+    Entry *a = PyMem_Realloc(level->a, cap * sizeof(Entry));
+    if (a != NULL) {
+        level->a = a;
+        level->cap = cap;
+    }
+}
+
+/* Index of the first entry whose seq is >= seq. */
+static uint32_t level_bisect(const Level *level, uint64_t seq) {
+    uint32_t lo = level->start, hi = level->end;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (ENTRY_SEQ(level->a[mid]) < seq)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* Drop tombstones at both ends, so the first and last entries are live; drops an emptied
+ * level. */
+static void level_trim(QueueObject *q, Level *level) {
+    while (level->start < level->end && IS_TOMB(level->a[level->start])) {
+        level->start++;
+        level->stale--;
+        q->entries--;
+    }
+    while (level->end > level->start && IS_TOMB(level->a[level->end - 1])) {
+        level->end--;
+        level->stale--;
+        q->entries--;
+    }
+    if (level->start == level->end)
+        level_drop(q, level);
+    else
+        level_shrink(level);
+}
+
+/* File p in its level. Push order: at the end if it is the newest, else by bisection, reusing
+ * the tombstone it left if it comes back from a lease. */
+static int level_add(QueueObject *q, Packet *p) {
+    Level *level = level_of(q, p->prio);
+    if (level == NULL && (level = level_make(q, p->prio)) == NULL)
+        return -1;
+    if (level->end > level->start && ENTRY_SEQ(level->a[level->end - 1]) > p->seq) {
+        uint32_t at = level_bisect(level, p->seq);
+        if (at < level->end && IS_TOMB(level->a[at]) && ENTRY_SEQ(level->a[at]) == p->seq) {
+            level->a[at] = (Entry)p;
+            level->stale--;
+            return 0;
+        }
+        if (level_reserve(level) < 0)
+            return -1;
+        at = level_bisect(level, p->seq);
+        memmove(&level->a[at + 1], &level->a[at], (level->end - at) * sizeof(Entry));
+        level->a[at] = (Entry)p;
+        level->end++;
+        q->entries++;
+        return 0;
+    }
+    if (level_reserve(level) < 0)
+        return -1;
+    level->a[level->end++] = (Entry)p;
+    q->entries++;
+    return 0;
+}
+
+/* Take p out of its level, wherever it is: a tombstone in its place (O(log n)). */
+static void level_remove(QueueObject *q, Packet *p) {
+    Level *level = level_of(q, p->prio);
+    if (level->a[level->end - 1] == (Entry)p) {
+        level->end--;
+        q->entries--;
+    } else {
+        uint32_t at = level_bisect(level, p->seq);
+        level->a[at] = TOMB(p->seq);
+        level->stale++;
+    }
+    level_trim(q, level);
+}
+
+/* Rebuild the levels without tombstones once they outnumber the live packets. O(entries). */
+static void levels_compact(QueueObject *q) {
+    for (int i = 0; i < q->nlevels; i++) {
+        Level *level = &q->levels[i];
+        uint32_t out = 0;
+        for (uint32_t j = level->start; j < level->end; j++)
+            if (!IS_TOMB(level->a[j]))
+                level->a[out++] = level->a[j];
+        level->start = 0;
+        level->end = out;
+        level->stale = 0;
+        level_shrink(level);
+    }
+    q->entries = q->size;
+}
+
+static inline void maybe_compact(QueueObject *q) {
+    if (q->entries > 2 * q->size + STALE_SLACK)
+        levels_compact(q);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Queues */
+
+static QueueObject *queue_new(PyObject *name) {
+    QueueObject *q = PyObject_New(QueueObject, &QueueType);
+    if (q == NULL)
+        return NULL;
+    Py_INCREF(name);
+    q->name = name;
+    q->slots = NULL;
+    q->slot_cap = q->groups = 0;
+    memset(q->mask, 0, sizeof(q->mask));
+    q->levels = NULL;
+    q->nlevels = q->level_cap = 0;
+    q->size = q->bytes = q->entries = 0;
+    q->qheap.a = NULL;
+    q->qheap.n = q->qheap.cap = 0;
+    q->delayed_head = NULL;
+    q->delayed = q->delayed_bytes = 0;
+    return q;
+}
+
+/* Free every record the queue still holds (the store took them out of its heap already). */
+static void queue_free_packets(QueueObject *q) {
+    for (uint32_t i = 0; i < q->slot_cap; i++) {
+        Packet *head = q->slots[i];
+        if (head == NULL)
+            continue;
+        Packet *p = head;
+        do {
+            Packet *next = p->gnext;
+            PyMem_Free(p);
+            p = next;
+        } while (p != head);
+        q->slots[i] = NULL;
+    }
+    q->groups = 0;
+    if (q->delayed_head != NULL) {
+        Packet *p = q->delayed_head;
+        do {
+            Packet *next = p->gnext;
+            PyMem_Free(p);
+            p = next;
+        } while (p != q->delayed_head);
+        q->delayed_head = NULL;
+    }
+}
+
+static void queue_dealloc(QueueObject *q) {
+    queue_free_packets(q);
+    PyMem_Free(q->slots);
+    for (int i = 0; i < q->nlevels; i++)
+        PyMem_Free(q->levels[i].a);
+    PyMem_Free(q->levels);
+    PyMem_Free(q->qheap.a);
+    Py_DECREF(q->name);
+    PyObject_Free(q);
+}
+
+static PyTypeObject QueueType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "pinpriq._packed._Queue",
+    .tp_basicsize = sizeof(QueueObject),
+    .tp_dealloc = (destructor)queue_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+};
+
+static inline QueueObject *store_queue(StoreObject *s, PyObject *name) {
+    return (QueueObject *)PyDict_GetItemWithError(s->queues, name);
+}
+
+/* The queue named ``name``, made if missing. New queues are filed under the store's own copy
+ * of the name (a bytes object that stays). */
+static QueueObject *store_queue_make(StoreObject *s, PyObject *name) {
+    QueueObject *q = store_queue(s, name);
+    if (q != NULL || PyErr_Occurred())
+        return q;
+    q = queue_new(name);
+    if (q == NULL)
+        return NULL;
+    if (PyDict_SetItem(s->queues, name, (PyObject *)q) < 0) {
+        Py_DECREF(q);
+        return NULL;
+    }
+    Py_DECREF(q); /* the dict holds it */
+    return q;
+}
+
+/* Forget a queue that holds nothing (decision 5). */
+static int store_forget_if_empty(StoreObject *s, QueueObject *q) {
+    if (q->size == 0 && q->delayed == 0)
+        return PyDict_DelItem(s->queues, q->name);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Filing and unfiling packets */
+
+static double store_now(StoreObject *s) {
+    PyObject *value = PyObject_CallNoArgs(s->clock);
+    if (value == NULL)
+        return NAN;
+    double now = PyFloat_AsDouble(value);
+    Py_DECREF(value);
+    return now;
+}
+
+static Packet *packet_new(const char *key, Py_ssize_t klen, const char *payload,
+                          Py_ssize_t plen) {
+    if (klen > MAX_FIELD || plen > MAX_FIELD) {
+        PyErr_SetString(PyExc_ValueError, "a key or payload longer than 65535 bytes");
+        return NULL;
+    }
+    Packet *p = PyMem_Malloc(offsetof(Packet, data) + klen + plen);
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    p->klen = (uint16_t)klen;
+    p->plen = (uint16_t)plen;
+    memcpy(p->data, key, klen);
+    memcpy(p->data + klen, payload, plen);
+    p->hpos = p->qhpos = 0;
+    p->ttl_ms = p->leases = 0;
+    p->flags = 0;
+    p->gnext = p->gprev = p;
+    return p;
+}
+
+/* File a packet (seq, prio, deadline set) in queue q: its group, its level, the heaps.
+ * Counts it in q->size and q->bytes (not in the store's totals: the caller's). */
+static int file_packet(StoreObject *s, QueueObject *q, Packet *p) {
+    if (groups_reserve(q) < 0)
+        return -1;
+    if (level_add(q, p) < 0)
+        return -1;
+    group_add(q, p);
+    p->queue = q;
+    if (p->deadline != INFINITY) {
+        if (heap_push(&s->heap, p, 0) < 0 || heap_push(&q->qheap, p, 1) < 0) {
+            PyErr_Clear(); /* out of memory for the heap: keep the packet without a TTL */
+            if (p->hpos)
+                heap_remove(&s->heap, p, 0);
+            p->deadline = INFINITY;
+        }
+    }
+    q->size++;
+    q->bytes += HELD(p);
+    return 0;
+}
+
+/* Take a live packet out of everything in q (group, level, heaps); the caller frees it or
+ * turns it into a tuple, and fixes the counts. */
+static void unfile_packet(StoreObject *s, QueueObject *q, Packet *p) {
+    group_remove(q, p);
+    level_remove(q, p);
+    if (p->hpos)
+        heap_remove(&s->heap, p, 0);
+    if (p->qhpos)
+        heap_remove(&q->qheap, p, 1);
+    q->size--;
+    q->bytes -= HELD(p);
+}
+
+/* A packet as the contract's tuple: (key, payload, prio, seq, deadline, leases). */
+static PyObject *packet_tuple(const Packet *p) {
+    PyObject *t = PyTuple_New(6);
+    if (t == NULL)
+        return NULL;
+    PyObject *key = PyBytes_FromStringAndSize(KEY(p), p->klen);
+    PyObject *payload = PyBytes_FromStringAndSize(PAYLOAD(p), p->plen);
+    PyObject *seq = PyLong_FromUnsignedLongLong(p->seq);
+    PyObject *deadline;
+    if (p->deadline == INFINITY) {
+        Py_INCREF(inf_float);
+        deadline = inf_float;
+    } else {
+        deadline = PyFloat_FromDouble(p->deadline);
+    }
+    PyObject *leases = PyLong_FromUnsignedLong(p->leases);
+    PyTuple_SET_ITEM(t, 0, key);
+    PyTuple_SET_ITEM(t, 1, payload);
+    PyTuple_SET_ITEM(t, 2, PyLong_FromLong(p->prio));
+    PyTuple_SET_ITEM(t, 3, seq);
+    PyTuple_SET_ITEM(t, 4, deadline);
+    PyTuple_SET_ITEM(t, 5, leases);
+    if (!key || !payload || !seq || !deadline || !leases || !PyTuple_GET_ITEM(t, 2)) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    return t;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Expiry and arrival */
+
+/* A delayed packet whose time came enters its queue (decision 21). */
+static int arrive(StoreObject *s, Packet *p) {
+    QueueObject *q = p->queue;
+    if (q->delayed_head == p)
+        q->delayed_head = p->gnext == p ? NULL : p->gnext;
+    ring_unlink(p);
+    q->delayed--;
+    q->delayed_bytes -= HELD(p);
+    s->delayed_bytes -= HELD(p);
+    q->bytes -= HELD(p); /* file_packet counts it again */
+    p->flags &= ~F_DELAYED;
+    p->deadline = p->ttl_ms ? p->deadline + p->ttl_ms / 1000.0 : INFINITY;
+    if (file_packet(s, q, p) < 0)
+        return -1;
+    if (!p->prio)
+        s->unselectable_bytes += HELD(p);
+    return PyDict_SetItem(s->arrived, q->name, Py_None);
+}
+
+/* Remove every packet whose deadline has come, and move every due delayed packet into its
+ * queue. Returns how many expired, or -1 on error. */
+static Py_ssize_t store_expire(StoreObject *s) {
+    if (s->heap.n == 0)
+        return 0;
+    double now = store_now(s);
+    if (now != now)
+        return -1;
+    Py_ssize_t removed = 0;
+    while (s->heap.n && s->heap.a[0]->deadline <= now) {
+        Packet *p = s->heap.a[0];
+        QueueObject *q = p->queue;
+        heap_remove(&s->heap, p, 0);
+        if (p->flags & F_DELAYED) {
+            if (arrive(s, p) < 0)
+                return -1;
+            continue;
+        }
+        unfile_packet(s, q, p);
+        s->bytes_held -= HELD(p);
+        if (!p->prio)
+            s->unselectable_bytes -= HELD(p);
+        s->held--;
+        removed++;
+        PyMem_Free(p);
+        if (q->size == 0 && q->delayed == 0) {
+            if (store_forget_if_empty(s, q) < 0)
+                return -1;
+        } else {
+            maybe_compact(q);
+        }
+    }
+    s->expired += removed;
+    return removed;
+}
+
+/* Expire first if anything is due: every read does, so nothing expired is ever returned. */
+static inline int expire_due(StoreObject *s) {
+    if (s->heap.n == 0)
+        return 0;
+    double now = store_now(s);
+    if (now != now)
+        return -1;
+    if (s->heap.a[0]->deadline <= now)
+        return store_expire(s) < 0 ? -1 : 0;
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Pop */
+
+/* Remove the best packet and up to max_pop - 1 siblings into out (which has room for
+ * max_pop); returns how many, 0 if nothing is selectable. Records are detached, not freed. */
+static Py_ssize_t take_group(StoreObject *s, QueueObject *q, Packet **out) {
+    Level *level = best_level(q);
+    if (level == NULL)
+        return 0;
+    Packet *selected = (Packet *)level->a[level->end - 1];
+    Py_ssize_t count = 1;
+    out[0] = selected;
+    if (selected->gnext != selected) { /* siblings: oldest first */
+        Packet *head = q->slots[group_slot(q, KEY(selected), selected->klen)];
+        for (Packet *p = head; count < s->max_pop; p = p->gnext) {
+            if (p != selected)
+                out[count++] = p;
+            if (p->gnext == head)
+                break;
+        }
+    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        unfile_packet(s, q, out[i]);
+    int64_t held = 0, riders = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        held += HELD(out[i]);
+        if (!out[i]->prio)
+            riders += HELD(out[i]);
+    }
+    s->bytes_held -= held;
+    s->unselectable_bytes -= riders;
+    s->held -= count;
+    return count;
+}
+
+/* Room for a pop's packets: ``one`` for a lone key (the common case), else max_pop. */
+static Packet **reply_room(StoreObject *s, QueueObject *q, Packet **one) {
+    Level *level = best_level(q);
+    if (level == NULL || s->max_pop == 1)
+        return one;
+    Packet *selected = (Packet *)level->a[level->end - 1];
+    if (selected->gnext == selected)
+        return one;
+    Packet **out = PyMem_Malloc(s->max_pop * sizeof(Packet *));
+    if (out == NULL)
+        PyErr_NoMemory();
+    return out;
+}
+
+/* After a pop from q: forget it if empty, else compact if needed. */
+static int after_pop(StoreObject *s, QueueObject *q) {
+    if (q->size == 0 && q->delayed == 0)
+        return store_forget_if_empty(s, q);
+    maybe_compact(q);
+    return 0;
+}
+
+/* pop or take: the packets as tuples. */
+static PyObject *pop_tuples(StoreObject *s, PyObject *name, int taking) {
+    if (expire_due(s) < 0)
+        return NULL;
+    QueueObject *q = store_queue(s, name);
+    if (q == NULL)
+        return PyErr_Occurred() ? NULL : PyList_New(0);
+    Packet *one[1];
+    Packet **out = reply_room(s, q, one);
+    if (out == NULL)
+        return NULL;
+    Py_INCREF(q);
+    Py_ssize_t count = take_group(s, q, out);
+    PyObject *reply = PyList_New(count);
+    int64_t held = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Packet *p = out[i];
+        held += HELD(p);
+        if (reply != NULL) {
+            PyObject *t = packet_tuple(p);
+            if (t == NULL)
+                Py_CLEAR(reply);
+            else
+                PyList_SET_ITEM(reply, i, t);
+        }
+        PyMem_Free(p);
+    }
+    if (out != one)
+        PyMem_Free(out);
+    if (taking) {
+        s->bytes_held += held;
+        s->taken_bytes += held;
+    }
+    if (count && after_pop(s, q) < 0)
+        Py_CLEAR(reply);
+    Py_DECREF(q);
+    return reply;
+}
+
+static PyObject *Store_pop(StoreObject *s, PyObject *name) {
+    return pop_tuples(s, name, 0);
+}
+
+static PyObject *Store_take(StoreObject *s, PyObject *name) {
+    return pop_tuples(s, name, 1);
+}
+
+/* pop_reply(queue, output): a pop whose reply (u16 count, then per packet u16 key length,
+ * u16 payload length, key, payload: wire.append_reply's bytes) is appended to the bytearray
+ * output, with no Python object made per packet. Returns how many packets. */
+static PyObject *Store_pop_reply(StoreObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyByteArray_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "pop_reply(queue, output: bytearray)");
+        return NULL;
+    }
+    PyObject *output = args[1];
+    if (expire_due(s) < 0)
+        return NULL;
+    QueueObject *q = store_queue(s, args[0]);
+    Py_ssize_t count = 0;
+    Packet *one[1];
+    Packet **out = one;
+    if (q == NULL && PyErr_Occurred())
+        return NULL;
+    if (q != NULL) {
+        if ((out = reply_room(s, q, one)) == NULL)
+            return NULL;
+        count = take_group(s, q, out);
+    }
+    Py_ssize_t size = 2;
+    for (Py_ssize_t i = 0; i < count; i++)
+        size += 4 + out[i]->klen + out[i]->plen;
+    Py_ssize_t at = PyByteArray_GET_SIZE(output);
+    int failed = PyByteArray_Resize(output, at + size) < 0;
+    if (!failed) {
+        unsigned char *b = (unsigned char *)PyByteArray_AS_STRING(output) + at;
+        *b++ = (unsigned char)(count >> 8);
+        *b++ = (unsigned char)count;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            Packet *p = out[i];
+            *b++ = p->klen >> 8;
+            *b++ = p->klen & 0xFF;
+            *b++ = p->plen >> 8;
+            *b++ = p->plen & 0xFF;
+            memcpy(b, p->data, p->klen + p->plen);
+            b += p->klen + p->plen;
+        }
+    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        PyMem_Free(out[i]);
+    if (out != one)
+        PyMem_Free(out);
+    if (count && after_pop(s, q) < 0)
+        return NULL;
+    if (failed)
+        return NULL;
+    return PyLong_FromSsize_t(count);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Push */
+
+static int parse_u32(PyObject *value, const char *what, uint32_t *out) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(value);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s out of range", what);
+        }
+        return -1;
+    }
+    if (v > 0xFFFFFFFFull) {
+        PyErr_Format(PyExc_ValueError, "%s out of range", what);
+        return -1;
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
+/* Parse (queue, key, payload, ttl_ms, prio) into a new record with its seq; NULL on error. */
+static Packet *parse_push(StoreObject *s, PyObject *const *args, uint32_t *ttl_ms) {
+    PyObject *key = args[1], *payload = args[2];
+    uint32_t prio;
+    if (!PyBytes_Check(args[0]) || !PyBytes_Check(key) || !PyBytes_Check(payload)) {
+        PyErr_SetString(PyExc_TypeError, "queue, key and payload must be bytes");
+        return NULL;
+    }
+    if (parse_u32(args[3], "ttl_ms", ttl_ms) < 0 || parse_u32(args[4], "prio", &prio) < 0)
+        return NULL;
+    if (prio > 255) {
+        PyErr_SetString(PyExc_ValueError, "prio out of range");
+        return NULL;
+    }
+    Packet *p = packet_new(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key),
+                           PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload));
+    if (p == NULL)
+        return NULL;
+    p->prio = (uint8_t)prio;
+    p->seq = ++s->seq;
+    return p;
+}
+
+static PyObject *Store_push(StoreObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "push(queue, key, payload, ttl_ms, prio)");
+        return NULL;
+    }
+    uint32_t ttl_ms;
+    Packet *p = parse_push(s, args, &ttl_ms);
+    if (p == NULL)
+        return NULL;
+    p->deadline = INFINITY;
+    if (ttl_ms) {
+        double now = store_now(s);
+        if (now != now) {
+            PyMem_Free(p);
+            return NULL;
+        }
+        p->deadline = now + ttl_ms / 1000.0;
+    }
+    QueueObject *q = store_queue_make(s, args[0]);
+    if (q == NULL || file_packet(s, q, p) < 0) {
+        PyMem_Free(p);
+        if (q != NULL)
+            store_forget_if_empty(s, q);
+        return NULL;
+    }
+    s->bytes_held += HELD(p);
+    if (!p->prio)
+        s->unselectable_bytes += HELD(p);
+    s->pushed++;
+    s->held++;
+    if (!ttl_ms) {
+        Py_INCREF(inf_float);
+        return inf_float;
+    }
+    return PyFloat_FromDouble(p->deadline);
+}
+
+/* push_delayed(queue, key, payload, ttl_ms, prio, delay_ms) -> due time (decision 21). */
+static PyObject *Store_push_delayed(StoreObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "push_delayed(queue, key, payload, ttl_ms, prio, delay_ms)");
+        return NULL;
+    }
+    uint32_t ttl_ms, delay_ms;
+    if (parse_u32(args[5], "delay_ms", &delay_ms) < 0)
+        return NULL;
+    double now = store_now(s);
+    if (now != now)
+        return NULL;
+    Packet *p = parse_push(s, args, &ttl_ms);
+    if (p == NULL)
+        return NULL;
+    QueueObject *q = store_queue_make(s, args[0]);
+    p->deadline = now + delay_ms / 1000.0; /* its due time, while delayed */
+    p->ttl_ms = ttl_ms;
+    p->flags = F_DELAYED;
+    p->queue = q;
+    if (q == NULL || heap_push(&s->heap, p, 0) < 0) {
+        PyMem_Free(p);
+        if (q != NULL)
+            store_forget_if_empty(s, q);
+        return NULL;
+    }
+    if (q->delayed_head == NULL)
+        q->delayed_head = p;
+    else
+        ring_insert_after(q->delayed_head->gprev, p);
+    q->delayed++;
+    q->delayed_bytes += HELD(p);
+    q->bytes += HELD(p);
+    s->delayed_bytes += HELD(p);
+    s->bytes_held += HELD(p);
+    s->pushed++;
+    s->held++;
+    return PyFloat_FromDouble(p->deadline);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Leases: discard and restore (take is above, with pop) */
+
+/* The bytes_held share of a sequence of packet tuples, and a check of their shape. */
+static int tuples_held(PyObject *seq, int64_t *held) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    *held = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 6 ||
+            !PyBytes_Check(PyTuple_GET_ITEM(t, 0)) || !PyBytes_Check(PyTuple_GET_ITEM(t, 1))) {
+            PyErr_SetString(PyExc_TypeError, "packets must be the tuples take returned");
+            return -1;
+        }
+        *held += PyBytes_GET_SIZE(PyTuple_GET_ITEM(t, 0)) +
+                 PyBytes_GET_SIZE(PyTuple_GET_ITEM(t, 1)) + packet_overhead;
+    }
+    return 0;
+}
+
+static PyObject *Store_discard(StoreObject *s, PyObject *packets) {
+    PyObject *seq = PySequence_Fast(packets, "packets must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    int64_t held;
+    if (tuples_held(seq, &held) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_DECREF(seq);
+    s->bytes_held -= held;
+    s->taken_bytes -= held;
+    Py_RETURN_NONE;
+}
+
+/* A record from a packet tuple (key, payload, prio, seq, deadline, leases). */
+static Packet *packet_from_tuple(PyObject *t) {
+    PyObject *key = PyTuple_GET_ITEM(t, 0), *payload = PyTuple_GET_ITEM(t, 1);
+    long prio = PyLong_AsLong(PyTuple_GET_ITEM(t, 2));
+    unsigned long long seq = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 3));
+    double deadline = PyFloat_AsDouble(PyTuple_GET_ITEM(t, 4));
+    long long leases = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 5));
+    if (PyErr_Occurred())
+        return NULL;
+    if (prio < 0 || prio > 255) {
+        PyErr_SetString(PyExc_ValueError, "prio out of range");
+        return NULL;
+    }
+    Packet *p = packet_new(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key),
+                           PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload));
+    if (p == NULL)
+        return NULL;
+    p->prio = (uint8_t)prio;
+    p->seq = seq;
+    p->deadline = deadline;
+    p->leases = leases < 0 ? 0 : leases > 0xFFFFFFFFll ? 0xFFFFFFFFu : (uint32_t)leases;
+    return p;
+}
+
+static PyObject *Store_restore(StoreObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "restore(queue, packets)");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[1], "packets must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    int64_t held;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), back = 0;
+    if (tuples_held(seq, &held) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    double now = store_now(s);
+    if (now != now) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    s->taken_bytes -= held;
+    QueueObject *q = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Packet *p = packet_from_tuple(PySequence_Fast_GET_ITEM(seq, i));
+        if (p == NULL)
+            goto error;
+        if (p->deadline <= now) { /* TTL wins (decision 15) */
+            s->expired++;
+            s->bytes_held -= HELD(p);
+            PyMem_Free(p);
+            continue;
+        }
+        if (q == NULL && (q = store_queue_make(s, args[0])) == NULL) {
+            PyMem_Free(p);
+            goto error;
+        }
+        if (file_packet(s, q, p) < 0) {
+            PyMem_Free(p);
+            goto error;
+        }
+        if (!p->prio)
+            s->unselectable_bytes += HELD(p);
+        s->held++;
+        back++;
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(back);
+error:
+    Py_DECREF(seq);
+    if (q != NULL)
+        store_forget_if_empty(s, q);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Reads */
+
+static PyObject *Store_peek_rank(StoreObject *s, PyObject *name) {
+    if (expire_due(s) < 0)
+        return NULL;
+    QueueObject *q = store_queue(s, name);
+    if (q == NULL && PyErr_Occurred())
+        return NULL;
+    Level *level = q != NULL ? best_level(q) : NULL;
+    if (level == NULL)
+        Py_RETURN_NONE;
+    Packet *p = (Packet *)level->a[level->end - 1];
+    return Py_BuildValue("(iL)", p->prio, -(long long)p->seq);
+}
+
+static PyObject *Store_next_deadline(StoreObject *s, PyObject *unused) {
+    if (s->heap.n == 0)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(s->heap.a[0]->deadline);
+}
+
+static PyObject *Store_expire(StoreObject *s, PyObject *unused) {
+    Py_ssize_t removed = store_expire(s);
+    return removed < 0 ? NULL : PyLong_FromSsize_t(removed);
+}
+
+static PyObject *Store_now(StoreObject *s, PyObject *unused) {
+    return PyObject_CallNoArgs(s->clock);
+}
+
+static PyObject *Store_take_arrived(StoreObject *s, PyObject *unused) {
+    PyObject *names = PyDict_Keys(s->arrived);
+    if (names != NULL)
+        PyDict_Clear(s->arrived);
+    return names;
+}
+
+static PyObject *Store_depth(StoreObject *s, PyObject *name) {
+    QueueObject *q = store_queue(s, name);
+    if (q == NULL && PyErr_Occurred())
+        return NULL;
+    return PyLong_FromLongLong(q ? q->size : 0);
+}
+
+static PyObject *Store_sizes(StoreObject *s, PyObject *unused) {
+    PyObject *list = PyList_New(0), *name, *value;
+    Py_ssize_t pos = 0;
+    if (list == NULL)
+        return NULL;
+    while (PyDict_Next(s->queues, &pos, &name, &value)) {
+        QueueObject *q = (QueueObject *)value;
+        PyObject *row = Py_BuildValue("(OLL)", name, (long long)q->size, (long long)q->bytes);
+        if (row == NULL || PyList_Append(list, row) < 0) {
+            Py_XDECREF(row);
+            Py_DECREF(list);
+            return NULL;
+        }
+        Py_DECREF(row);
+    }
+    PyObject *it = PyObject_GetIter(list);
+    Py_DECREF(list);
+    return it;
+}
+
+/* _facts(queue): (packets, bytes, {prio: packets}, oldest seq or None, next deadline or None,
+ * delayed packets), or None for a queue that holds nothing; queue_info's raw material. */
+static PyObject *Store_facts(StoreObject *s, PyObject *name) {
+    QueueObject *q = store_queue(s, name);
+    if (q == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    PyObject *by_priority = PyDict_New();
+    if (by_priority == NULL)
+        return NULL;
+    uint64_t oldest = 0;
+    for (int i = 0; i < q->nlevels; i++) {
+        Level *level = &q->levels[i];
+        PyObject *prio = PyLong_FromLong(level->prio);
+        PyObject *n = PyLong_FromLong((long)(level->end - level->start - level->stale));
+        if (prio == NULL || n == NULL || PyDict_SetItem(by_priority, prio, n) < 0) {
+            Py_XDECREF(prio);
+            Py_XDECREF(n);
+            Py_DECREF(by_priority);
+            return NULL;
+        }
+        Py_DECREF(prio);
+        Py_DECREF(n);
+        uint64_t first = ((Packet *)level->a[level->start])->seq;
+        if (oldest == 0 || first < oldest)
+            oldest = first;
+    }
+    PyObject *oldest_seq = oldest ? PyLong_FromUnsignedLongLong(oldest) : Py_NewRef(Py_None);
+    PyObject *next = q->qheap.n ? PyFloat_FromDouble(q->qheap.a[0]->deadline)
+                                : Py_NewRef(Py_None);
+    return Py_BuildValue("(LLNNNL)", (long long)q->size, (long long)q->bytes, by_priority,
+                         oldest_seq, next, (long long)q->delayed);
+}
+
+static int peek_add(PyObject *found, Packet *p) {
+    PyObject *t = packet_tuple(p);
+    if (t == NULL || PyList_Append(found, t) < 0) {
+        Py_XDECREF(t);
+        return -1;
+    }
+    Py_DECREF(t);
+    p->flags |= F_MARK;
+    return 0;
+}
+
+/* peek(queue, count): what pops would return, in order, removing nothing. */
+static PyObject *Store_peek(StoreObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "peek(queue, count)");
+        return NULL;
+    }
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
+    if (count == -1 && PyErr_Occurred())
+        return NULL;
+    if (expire_due(s) < 0)
+        return NULL;
+    PyObject *found = PyList_New(0);
+    QueueObject *q = store_queue(s, args[0]);
+    if (found == NULL || q == NULL) {
+        if (PyErr_Occurred())
+            Py_CLEAR(found);
+        return found;
+    }
+    int failed = 0;
+    /* Levels in prio order, newest first; prio 0 (the first level if present) is skipped. */
+    for (int i = 0; i < q->nlevels && !failed && PyList_GET_SIZE(found) < count; i++) {
+        Level *level = &q->levels[i];
+        if (level->prio == 0)
+            continue;
+        for (uint32_t j = level->end; j-- > level->start;) {
+            Entry e = level->a[j];
+            if (IS_TOMB(e) || (((Packet *)e)->flags & F_MARK))
+                continue;
+            Packet *selected = (Packet *)e;
+            Packet *head = q->slots[group_slot(q, KEY(selected), selected->klen)];
+            /* the selected packet, then its group in push order, as a pop would take them */
+            if (peek_add(found, selected) < 0) {
+                failed = 1;
+                break;
+            }
+            Py_ssize_t in_group = 1;
+            Packet *p = head;
+            while (PyList_GET_SIZE(found) < count && in_group < s->max_pop) {
+                if (p != selected && !(p->flags & F_MARK)) {
+                    if (peek_add(found, p) < 0) {
+                        failed = 1;
+                        break;
+                    }
+                    in_group++;
+                }
+                p = p->gnext;
+                if (p == head)
+                    break;
+            }
+            if (failed || PyList_GET_SIZE(found) == count)
+                break;
+        }
+    }
+    /* Clear the marks: every packet listed is in found, but found holds tuples, so walk the
+     * groups again through the levels. */
+    for (int i = 0; i < q->nlevels; i++) {
+        Level *level = &q->levels[i];
+        for (uint32_t j = level->start; j < level->end; j++)
+            if (!IS_TOMB(level->a[j]))
+                ((Packet *)level->a[j])->flags &= ~F_MARK;
+    }
+    if (failed)
+        Py_CLEAR(found);
+    return found;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Operators: purge and move */
+
+/* Take every packet of q (delayed ones too if with_delayed) out of the store's heap; counts
+ * them. The records stay in q, which the caller frees or refiles. */
+static void unheap_queue(StoreObject *s, QueueObject *q) {
+    for (uint32_t i = 0; i < q->slot_cap; i++) {
+        Packet *head = q->slots[i];
+        if (head == NULL)
+            continue;
+        Packet *p = head;
+        do {
+            if (p->hpos)
+                heap_remove(&s->heap, p, 0);
+            p = p->gnext;
+        } while (p != head);
+    }
+    if (q->delayed_head != NULL) {
+        Packet *p = q->delayed_head;
+        do {
+            heap_remove(&s->heap, p, 0);
+            p = p->gnext;
+        } while (p != q->delayed_head);
+    }
+}
+
+static int64_t queue_unselectable(QueueObject *q) {
+    Level *level = q->nlevels ? &q->levels[0] : NULL;
+    int64_t held = 0;
+    if (level == NULL || level->prio != 0)
+        return 0;
+    for (uint32_t j = level->start; j < level->end; j++)
+        if (!IS_TOMB(level->a[j]))
+            held += HELD((Packet *)level->a[j]);
+    return held;
+}
+
+static PyObject *Store_purge(StoreObject *s, PyObject *name) {
+    QueueObject *q = store_queue(s, name);
+    if (q == NULL)
+        return PyErr_Occurred() ? NULL : PyLong_FromLong(0);
+    Py_INCREF(q);
+    unheap_queue(s, q);
+    int64_t removed = q->size + q->delayed;
+    s->bytes_held -= q->bytes;
+    s->unselectable_bytes -= queue_unselectable(q);
+    s->delayed_bytes -= q->delayed_bytes;
+    s->purged += removed;
+    s->held -= removed;
+    int failed = PyDict_DelItem(s->queues, name) < 0;
+    Py_DECREF(q); /* frees the records */
+    return failed ? NULL : PyLong_FromLongLong(removed);
+}
+
+static int by_seq(const void *a, const void *b) {
+    uint64_t x = (*(Packet *const *)a)->seq, y = (*(Packet *const *)b)->seq;
+    return x < y ? -1 : x > y;
+}
+
+/* move(source, target, limit) (decision 22): queued packets of source enter target as pushes
+ * made now, in their old relative order, keeping key, payload, prio and TTL deadline; their
+ * lease counts start again. limit 0: all of them; else whole groups, in pop order, while
+ * fewer than limit have moved. Delayed packets stay. Returns how many moved. */
+static PyObject *Store_move(StoreObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "move(source, target, limit)");
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[2]);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    if (limit < 0) {
+        PyErr_SetString(PyExc_ValueError, "limit must be 0 (all) or more");
+        return NULL;
+    }
+    int same = PyObject_RichCompareBool(args[0], args[1], Py_EQ);
+    if (same < 0)
+        return NULL;
+    if (same) {
+        PyErr_SetString(PyExc_ValueError, "a queue cannot be moved into itself");
+        return NULL;
+    }
+    if (expire_due(s) < 0)
+        return NULL;
+    QueueObject *q = store_queue(s, args[0]);
+    if (q == NULL)
+        return PyErr_Occurred() ? NULL : PyLong_FromLong(0);
+    Py_INCREF(q);
+    Py_ssize_t room = q->size, n = 0;
+    Packet **moving = PyMem_Malloc((room ? room : 1) * sizeof(Packet *));
+    if (moving == NULL) {
+        Py_DECREF(q);
+        return PyErr_NoMemory();
+    }
+    /* The packets stay held: the store's totals change only by the prio-0 bytes that move
+     * (they count again in the target) */
+    long long held_before = s->bytes_held, count_before = s->held;
+    long long unselectable_before = s->unselectable_bytes;
+    int64_t riders_before = queue_unselectable(q);
+    if (limit == 0) {
+        for (uint32_t i = 0; i < q->slot_cap; i++) {
+            Packet *head = q->slots[i];
+            if (head == NULL)
+                continue;
+            Packet *p = head;
+            do {
+                moving[n++] = p;
+                p = p->gnext;
+            } while (p != head);
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            unfile_packet(s, q, moving[i]);
+    } else {
+        while (n < limit) {
+            Py_ssize_t got = take_group(s, q, moving + n);
+            if (got == 0)
+                break;
+            n += got;
+        }
+    }
+    s->bytes_held = held_before;
+    s->held = count_before;
+    s->unselectable_bytes = unselectable_before - (riders_before - queue_unselectable(q));
+    int failed = 0;
+    QueueObject *target = NULL;
+    if (n) {
+        qsort(moving, n, sizeof(Packet *), by_seq);
+        target = store_queue_make(s, args[1]);
+        failed = target == NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Packet *p = moving[i];
+        p->seq = ++s->seq;
+        p->leases = 0;
+        if (failed || file_packet(s, target, p) < 0) { /* out of memory: the packet is lost */
+            failed = 1;
+            s->bytes_held -= HELD(p);
+            s->held--;
+            PyMem_Free(p);
+            continue;
+        }
+        if (!p->prio)
+            s->unselectable_bytes += HELD(p);
+    }
+    PyMem_Free(moving);
+    if (store_forget_if_empty(s, q) < 0)
+        failed = 1;
+    Py_DECREF(q);
+    if (failed)
+        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+    return PyLong_FromSsize_t(n);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* check_invariants: for tests */
+
+#define CHECK(cond, ...)                                                                   \
+    do {                                                                                   \
+        if (!(cond)) {                                                                     \
+            PyErr_Format(PyExc_AssertionError, __VA_ARGS__);                               \
+            return -1;                                                                     \
+        }                                                                                  \
+    } while (0)
+
+static int check_heap(Heap *h, int qh) {
+    for (uint32_t i = 0; i < h->n; i++) {
+        CHECK(*heap_pos(h->a[i], qh) == i + 1, "heap position wrong at %u", i);
+        CHECK(i == 0 || !earlier(h->a[i], h->a[(i - 1) / 2]), "not a heap at %u", i);
+    }
+    return 0;
+}
+
+static int check_queue(StoreObject *s, PyObject *name, QueueObject *q, int64_t *count,
+                       int64_t *held, int64_t *unselectable, int64_t *ttl) {
+    CHECK(q->size > 0 || q->delayed > 0, "a queue holding nothing is remembered");
+    CHECK(PyObject_RichCompareBool(name, q->name, Py_EQ) == 1, "queue filed under another name");
+    int64_t size = 0, bytes = 0, qttl = 0;
+    uint32_t groups = 0;
+    for (uint32_t i = 0; i < q->slot_cap; i++) {
+        Packet *head = q->slots[i];
+        if (head == NULL)
+            continue;
+        groups++;
+        CHECK(group_slot(q, KEY(head), head->klen) == i, "group not where its key hashes");
+        Packet *p = head;
+        do {
+            CHECK(p->queue == q, "packet names another queue");
+            CHECK(!(p->flags & F_DELAYED), "a delayed packet in a key group");
+            CHECK(key_is(p, KEY(head), head->klen), "packet in another key's group");
+            CHECK(p->gnext->gprev == p, "group links broken");
+            CHECK(p->gnext == head || p->gnext->seq > p->seq, "group out of push order");
+            Level *level = level_of(q, p->prio);
+            CHECK(level != NULL, "no level for a live packet's prio");
+            uint32_t at = level_bisect(level, p->seq);
+            CHECK(at < level->end && level->a[at] == (Entry)p, "live packet not in its level");
+            CHECK((p->deadline != INFINITY) == (p->hpos != 0), "store heap entry wrong");
+            CHECK((p->deadline != INFINITY) == (p->qhpos != 0), "queue heap entry wrong");
+            qttl += p->deadline != INFINITY;
+            size++;
+            bytes += HELD(p);
+            if (!p->prio)
+                *unselectable += HELD(p);
+            p = p->gnext;
+        } while (p != head);
+    }
+    CHECK(groups == q->groups, "group count wrong");
+    CHECK(q->groups * 4 <= q->slot_cap * 3, "group table too full");
+    CHECK(size == q->size, "queue size %lld, counted %lld", (long long)q->size, (long long)size);
+    int64_t entries = 0, delayed = 0, delayed_bytes = 0;
+    uint64_t mask[4] = {0, 0, 0, 0};
+    for (int i = 0; i < q->nlevels; i++) {
+        Level *level = &q->levels[i];
+        CHECK(i == 0 || level->prio > q->levels[i - 1].prio, "levels out of order");
+        mask[level->prio >> 6] |= 1ull << (level->prio & 63);
+        CHECK(level->end > level->start, "empty level %d", level->prio);
+        CHECK(!IS_TOMB(level->a[level->start]) && !IS_TOMB(level->a[level->end - 1]),
+              "a level ends in a tombstone");
+        uint32_t stale = 0;
+        for (uint32_t j = level->start; j < level->end; j++) {
+            Entry e = level->a[j];
+            CHECK(j == level->start || ENTRY_SEQ(e) > ENTRY_SEQ(level->a[j - 1]),
+                  "level out of push order");
+            if (IS_TOMB(e))
+                stale++;
+            else
+                CHECK(((Packet *)e)->prio == level->prio && ((Packet *)e)->queue == q,
+                      "packet in the wrong level");
+        }
+        CHECK(stale == level->stale, "stale count wrong");
+        entries += level->end - level->start;
+    }
+    CHECK(memcmp(mask, q->mask, sizeof(mask)) == 0, "mask disagrees with levels");
+    CHECK(entries == q->entries, "entries count wrong");
+    CHECK(entries - q->size >= 0, "fewer level entries than packets");
+    CHECK(q->entries <= 2 * q->size + STALE_SLACK + 1, "tombstones not compacted");
+    if (check_heap(&q->qheap, 1) < 0)
+        return -1;
+    CHECK(q->qheap.n == qttl, "queue heap holds %u, %lld packets have a TTL", q->qheap.n,
+          (long long)qttl);
+    if (q->delayed_head != NULL) {
+        Packet *p = q->delayed_head;
+        do {
+            CHECK(p->flags & F_DELAYED, "an undelayed packet in the delayed list");
+            CHECK(p->hpos != 0 && p->qhpos == 0, "delayed packet's heap entries wrong");
+            CHECK(p->queue == q, "delayed packet names another queue");
+            delayed++;
+            delayed_bytes += HELD(p);
+            p = p->gnext;
+        } while (p != q->delayed_head);
+    }
+    CHECK(delayed == q->delayed && delayed_bytes == q->delayed_bytes, "delayed count wrong");
+    CHECK(bytes + delayed_bytes == q->bytes, "queue bytes wrong");
+    *count += size + delayed;
+    *held += q->bytes;
+    *ttl += qttl + delayed;
+    return 0;
+}
+
+static PyObject *Store_check_invariants(StoreObject *s, PyObject *unused) {
+    PyObject *name, *value;
+    Py_ssize_t pos = 0;
+    int64_t count = 0, held = 0, unselectable = 0, ttl = 0, delayed_bytes = 0;
+    while (PyDict_Next(s->queues, &pos, &name, &value)) {
+        if (check_queue(s, name, (QueueObject *)value, &count, &held, &unselectable, &ttl) < 0)
+            return NULL;
+        delayed_bytes += ((QueueObject *)value)->delayed_bytes;
+    }
+    if (check_heap(&s->heap, 0) < 0)
+        return NULL;
+#undef CHECK
+#define CHECK(cond, ...)                                                                   \
+    do {                                                                                   \
+        if (!(cond)) {                                                                     \
+            PyErr_Format(PyExc_AssertionError, __VA_ARGS__);                               \
+            return NULL;                                                                   \
+        }                                                                                  \
+    } while (0)
+    CHECK(s->heap.n == ttl, "store heap holds %u entries for %lld packets", s->heap.n,
+          (long long)ttl);
+    CHECK(count == s->held, "count %lld but %lld packets held", s->held, (long long)count);
+    CHECK(held + s->taken_bytes == s->bytes_held, "bytes_held %lld", s->bytes_held);
+    CHECK(unselectable == s->unselectable_bytes, "unselectable_bytes is wrong");
+    CHECK(delayed_bytes == s->delayed_bytes, "delayed_bytes is wrong");
+    Py_RETURN_NONE;
+}
+#undef CHECK
+
+/* ---------------------------------------------------------------------------------------- */
+/* The type */
+
+static int Store_init(StoreObject *s, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"clock", "max_pop", NULL};
+    PyObject *clock;
+    Py_ssize_t max_pop = MAX_POP_LIMIT;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$n", names, &clock, &max_pop))
+        return -1;
+    if (max_pop < 1 || max_pop > MAX_POP_LIMIT) {
+        PyErr_Format(PyExc_ValueError, "max_pop must be 1..65535, not %zd", max_pop);
+        return -1;
+    }
+    if (s->queues != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a store is initialised once");
+        return -1;
+    }
+    Py_INCREF(clock);
+    s->clock = clock;
+    s->max_pop = max_pop;
+    s->queues = PyDict_New();
+    s->arrived = PyDict_New();
+    return s->queues && s->arrived ? 0 : -1;
+}
+
+static void free_all(StoreObject *s) {
+    PyMem_Free(s->heap.a);
+    s->heap.a = NULL;
+    s->heap.n = s->heap.cap = 0;
+}
+
+static int Store_traverse(StoreObject *s, visitproc visit, void *arg) {
+    Py_VISIT(s->clock);
+    Py_VISIT(s->dict);
+    return 0;
+}
+
+static int Store_clear(StoreObject *s) {
+    Py_CLEAR(s->clock);
+    Py_CLEAR(s->dict);
+    return 0;
+}
+
+static void Store_dealloc(StoreObject *s) {
+    PyObject_GC_UnTrack(s);
+    Store_clear(s);
+    Py_CLEAR(s->queues); /* queues free their records */
+    Py_CLEAR(s->arrived);
+    free_all(s);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static Py_ssize_t Store_len(StoreObject *s) {
+    return (Py_ssize_t)s->held;
+}
+
+static PyObject *Store_get_pushed(StoreObject *s, void *unused) {
+    return PyLong_FromLongLong(s->pushed);
+}
+
+static PyObject *Store_get_queue_count(StoreObject *s, void *unused) {
+    return PyLong_FromSsize_t(PyDict_GET_SIZE(s->queues));
+}
+
+static PyObject *Store_get_seq(StoreObject *s, void *unused) {
+    return PyLong_FromUnsignedLongLong(s->seq);
+}
+
+static PyObject *Store_get_max_pop(StoreObject *s, void *unused) {
+    return PyLong_FromSsize_t(s->max_pop);
+}
+
+static PyGetSetDef Store_getset[] = {
+    {"pushed", (getter)Store_get_pushed, NULL, "Packets pushed since the store was made.", NULL},
+    {"queue_count", (getter)Store_get_queue_count, NULL, "Queues holding packets.", NULL},
+    {"_seq", (getter)Store_get_seq, NULL, "The last seq given.", NULL},
+    {"_max_pop", (getter)Store_get_max_pop, NULL, "Most packets one pop returns.", NULL},
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL},
+};
+
+static PyMemberDef Store_members[] = {
+    {"bytes_held", T_LONGLONG, offsetof(StoreObject, bytes_held), 0, NULL},
+    {"unselectable_bytes", T_LONGLONG, offsetof(StoreObject, unselectable_bytes), 0, NULL},
+    {"expired", T_LONGLONG, offsetof(StoreObject, expired), 0, NULL},
+    {"purged", T_LONGLONG, offsetof(StoreObject, purged), 0, NULL},
+    {"taken_bytes", T_LONGLONG, offsetof(StoreObject, taken_bytes), 0, NULL},
+    {"delayed_bytes", T_LONGLONG, offsetof(StoreObject, delayed_bytes), READONLY, NULL},
+    {"_clock", T_OBJECT, offsetof(StoreObject, clock), READONLY, NULL},
+    {NULL},
+};
+
+static PyMethodDef Store_methods[] = {
+    {"push", (PyCFunction)(void (*)(void))Store_push, METH_FASTCALL,
+     "push(queue, key, payload, ttl_ms, prio) -> deadline (inf for TTL 0)"},
+    {"push_delayed", (PyCFunction)(void (*)(void))Store_push_delayed, METH_FASTCALL,
+     "push_delayed(queue, key, payload, ttl_ms, prio, delay_ms) -> due time"},
+    {"pop", (PyCFunction)Store_pop, METH_O, "pop(queue) -> the best packet and its key group"},
+    {"pop_reply", (PyCFunction)(void (*)(void))Store_pop_reply, METH_FASTCALL,
+     "pop_reply(queue, output) -> count: a pop whose reply bytes are appended to output"},
+    {"take", (PyCFunction)Store_take, METH_O, "take(queue): a pop whose bytes stay held"},
+    {"discard", (PyCFunction)Store_discard, METH_O, "discard(packets): an ack"},
+    {"restore", (PyCFunction)(void (*)(void))Store_restore, METH_FASTCALL,
+     "restore(queue, packets) -> how many went back"},
+    {"peek_rank", (PyCFunction)Store_peek_rank, METH_O, "peek_rank(queue) -> (prio, -seq)"},
+    {"next_deadline", (PyCFunction)Store_next_deadline, METH_NOARGS, "next_deadline()"},
+    {"expire", (PyCFunction)Store_expire, METH_NOARGS, "expire() -> how many expired"},
+    {"now", (PyCFunction)Store_now, METH_NOARGS, "now(): the store's clock"},
+    {"take_arrived", (PyCFunction)Store_take_arrived, METH_NOARGS,
+     "take_arrived() -> queues delayed packets entered since the last call"},
+    {"depth", (PyCFunction)Store_depth, METH_O, "depth(queue) -> live packets"},
+    {"sizes", (PyCFunction)Store_sizes, METH_NOARGS, "sizes() -> (name, packets, bytes)"},
+    {"_facts", (PyCFunction)Store_facts, METH_O, "queue_info's raw material"},
+    {"peek", (PyCFunction)(void (*)(void))Store_peek, METH_FASTCALL, "peek(queue, count)"},
+    {"purge", (PyCFunction)Store_purge, METH_O, "purge(queue) -> how many"},
+    {"move", (PyCFunction)(void (*)(void))Store_move, METH_FASTCALL,
+     "move(source, target, limit) -> how many moved"},
+    {"check_invariants", (PyCFunction)Store_check_invariants, METH_NOARGS,
+     "assert the internal structures agree; for tests"},
+    {NULL},
+};
+
+static PySequenceMethods Store_as_sequence = {
+    .sq_length = (lenfunc)Store_len,
+};
+
+static PyTypeObject StoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "pinpriq._packed.PackedCore",
+    .tp_doc = "The packed store's C core; pinpriq.packed.PackedStore is the store.",
+    .tp_basicsize = sizeof(StoreObject),
+    .tp_dictoffset = offsetof(StoreObject, dict),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Store_init,
+    .tp_dealloc = (destructor)Store_dealloc,
+    .tp_traverse = (traverseproc)Store_traverse,
+    .tp_clear = (inquiry)Store_clear,
+    .tp_methods = Store_methods,
+    .tp_members = Store_members,
+    .tp_getset = Store_getset,
+    .tp_as_sequence = &Store_as_sequence,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "pinpriq._packed", "The packed packet store's C core.", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__packed(void) {
+    if (PyType_Ready(&QueueType) < 0 || PyType_Ready(&StoreType) < 0)
+        return NULL;
+    inf_float = PyFloat_FromDouble(INFINITY);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&StoreType);
+    if (PyModule_AddObject(m, "PackedCore", (PyObject *)&StoreType) < 0 ||
+        PyModule_AddIntConstant(m, "PACKET_OVERHEAD", PACKET_OVERHEAD) < 0)
+        return NULL;
+    return m;
+}
