@@ -95,7 +95,7 @@ typedef struct {
 typedef struct QueueObject {
     PyObject_HEAD
     PyObject *name;
-    Packet **slots; /* key groups: the oldest packet of each key */
+    uintptr_t *slots; /* key groups: the oldest packet of each key (a Slot: tagged) */
     uint32_t slot_cap, groups;
     uint64_t mask[4];
     Level *levels;
@@ -152,39 +152,90 @@ static inline int key_is(const Packet *p, const char *key, size_t n) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* Key groups: open addressing from key to the group's oldest packet */
+/* Key groups: open addressing from key to the group's oldest packet
+ *
+ * A slot is the packet's pointer with the low 21 bits of its key's hash in the bits a record's
+ * address leaves unused (x86-64 Linux: user addresses are below 2^47, records 16-byte
+ * aligned: 17 bits on top, 4 below). A probe passes a slot of another key, and a deletion's
+ * backward shift or a growth finds an entry's home (for tables up to 2^21 slots, 1.5M keys),
+ * without reading its record: at depth 1M, a record read is a cache miss. Elsewhere slots are
+ * plain pointers and those reads happen. */
+
+typedef uintptr_t Slot;
+#if defined(__x86_64__) && defined(__linux__)
+#define HASH_BITS 21
+#define SLOT_OF(p, hash)                                                                    \
+    ((Slot)(p) | ((hash) & 15) | ((Slot)(((hash) >> 4) & 0x1FFFF) << 47))
+#define SLOT_PACKET(slot) ((Packet *)((slot) & ((((Slot)1 << 47) - 1) & ~(Slot)15)))
+#define SLOT_HASH(slot) (((slot) & 15) | (((slot) >> 47) << 4))
+#define ADDRESS_FITS(p) ((((uintptr_t)(p)) & 15) == 0 && ((uintptr_t)(p)) >> 47 == 0)
+#else
+#define HASH_BITS 0
+#define SLOT_OF(p, hash) ((Slot)(p))
+#define SLOT_PACKET(slot) ((Packet *)(slot))
+#define SLOT_HASH(slot) ((Slot)0)
+#define ADDRESS_FITS(p) 1
+#endif
+#define HASH_MASK (((uint64_t)1 << HASH_BITS) - 1)
+
+/* Where a slot's entry hashes to in a table of cap slots. */
+static inline uint32_t slot_home(Slot slot, uint32_t cap) {
+    if (HASH_BITS && cap <= ((uint64_t)1 << HASH_BITS))
+        return (uint32_t)SLOT_HASH(slot) & (cap - 1);
+    Packet *p = SLOT_PACKET(slot);
+    return (uint32_t)hash_key(KEY(p), p->klen) & (cap - 1);
+}
 
 /* The slot holding key's group, or the empty slot where it would go. */
-static inline uint32_t group_slot(QueueObject *q, const char *key, size_t n) {
-    uint32_t mask = q->slot_cap - 1;
-    uint32_t i = (uint32_t)hash_key(key, n) & mask;
+static inline uint32_t group_slot_hashed(QueueObject *q, const char *key, size_t n,
+                                         uint64_t hash) {
+    uint32_t mask = q->slot_cap - 1, i = (uint32_t)hash & mask;
     for (;;) {
-        Packet *p = q->slots[i];
-        if (p == NULL || key_is(p, key, n))
+        Slot slot = q->slots[i];
+        if (slot == 0 ||
+            (SLOT_HASH(slot) == (hash & HASH_MASK) && key_is(SLOT_PACKET(slot), key, n)))
             return i;
         i = (i + 1) & mask;
     }
 }
 
-static Packet *group_find(QueueObject *q, const char *key, size_t n) {
-    if (q->slot_cap == 0)
-        return NULL;
-    return q->slots[group_slot(q, key, n)];
+static inline uint32_t group_slot(QueueObject *q, const char *key, size_t n) {
+    return group_slot_hashed(q, key, n, hash_key(key, n));
+}
+
+/* The slot holding head, the oldest packet of its group: found by identity, reading no
+ * other record. */
+static inline uint32_t head_slot(QueueObject *q, Packet *head) {
+    uint32_t mask = q->slot_cap - 1;
+    uint32_t i = (uint32_t)hash_key(KEY(head), head->klen) & mask;
+    while (SLOT_PACKET(q->slots[i]) != head)
+        i = (i + 1) & mask;
+    return i;
+}
+
+/* The oldest packet of p's key group. */
+static inline Packet *group_head(QueueObject *q, Packet *p) {
+    return SLOT_PACKET(q->slots[group_slot(q, KEY(p), p->klen)]);
 }
 
 static int groups_grow(QueueObject *q) {
     uint32_t old_cap = q->slot_cap, cap = old_cap ? old_cap * 2 : 8;
-    Packet **old = q->slots;
-    Packet **slots = PyMem_Calloc(cap, sizeof(Packet *));
+    Slot *old = q->slots;
+    Slot *slots = PyMem_Calloc(cap, sizeof(Slot));
     if (slots == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     q->slots = slots;
     q->slot_cap = cap;
-    for (uint32_t i = 0; i < old_cap; i++)
-        if (old[i] != NULL)
-            slots[group_slot(q, KEY(old[i]), old[i]->klen)] = old[i];
+    for (uint32_t i = 0; i < old_cap; i++) {
+        if (old[i] == 0)
+            continue;
+        uint32_t j = slot_home(old[i], cap);
+        while (slots[j] != 0)
+            j = (j + 1) & (cap - 1);
+        slots[j] = old[i];
+    }
     PyMem_Free(old);
     return 0;
 }
@@ -200,18 +251,18 @@ static inline int groups_reserve(QueueObject *q) {
 static void groups_delete_slot(QueueObject *q, uint32_t i) {
     uint32_t mask = q->slot_cap - 1;
     uint32_t j = i;
-    q->slots[i] = NULL;
+    q->slots[i] = 0;
     q->groups--;
     for (;;) {
         j = (j + 1) & mask;
-        Packet *p = q->slots[j];
-        if (p == NULL)
+        Slot slot = q->slots[j];
+        if (slot == 0)
             return;
-        uint32_t home = (uint32_t)hash_key(KEY(p), p->klen) & mask;
-        /* p may move to i if i lies cyclically in [home, j) */
+        uint32_t home = slot_home(slot, q->slot_cap);
+        /* the entry may move to i if i lies cyclically in [home, j) */
         if (((j - home) & mask) >= ((j - i) & mask)) {
-            q->slots[i] = p;
-            q->slots[j] = NULL;
+            q->slots[i] = slot;
+            q->slots[j] = 0;
             i = j;
         }
     }
@@ -234,34 +285,37 @@ static inline void ring_unlink(Packet *p) {
 /* File p in its key group, in push order (its seq may be older than the group's newest).
  * The table must have room (groups_reserve). */
 static void group_add(QueueObject *q, Packet *p) {
-    uint32_t i = group_slot(q, KEY(p), p->klen);
-    Packet *head = q->slots[i];
-    if (head == NULL) {
+    uint64_t hash = hash_key(KEY(p), p->klen);
+    uint32_t i = group_slot_hashed(q, KEY(p), p->klen, hash);
+    if (q->slots[i] == 0) {
         p->gnext = p->gprev = p;
-        q->slots[i] = p;
+        q->slots[i] = SLOT_OF(p, hash);
         q->groups++;
         return;
     }
+    Packet *head = SLOT_PACKET(q->slots[i]);
     Packet *at = head->gprev; /* the newest */
     while (at->seq > p->seq && at != head)
         at = at->gprev;
     if (at->seq > p->seq) { /* older than the whole group: the new head */
         ring_insert_after(head->gprev, p);
-        q->slots[i] = p;
+        q->slots[i] = SLOT_OF(p, hash);
     } else {
         ring_insert_after(at, p);
     }
 }
 
-/* Take p out of its key group: what removes a packet. */
+/* Take p out of its key group: what removes a packet. Only a group's oldest packet is in the
+ * table; the others leave their ring and touch no slot. */
 static void group_remove(QueueObject *q, Packet *p) {
     if (p->gnext == p) {
-        groups_delete_slot(q, group_slot(q, KEY(p), p->klen));
+        groups_delete_slot(q, head_slot(q, p));
         return;
     }
-    uint32_t i = group_slot(q, KEY(p), p->klen);
-    if (q->slots[i] == p)
-        q->slots[i] = p->gnext;
+    if (p->gprev->seq > p->seq) { /* the oldest: its ring's previous is the newest */
+        uint32_t i = head_slot(q, p);
+        q->slots[i] = SLOT_OF(p->gnext, hash_key(KEY(p), p->klen));
+    }
     ring_unlink(p);
 }
 
@@ -485,13 +539,14 @@ static void level_trim(QueueObject *q, Level *level) {
         level_shrink(level);
 }
 
-/* File p in its level. Push order: at the end if it is the newest, else by bisection, reusing
- * the tombstone it left if it comes back from a lease. */
-static int level_add(QueueObject *q, Packet *p) {
+/* File p in its level. Push order: at the end if it is the newest (``newest``: its seq is
+ * the store's latest, so no record need be read to know), else by bisection, reusing the
+ * tombstone it left if it comes back from a lease. */
+static int level_add(QueueObject *q, Packet *p, int newest) {
     Level *level = level_of(q, p->prio);
     if (level == NULL && (level = level_make(q, p->prio)) == NULL)
         return -1;
-    if (level->end > level->start && ENTRY_SEQ(level->a[level->end - 1]) > p->seq) {
+    if (!newest && level->end > level->start && ENTRY_SEQ(level->a[level->end - 1]) > p->seq) {
         uint32_t at = level_bisect(level, p->seq);
         if (at < level->end && IS_TOMB(level->a[at]) && ENTRY_SEQ(level->a[at]) == p->seq) {
             level->a[at] = (Entry)p;
@@ -574,7 +629,7 @@ static QueueObject *queue_new(PyObject *name) {
 /* Free every record the queue still holds (the store took them out of its heap already). */
 static void queue_free_packets(QueueObject *q) {
     for (uint32_t i = 0; i < q->slot_cap; i++) {
-        Packet *head = q->slots[i];
+        Packet *head = SLOT_PACKET(q->slots[i]);
         if (head == NULL)
             continue;
         Packet *p = head;
@@ -583,7 +638,7 @@ static void queue_free_packets(QueueObject *q) {
             PyMem_Free(p);
             p = next;
         } while (p != head);
-        q->slots[i] = NULL;
+        q->slots[i] = 0;
     }
     q->groups = 0;
     if (q->delayed_head != NULL) {
@@ -667,6 +722,11 @@ static Packet *packet_new(const char *key, Py_ssize_t klen, const char *payload,
         PyErr_NoMemory();
         return NULL;
     }
+    if (!ADDRESS_FITS(p)) { /* not on x86-64 Linux's allocators: the slot could not hold it */
+        PyMem_Free(p);
+        PyErr_SetString(PyExc_MemoryError, "packed store: a record's address has no room");
+        return NULL;
+    }
     p->klen = (uint16_t)klen;
     p->plen = (uint16_t)plen;
     memcpy(p->data, key, klen);
@@ -678,12 +738,13 @@ static Packet *packet_new(const char *key, Py_ssize_t klen, const char *payload,
     return p;
 }
 
-/* File a packet (seq, prio, deadline set) in queue q: its group, its level, the heaps.
- * Counts it in q->size and q->bytes (not in the store's totals: the caller's). */
-static int file_packet(StoreObject *s, QueueObject *q, Packet *p) {
+/* File a packet (seq, prio, deadline set) in queue q: its group, its level, the heaps;
+ * ``newest``: its seq is the latest the store gave. Counts it in q->size and q->bytes (not in
+ * the store's totals: the caller's). */
+static int file_packet(StoreObject *s, QueueObject *q, Packet *p, int newest) {
     if (groups_reserve(q) < 0)
         return -1;
-    if (level_add(q, p) < 0)
+    if (level_add(q, p, newest) < 0)
         return -1;
     group_add(q, p);
     p->queue = q;
@@ -757,7 +818,7 @@ static int arrive(StoreObject *s, Packet *p) {
     q->bytes -= HELD(p); /* file_packet counts it again */
     p->flags &= ~F_DELAYED;
     p->deadline = p->ttl_ms ? p->deadline + p->ttl_ms / 1000.0 : INFINITY;
-    if (file_packet(s, q, p) < 0)
+    if (file_packet(s, q, p, 0) < 0)
         return -1;
     if (!p->prio)
         s->unselectable_bytes += HELD(p);
@@ -822,10 +883,12 @@ static Py_ssize_t take_group(StoreObject *s, QueueObject *q, Packet **out) {
     if (level == NULL)
         return 0;
     Packet *selected = (Packet *)level->a[level->end - 1];
+    if (level->end - level->start > 1) /* the next pop's record, likely: in cache by then */
+        __builtin_prefetch((void *)(level->a[level->end - 2] & ~(Entry)1));
     Py_ssize_t count = 1;
     out[0] = selected;
     if (selected->gnext != selected) { /* siblings: oldest first */
-        Packet *head = q->slots[group_slot(q, KEY(selected), selected->klen)];
+        Packet *head = group_head(q, selected);
         for (Packet *p = head; count < s->max_pop; p = p->gnext) {
             if (p != selected)
                 out[count++] = p;
@@ -1030,7 +1093,7 @@ static PyObject *Store_push(StoreObject *s, PyObject *const *args, Py_ssize_t na
         p->deadline = now + ttl_ms / 1000.0;
     }
     QueueObject *q = store_queue_make(s, args[0]);
-    if (q == NULL || file_packet(s, q, p) < 0) {
+    if (q == NULL || file_packet(s, q, p, 1) < 0) {
         PyMem_Free(p);
         if (q != NULL)
             store_forget_if_empty(s, q);
@@ -1183,7 +1246,7 @@ static PyObject *Store_restore(StoreObject *s, PyObject *const *args, Py_ssize_t
             PyMem_Free(p);
             goto error;
         }
-        if (file_packet(s, q, p) < 0) {
+        if (file_packet(s, q, p, 0) < 0) {
             PyMem_Free(p);
             goto error;
         }
@@ -1310,6 +1373,34 @@ static int peek_add(PyObject *found, Packet *p) {
     return 0;
 }
 
+/* queued(queue): every queued packet of queue, in push order (for tests and tools). */
+static int by_seq(const void *a, const void *b);
+
+static PyObject *Store_queued(StoreObject *s, PyObject *name) {
+    QueueObject *q = store_queue(s, name);
+    if (q == NULL)
+        return PyErr_Occurred() ? NULL : PyList_New(0);
+    Packet **all = PyMem_Malloc((q->size ? q->size : 1) * sizeof(Packet *));
+    if (all == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t n = 0;
+    for (int i = 0; i < q->nlevels; i++)
+        for (uint32_t j = q->levels[i].start; j < q->levels[i].end; j++)
+            if (!IS_TOMB(q->levels[i].a[j]))
+                all[n++] = (Packet *)q->levels[i].a[j];
+    qsort(all, n, sizeof(Packet *), by_seq);
+    PyObject *list = PyList_New(n);
+    for (Py_ssize_t i = 0; list != NULL && i < n; i++) {
+        PyObject *t = packet_tuple(all[i]);
+        if (t == NULL)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, i, t);
+    }
+    PyMem_Free(all);
+    return list;
+}
+
 /* peek(queue, count): what pops would return, in order, removing nothing. */
 static PyObject *Store_peek(StoreObject *s, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
@@ -1339,7 +1430,7 @@ static PyObject *Store_peek(StoreObject *s, PyObject *const *args, Py_ssize_t na
             if (IS_TOMB(e) || (((Packet *)e)->flags & F_MARK))
                 continue;
             Packet *selected = (Packet *)e;
-            Packet *head = q->slots[group_slot(q, KEY(selected), selected->klen)];
+            Packet *head = group_head(q, selected);
             /* the selected packet, then its group in push order, as a pop would take them */
             if (peek_add(found, selected) < 0) {
                 failed = 1;
@@ -1383,7 +1474,7 @@ static PyObject *Store_peek(StoreObject *s, PyObject *const *args, Py_ssize_t na
  * them. The records stay in q, which the caller frees or refiles. */
 static void unheap_queue(StoreObject *s, QueueObject *q) {
     for (uint32_t i = 0; i < q->slot_cap; i++) {
-        Packet *head = q->slots[i];
+        Packet *head = SLOT_PACKET(q->slots[i]);
         if (head == NULL)
             continue;
         Packet *p = head;
@@ -1477,7 +1568,7 @@ static PyObject *Store_move(StoreObject *s, PyObject *const *args, Py_ssize_t na
     int64_t riders_before = queue_unselectable(q);
     if (limit == 0) {
         for (uint32_t i = 0; i < q->slot_cap; i++) {
-            Packet *head = q->slots[i];
+            Packet *head = SLOT_PACKET(q->slots[i]);
             if (head == NULL)
                 continue;
             Packet *p = head;
@@ -1510,7 +1601,7 @@ static PyObject *Store_move(StoreObject *s, PyObject *const *args, Py_ssize_t na
         Packet *p = moving[i];
         p->seq = ++s->seq;
         p->leases = 0;
-        if (failed || file_packet(s, target, p) < 0) { /* out of memory: the packet is lost */
+        if (failed || file_packet(s, target, p, 1) < 0) { /* out of memory: the packet is lost */
             failed = 1;
             s->bytes_held -= HELD(p);
             s->held--;
@@ -1555,11 +1646,12 @@ static int check_queue(StoreObject *s, PyObject *name, QueueObject *q, int64_t *
     int64_t size = 0, bytes = 0, qttl = 0;
     uint32_t groups = 0;
     for (uint32_t i = 0; i < q->slot_cap; i++) {
-        Packet *head = q->slots[i];
+        Packet *head = SLOT_PACKET(q->slots[i]);
         if (head == NULL)
             continue;
         groups++;
         CHECK(group_slot(q, KEY(head), head->klen) == i, "group not where its key hashes");
+        CHECK(q->slots[i] == SLOT_OF(head, hash_key(KEY(head), head->klen)), "slot's tag wrong");
         Packet *p = head;
         do {
             CHECK(p->queue == q, "packet names another queue");
@@ -1776,6 +1868,8 @@ static PyMethodDef Store_methods[] = {
     {"depth", (PyCFunction)Store_depth, METH_O, "depth(queue) -> live packets"},
     {"sizes", (PyCFunction)Store_sizes, METH_NOARGS, "sizes() -> (name, packets, bytes)"},
     {"_facts", (PyCFunction)Store_facts, METH_O, "queue_info's raw material"},
+    {"queued", (PyCFunction)Store_queued, METH_O,
+     "queued(queue) -> every queued packet, in push order; O(packets), for tests and tools"},
     {"peek", (PyCFunction)(void (*)(void))Store_peek, METH_FASTCALL, "peek(queue, count)"},
     {"purge", (PyCFunction)Store_purge, METH_O, "purge(queue) -> how many"},
     {"move", (PyCFunction)(void (*)(void))Store_move, METH_FASTCALL,

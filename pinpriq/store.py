@@ -813,6 +813,12 @@ class QueueStore:
                         return found
         return found
 
+    def queued(self, queue: bytes) -> list[QueuedPacket]:
+        """Every queued packet of ``queue`` (prio 0 included), in push order. O(packets): for
+        tests and tools, which see every packet through it whatever the store's layout."""
+        q = self._queues.get(queue)
+        return sorted(q.packets(), key=_seq_of) if q is not None else []
+
     def purge(self, queue: bytes) -> int:
         """Remove every packet of ``queue``, prio 0 included; returns how many. O(packets
         removed)."""

@@ -18,8 +18,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pinpriq import packed
 from pinpriq.leases import Holder, Lease, Leases
 from pinpriq.store import KEY, LEASES, PAYLOAD, PRIO, QueueStore
+from tests.stores import BUILT_IN_STORES, store_id
 
 
 class FakeClock:
@@ -38,9 +40,9 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-@pytest.fixture
-def store(clock: FakeClock) -> QueueStore:
-    return QueueStore(clock)
+@pytest.fixture(params=BUILT_IN_STORES, ids=store_id)
+def store(request: pytest.FixtureRequest, clock: FakeClock) -> QueueStore:
+    return request.param(clock)  # type: ignore[no-any-return]
 
 
 @pytest.fixture
@@ -460,10 +462,12 @@ class Model:
 
 
 class LeasesVersusModel(RuleBasedStateMachine):
+    STORE: type[QueueStore] = QueueStore
+
     @initialize()
     def start(self) -> None:
         self.clock = FakeClock(0.0)
-        self.store = QueueStore(self.clock)
+        self.store = self.STORE(self.clock)
         self.leases = Leases(self.store, default_ms=DEFAULT_MS, max_deliveries=MAX_DELIVERIES)
         self.holders = [Holder(), Holder(), Holder()]
         self.model = Model()
@@ -566,11 +570,10 @@ class LeasesVersusModel(RuleBasedStateMachine):
     def every_packet_is_in_exactly_one_state(self) -> None:
         self.store.check_invariants()
         model = self.model
-        store_queued = {  # white-box: every packet in the store's key groups
-            int(p[PAYLOAD]): (q.name, p[KEY])
-            for q in self.store._queues.values()
-            for g in q.groups.values()
-            for p in (g.values() if isinstance(g, dict) else (g,))
+        store_queued = {
+            int(p[PAYLOAD]): (name, p[KEY])
+            for name, _, _ in self.store.sizes()
+            for p in self.store.queued(name)
         }
         assert store_queued == {p.n: (p.queue, p.key) for p in model.queued}
         lease_table = [
@@ -596,3 +599,11 @@ LeasesVersusModel.TestCase.settings = settings(
     max_examples=200, stateful_step_count=50, deadline=None
 )
 test_leases_match_a_naive_model = LeasesVersusModel.TestCase
+
+if packed.available:
+
+    class PackedLeasesVersusModel(LeasesVersusModel):
+        STORE = packed.PackedStore
+
+    PackedLeasesVersusModel.TestCase.settings = LeasesVersusModel.TestCase.settings
+    test_leases_on_the_packed_store_match_a_naive_model = PackedLeasesVersusModel.TestCase

@@ -36,6 +36,7 @@ from tests.rawpeer import (
     touch,
     unsubscribe,
 )
+from tests.stores import BUILT_IN_STORES, store_id
 from tests.test_redis_store import HOST, READY, SYNC, front_end
 
 QUEUES = [b"a", b"b", b""]
@@ -267,9 +268,12 @@ async def batched_pops(port: int, seed: int, client: Any = None) -> list[object]
         await peer.aclose()
 
 
+@pytest.mark.parametrize("built_in", BUILT_IN_STORES, ids=store_id)
 @pytest.mark.parametrize("seed", [1, 2])
-async def test_a_batch_of_pops_answers_as_the_built_in_store(redis_url: str, seed: int) -> None:
-    server = PinpriqServer(QueueStore(trio.current_time, max_pop=SMALL_MAX_POP))
+async def test_a_batch_of_pops_answers_as_the_built_in_store(
+    redis_url: str, seed: int, built_in: type[QueueStore]
+) -> None:
+    server = PinpriqServer(built_in(trio.current_time, max_pop=SMALL_MAX_POP))
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(partial(server.serve, 0, host=HOST))
         expected = await batched_pops(listeners[0].socket.getsockname()[1], seed)

@@ -27,6 +27,7 @@ from pinpriq.store import (
     QueuedPacket,
     QueueStore,
 )
+from tests.stores import BUILT_IN_STORES, overhead, store_id
 
 YEAR = 365 * 24 * 3600.0
 
@@ -49,12 +50,7 @@ def clock() -> FakeClock:
     return FakeClock(1000.0)
 
 
-#: Every in-memory backend built here: the reference, and the packed store where its C core is
-#: built (not in the plain-Python run, where the server uses QueueStore too).
-STORES: list[type[QueueStore]] = [QueueStore, *([packed.PackedStore] if packed.available else [])]
-
-
-@pytest.fixture(params=STORES, ids=lambda cls: cls.__name__)
+@pytest.fixture(params=BUILT_IN_STORES, ids=store_id)
 def store_class(request: pytest.FixtureRequest) -> type[QueueStore]:
     return request.param  # type: ignore[no-any-return]
 
@@ -62,11 +58,6 @@ def store_class(request: pytest.FixtureRequest) -> type[QueueStore]:
 @pytest.fixture
 def store(store_class: type[QueueStore], clock: FakeClock) -> QueueStore:
     return store_class(clock)
-
-
-def overhead(store: QueueStore) -> int:
-    """The bytes_held estimate per packet of this store's layout."""
-    return packed.PACKET_OVERHEAD if isinstance(store, packed.PackedStore) else PACKET_OVERHEAD
 
 
 def payloads(packets: list[QueuedPacket]) -> list[bytes]:
@@ -1078,6 +1069,8 @@ def _same_state(reference: QueueStore, other: QueueStore, taken: int) -> None:
         (name, n, b - n * overhead(reference)) for name, n, b in reference.sizes()
     ]
     assert other.next_deadline() == reference.next_deadline()
+    for name, _, _ in reference.sizes():
+        assert other.queued(name) == reference.queued(name)
 
 
 @pytest.mark.skipif(not packed.available, reason="the packed store's C core is not built")
