@@ -112,7 +112,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *clock;
     PyObject *queues; /* dict: name -> QueueObject */
-    PyObject *arrived; /* dict used as an ordered set: queues delayed packets entered */
+    PyObject *arrived; /* list: queues delayed packets entered since take_arrived */
     PyObject *dict;
     Py_ssize_t max_pop;
     long long bytes_held, unselectable_bytes, expired, purged, taken_bytes, delayed_bytes;
@@ -806,8 +806,11 @@ static PyObject *packet_tuple(const Packet *p) {
 /* ---------------------------------------------------------------------------------------- */
 /* Expiry and arrival */
 
-/* A delayed packet whose time came enters its queue (decision 21). */
-static int arrive(StoreObject *s, Packet *p) {
+/* A delayed packet whose time came enters its queue (decision 21), in push order by its seq,
+ * with its TTL deadline (due time plus TTL); or, if that has passed too, it is dropped (TTL
+ * wins). Returns 1 if dropped (the caller counts it as expired and frees it), 0 if filed, -1
+ * on error. */
+static int arrive(StoreObject *s, Packet *p, double now) {
     QueueObject *q = p->queue;
     if (q->delayed_head == p)
         q->delayed_head = p->gnext == p ? NULL : p->gnext;
@@ -818,11 +821,20 @@ static int arrive(StoreObject *s, Packet *p) {
     q->bytes -= HELD(p); /* file_packet counts it again */
     p->flags &= ~F_DELAYED;
     p->deadline = p->ttl_ms ? p->deadline + p->ttl_ms / 1000.0 : INFINITY;
+    p->ttl_ms = 0;
+    if (p->deadline <= now)
+        return 1;
     if (file_packet(s, q, p, 0) < 0)
         return -1;
     if (!p->prio)
         s->unselectable_bytes += HELD(p);
-    return PyDict_SetItem(s->arrived, q->name, Py_None);
+    /* the queues arrivals entered, in order; a queue once per run of arrivals into it */
+    Py_ssize_t n = PyList_GET_SIZE(s->arrived);
+    int again = n ? PyObject_RichCompareBool(PyList_GET_ITEM(s->arrived, n - 1), q->name, Py_EQ)
+                  : 0;
+    if (again != 0)
+        return again < 0 ? -1 : 0;
+    return PyList_Append(s->arrived, q->name);
 }
 
 /* Remove every packet whose deadline has come, and move every due delayed packet into its
@@ -839,14 +851,17 @@ static Py_ssize_t store_expire(StoreObject *s) {
         QueueObject *q = p->queue;
         heap_remove(&s->heap, p, 0);
         if (p->flags & F_DELAYED) {
-            if (arrive(s, p) < 0)
+            int dropped = arrive(s, p, now);
+            if (dropped < 0)
                 return -1;
-            continue;
+            if (!dropped)
+                continue;
+        } else {
+            unfile_packet(s, q, p);
+            if (!p->prio)
+                s->unselectable_bytes -= HELD(p);
         }
-        unfile_packet(s, q, p);
         s->bytes_held -= HELD(p);
-        if (!p->prio)
-            s->unselectable_bytes -= HELD(p);
         s->held--;
         removed++;
         PyMem_Free(p);
@@ -876,9 +891,9 @@ static inline int expire_due(StoreObject *s) {
 /* ---------------------------------------------------------------------------------------- */
 /* Pop */
 
-/* Remove the best packet and up to max_pop - 1 siblings into out (which has room for
- * max_pop); returns how many, 0 if nothing is selectable. Records are detached, not freed. */
-static Py_ssize_t take_group(StoreObject *s, QueueObject *q, Packet **out) {
+/* Remove the best packet and up to most - 1 siblings into out (which has room for most);
+ * returns how many, 0 if nothing is selectable. Records are detached, not freed. */
+static Py_ssize_t take_group(StoreObject *s, QueueObject *q, Packet **out, Py_ssize_t most) {
     Level *level = best_level(q);
     if (level == NULL)
         return 0;
@@ -889,7 +904,7 @@ static Py_ssize_t take_group(StoreObject *s, QueueObject *q, Packet **out) {
     out[0] = selected;
     if (selected->gnext != selected) { /* siblings: oldest first */
         Packet *head = group_head(q, selected);
-        for (Packet *p = head; count < s->max_pop; p = p->gnext) {
+        for (Packet *p = head; count < most; p = p->gnext) {
             if (p != selected)
                 out[count++] = p;
             if (p->gnext == head)
@@ -944,7 +959,7 @@ static PyObject *pop_tuples(StoreObject *s, PyObject *name, int taking) {
     if (out == NULL)
         return NULL;
     Py_INCREF(q);
-    Py_ssize_t count = take_group(s, q, out);
+    Py_ssize_t count = take_group(s, q, out, s->max_pop);
     PyObject *reply = PyList_New(count);
     int64_t held = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -999,7 +1014,7 @@ static PyObject *Store_pop_reply(StoreObject *s, PyObject *const *args, Py_ssize
     if (q != NULL) {
         if ((out = reply_room(s, q, one)) == NULL)
             return NULL;
-        count = take_group(s, q, out);
+        count = take_group(s, q, out, s->max_pop);
     }
     Py_ssize_t size = 2;
     for (Py_ssize_t i = 0; i < count; i++)
@@ -1296,9 +1311,11 @@ static PyObject *Store_now(StoreObject *s, PyObject *unused) {
 }
 
 static PyObject *Store_take_arrived(StoreObject *s, PyObject *unused) {
-    PyObject *names = PyDict_Keys(s->arrived);
-    if (names != NULL)
-        PyDict_Clear(s->arrived);
+    PyObject *fresh = PyList_New(0);
+    if (fresh == NULL)
+        return NULL;
+    PyObject *names = s->arrived;
+    s->arrived = fresh;
     return names;
 }
 
@@ -1581,7 +1598,7 @@ static PyObject *Store_move(StoreObject *s, PyObject *const *args, Py_ssize_t na
             unfile_packet(s, q, moving[i]);
     } else {
         while (n < limit) {
-            Py_ssize_t got = take_group(s, q, moving + n);
+            Py_ssize_t got = take_group(s, q, moving + n, PY_SSIZE_T_MAX); /* whole groups */
             if (got == 0)
                 break;
             n += got;
@@ -1776,7 +1793,7 @@ static int Store_init(StoreObject *s, PyObject *args, PyObject *kwargs) {
     s->clock = clock;
     s->max_pop = max_pop;
     s->queues = PyDict_New();
-    s->arrived = PyDict_New();
+    s->arrived = PyList_New(0);
     return s->queues && s->arrived ? 0 : -1;
 }
 
