@@ -891,6 +891,21 @@ static inline int expire_due(StoreObject *s) {
 /* ---------------------------------------------------------------------------------------- */
 /* Pop */
 
+/* Pops tend to come in runs on one level: ask the memory for what the next two will read,
+ * so that at depth 1M they find it in cache (a record and a group slot are each a miss).
+ * The next pop's record was asked for by this one, so its key can be hashed now and its slot
+ * asked for; the record after it is asked for too. */
+static inline void prefetch_next_pops(QueueObject *q, Level *level) {
+    uint32_t len = level->end - level->start;
+    if (len > 2 && !IS_TOMB(level->a[level->end - 3]))
+        __builtin_prefetch((void *)level->a[level->end - 3]);
+    if (len > 1 && !IS_TOMB(level->a[level->end - 2])) {
+        Packet *next = (Packet *)level->a[level->end - 2];
+        uint64_t hash = hash_key(KEY(next), next->klen);
+        __builtin_prefetch(&q->slots[hash & (q->slot_cap - 1)]);
+    }
+}
+
 /* Remove the best packet and up to most - 1 siblings into out (which has room for most);
  * returns how many, 0 if nothing is selectable. Records are detached, not freed. */
 static Py_ssize_t take_group(StoreObject *s, QueueObject *q, Packet **out, Py_ssize_t most) {
@@ -898,8 +913,7 @@ static Py_ssize_t take_group(StoreObject *s, QueueObject *q, Packet **out, Py_ss
     if (level == NULL)
         return 0;
     Packet *selected = (Packet *)level->a[level->end - 1];
-    if (level->end - level->start > 1) /* the next pop's record, likely: in cache by then */
-        __builtin_prefetch((void *)(level->a[level->end - 2] & ~(Entry)1));
+    prefetch_next_pops(q, level);
     Py_ssize_t count = 1;
     out[0] = selected;
     if (selected->gnext != selected) { /* siblings: oldest first */

@@ -16,11 +16,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from pinpriq import _build
+from pinpriq import _build, store
 from pinpriq.store import Clock, QueueStore, age, note_time
 from pinpriq.store_contract import QueueInfo, Store
 
-__all__ = ["PACKET_OVERHEAD", "PackedStore", "available", "default_store"]
+__all__ = [
+    "DEFAULT_STORE_OVERHEAD",
+    "PACKET_OVERHEAD",
+    "PackedStore",
+    "available",
+    "default_store",
+]
 
 
 def _load_core() -> Any:
@@ -40,6 +46,9 @@ available = _core is not None
 #: The packed store's estimate of bytes per packet beyond its key and payload
 #: (docs/performance.md: resident memory per queued packet).
 PACKET_OVERHEAD: int = _core.PACKET_OVERHEAD if available else 0
+#: The estimate of ``default_store``'s store: what the memory cap counts per packet beyond its
+#: key and payload on a server without ``--data-dir`` (the log is built on ``QueueStore``).
+DEFAULT_STORE_OVERHEAD: int = PACKET_OVERHEAD if available else store.PACKET_OVERHEAD
 
 _Base: Any = _core.PackedCore if available else object
 

@@ -16,8 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pinpriq.admin import serve_admin
 from pinpriq.display import escape
+from pinpriq.packed import DEFAULT_STORE_OVERHEAD as PACKET_OVERHEAD  # the live server's store
 from pinpriq.server import PinpriqServer
-from pinpriq.store import PACKET_OVERHEAD, QueuedPacket, QueueStore
+from pinpriq.store import QueuedPacket, QueueStore
 from tests.conftest import LiveServer, StartServer
 from tests.rawpeer import (
     READY,

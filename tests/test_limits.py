@@ -12,15 +12,15 @@ import trio.testing
 
 from pinpriq import server as server_module
 from pinpriq.broker import OUTPUT_HIGH_WATER, Session
+from pinpriq.packed import DEFAULT_STORE_OVERHEAD
 from pinpriq.server import RECEIVE_SIZE, PinpriqServer
-from pinpriq.store import PACKET_OVERHEAD
 from pinpriq.wire import MAX_FRAME, ClientFrame
 from tests.conftest import LiveServer, StartServer
 from tests.rawpeer import READY, Peer, pop, push, subscribe
 
 PAYLOAD = b"p" * 100
 #: What one test packet (key b"kNN", PAYLOAD) counts against the cap.
-PACKET_COST = 3 + len(PAYLOAD) + PACKET_OVERHEAD
+PACKET_COST = 3 + len(PAYLOAD) + DEFAULT_STORE_OVERHEAD
 
 
 def capped(packets: int) -> PinpriqServer:

@@ -39,6 +39,7 @@ from pinpriq.cli.args import (
 from pinpriq.cli.logs import LOG_FORMATS, configure_logging
 from pinpriq.client_memory import MIN_DEFAULT_BUDGET
 from pinpriq.leases import DEAD_SUFFIX, DEFAULT_LEASE_MS, DEFAULT_MAX_DELIVERIES
+from pinpriq.packed import DEFAULT_STORE_OVERHEAD
 from pinpriq.persistence.journal import (
     DEFAULT_SEGMENT_SIZE,
     MIN_SEGMENT_SIZE,
@@ -96,7 +97,8 @@ def server_parser() -> argparse.ArgumentParser:
         default="1GiB",
         metavar="SIZE",
         help="cap on the memory queued packets may hold (keys, payloads and about "
-        f"{PACKET_OVERHEAD} bytes of bookkeeping each), e.g. 512MiB or 2GB; when reached, "
+        f"{DEFAULT_STORE_OVERHEAD} bytes of bookkeeping each, {PACKET_OVERHEAD} with --data-dir), "
+        "e.g. 512MiB or 2GB; when reached, "
         "pushes wait until pops or expiry free room. 0 for no cap (default: 1GiB). With a "
         "Redis store, Redis's maxmemory is the cap instead",
     )
