@@ -105,15 +105,19 @@ def as_bytes(field: str, value: Data) -> bytes:
     raise ArgumentTypeError(f"{field} must be bytes or str, not {type(value).__name__}")
 
 
-def check_int(field: str, value: object, low: int, high: int | None = None) -> int:
-    """``value`` if it is an integer in ``low..high`` (no upper bound if ``high`` is None)."""
+def check_int(
+    field: str, value: object, low: int, high: int | None = None, high_means: str = ""
+) -> int:
+    """``value`` if it is an integer in ``low..high`` (no upper bound if ``high`` is None);
+    ``high_means`` says what ``high`` is in words (``30 days``), for the error."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise ArgumentTypeError(f"{field} must be an integer, not {type(value).__name__} {value!r}")
     if high is None:
         if value < low:
             raise ArgumentError(f"{field} must be at least {low}, not {value}")
     elif not low <= value <= high:
-        raise ArgumentError(f"{field} must be in {low}..{high}, not {value}")
+        said = f" ({high_means})" if high_means else ""
+        raise ArgumentError(f"{field} must be in {low}..{high}{said}, not {value}")
     return value
 
 
@@ -136,16 +140,29 @@ def check_address(host: object, port: object) -> tuple[str, int]:
 
 
 def push_frame(
-    queue: Data, key: Data, payload: Data, ttl_ms: object, prio: object, *, confirm: bool = False
+    queue: Data,
+    key: Data,
+    payload: Data,
+    ttl_ms: object,
+    prio: object,
+    *,
+    delay_ms: object = 0,
+    confirm: bool = False,
 ) -> bytes:
-    """The bytes of a push, followed by a sync if ``confirm``."""
-    push = wire.Push(
+    """The bytes of a push, followed by a sync if ``confirm``.
+
+    A push that protocol 1.0 can say (no delay, a TTL of at most 65,535 ms) is a ``70``, which
+    every server takes; a longer TTL or a delay makes it a push with options (``71``, protocol
+    1.2), which an older server refuses by closing the connection."""
+    fields = (
         as_bytes("queue", queue),
         as_bytes("key", key),
         as_bytes("payload", payload),
         check_int("ttl_ms", ttl_ms, 0, wire.MAX_TTL_MS),
         check_int("prio", prio, 0, wire.MAX_PRIO),
     )
+    delay = check_int("delay_ms", delay_ms, 0, wire.MAX_DELAY_MS, "30 days")
+    push = wire.DelayedPush(*fields, delay) if delay else wire.Push(*fields)
     return wire.encode(push) + _SYNC if confirm else wire.encode(push)
 
 

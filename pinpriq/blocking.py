@@ -284,11 +284,13 @@ class BlockingPinpriqClient:
         *,
         ttl_ms: int = 0,
         prio: int = 1,
+        delay_ms: int = 0,
         confirm: bool = False,
     ) -> None:
-        """Queue ``payload`` under ``key`` (see ``PinpriqClient.push``); with ``confirm=True``,
-        return once the server has applied it."""
-        frame = push_frame(queue, key, payload, ttl_ms, prio, confirm=confirm)
+        """Queue ``payload`` under ``key`` (see ``PinpriqClient.push``: a delay or a TTL above
+        65,535 ms needs protocol 1.2); with ``confirm=True``, return once the server has
+        applied it."""
+        frame = push_frame(queue, key, payload, ttl_ms, prio, delay_ms=delay_ms, confirm=confirm)
         if confirm:
             self._request(frame, Expect.NOTHING, "push to")
         else:

@@ -31,7 +31,16 @@ from pinpriq._client_core import (
     touch_frame,
 )
 from pinpriq.wire import LeaseReply, Packet
-from tests.rawpeer import READY, lease_reply, leased_subscribe, push, reply, status, subscribe
+from tests.rawpeer import (
+    READY,
+    lease_reply,
+    leased_subscribe,
+    push,
+    push_options,
+    reply,
+    status,
+    subscribe,
+)
 
 
 def exchange(opened_at: float = 100.0) -> Exchange:
@@ -52,12 +61,20 @@ def exchange(opened_at: float = 100.0) -> Exchange:
         ({"prio": -1}, ArgumentError, "prio must be in 0..255, not -1"),
         ({"key": 7}, ArgumentTypeError, "key must be bytes or str, not int"),
         ({"payload": b"x" * 65536}, ArgumentError, "payload is 65536 bytes; the most is 65535"),
+        ({"delay_ms": -1}, ArgumentError, "delay_ms must be in 0..2592000000 (30 days), not -1"),
+        (
+            {"delay_ms": 2_592_000_001},
+            ArgumentError,
+            "delay_ms must be in 0..2592000000 (30 days), not 2592000001",
+        ),
+        ({"delay_ms": 1.5}, ArgumentTypeError, "delay_ms must be an integer, not float 1.5"),
+        ({"delay_ms": None}, ArgumentTypeError, "delay_ms must be an integer, not NoneType None"),
     ],
 )
 def test_push_arguments_name_the_field(
     kwargs: dict[str, object], error: type[Exception], message: str
 ) -> None:
-    args: dict[str, object] = {"ttl_ms": 0, "prio": 1, **kwargs}
+    args: dict[str, object] = {"ttl_ms": 0, "prio": 1, "delay_ms": 0, **kwargs}
     with pytest.raises(error) as info:
         push_frame(
             args.get("queue", "q"),  # type: ignore[arg-type]
@@ -65,6 +82,7 @@ def test_push_arguments_name_the_field(
             args.get("payload", "p"),  # type: ignore[arg-type]
             args["ttl_ms"],
             args["prio"],
+            delay_ms=args["delay_ms"],
         )
     assert str(info.value) == message
     # Each is also the built-in a caller would catch, and a PinpriqError.
@@ -75,6 +93,24 @@ def test_push_arguments_name_the_field(
 def test_push_frame_with_confirm_ends_with_a_sync() -> None:
     assert push_frame("q", "k", "v", 0, 1) == push(b"q", b"k", b"v")
     assert push_frame("q", "k", "v", 0, 1, confirm=True) == push(b"q", b"k", b"v") + b"\x21"
+
+
+@pytest.mark.parametrize(
+    ("ttl_ms", "delay_ms", "frame"),
+    [
+        # What protocol 1.0 can say stays a 70, so it works against an older server.
+        (0, 0, push(b"q", b"k", b"v", prio=3)),
+        (65_535, 0, push(b"q", b"k", b"v", 65_535, prio=3)),
+        # A longer TTL or any delay needs the 71 (decision 21).
+        (65_536, 0, push_options(b"q", b"k", b"v", 65_536, prio=3)),
+        (0xFFFF_FFFF, 0, push_options(b"q", b"k", b"v", 0xFFFF_FFFF, prio=3)),
+        (0, 1, push_options(b"q", b"k", b"v", delay_ms=1, prio=3)),
+        (500, 2_592_000_000, push_options(b"q", b"k", b"v", 500, 2_592_000_000, prio=3)),
+    ],
+)
+def test_push_frame_is_a_70_unless_it_needs_a_71(ttl_ms: int, delay_ms: int, frame: bytes) -> None:
+    assert push_frame("q", "k", "v", ttl_ms, 3, delay_ms=delay_ms) == frame
+    assert push_frame("q", "k", "v", ttl_ms, 3, delay_ms=delay_ms, confirm=True) == frame + b"\x21"
 
 
 @pytest.mark.parametrize(
