@@ -476,11 +476,14 @@ export class PinpriqClient {
    * @param {Data} queue
    * @param {Data} key
    * @param {Data} payload
-   * @param {{ ttlMs?: number, prio?: number, confirm?: boolean }} [options] `prio` 1 (the
-   *   default) is the highest, 255 the lowest, 0 never popped on its own but leaves with the
-   *   next popped packet of its key; `ttlMs` 0 (the default) never expires, else 1..65535 ms;
-   *   `confirm: true` sends a sync with the push and resolves when its answer comes
-   *   (protocol 1.1)
+   * @param {{ ttlMs?: number, prio?: number, delayMs?: number, confirm?: boolean }} [options]
+   *   `prio` 1 (the default) is the highest, 255 the lowest, 0 never popped on its own but
+   *   leaves with the next popped packet of its key; `ttlMs` 0 (the default) never expires,
+   *   else 1..4294967295 ms, counted from when the packet enters its queue; `delayMs`
+   *   (0..2592000000, 30 days) keeps it out of its queue that long; `confirm: true` sends a
+   *   sync with the push and resolves when its answer comes (protocol 1.1). A delay or a TTL
+   *   above 65,535 ms makes the push a 71, which needs a protocol 1.2 server; any other push
+   *   is the 1.0 frame every server takes
    * @returns {Promise<void>}
    */
   async push(queue, key, payload, options = {}) {

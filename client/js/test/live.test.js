@@ -96,6 +96,12 @@ describe('push and pop', () => {
     assert.deepEqual(await client.pop(q), []);
   });
 
+  test('a TTL beyond protocol 1.0 (a 71, protocol 1.2) is taken: the packet is queued', async () => {
+    const q = fresh('long-ttl');
+    await client.push(q, 'k', 'two hours', { ttlMs: 7_200_000, confirm: true });
+    assert.deepEqual(text(await client.pop(q)), [['k', 'two hours']]);
+  });
+
   test('bytes of any value, empty fields and the largest fields round-trip', async () => {
     const q = Buffer.from([0x00, 0xff, 0x0a, ...Buffer.from(fresh('bytes'))]);
     await client.push(q, new Uint8Array([0, 1, 2]), Buffer.alloc(0));
@@ -191,7 +197,8 @@ describe('argument checks on the client', () => {
   test('out-of-range arguments reject with a RangeError naming the field; the client stays usable', async () => {
     const q = fresh('range');
     await assert.rejects(client.push(q, 'k', 'p', { prio: 256 }), { name: 'RangeError', message: /\bprio\b/ });
-    await assert.rejects(client.push(q, 'k', 'p', { ttlMs: 70000 }), { name: 'RangeError', message: /\bttlMs\b/ });
+    await assert.rejects(client.push(q, 'k', 'p', { ttlMs: 2 ** 32 }), { name: 'RangeError', message: /\bttlMs\b/ });
+    await assert.rejects(client.push(q, 'k', 'p', { delayMs: 2_592_000_001 }), { name: 'RangeError', message: /\bdelayMs\b/ });
     await assert.rejects(client.push(q, 'k', 'x'.repeat(65536)), { name: 'RangeError', message: /\bpayload\b/ });
     await assert.rejects(client.pop('q'.repeat(65536)), { name: 'RangeError', message: /\bqueue\b/ });
     await assert.rejects(client.subscribe(q, { prefetch: 0 }), { name: 'RangeError', message: /\bprefetch\b/ });
