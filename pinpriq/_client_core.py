@@ -18,6 +18,9 @@ Theory of operation.
   means the peer is not a pinpriq 1.1 server, and is reported at its first two bytes. So must
   an auth, the first request on a connection to a server with a token (decision 12); a server
   that refuses the token closes the connection instead, which the error then says.
+* **Protocol 1.2**: a push with a delay or a long TTL goes out as a ``71``, which an older
+  server answers by closing the connection. Until a reply to a later request shows that the
+  server read it, a close says that it may not speak 1.2 (``Exchange.sending``).
 * **Credits**: a subscription grants ``prefetch`` credits up front and returns one each time the
   caller comes back for the next delivery (``Credits``), so at most ``prefetch`` deliveries are
   ever taken from the server and not yet finished, the one in hand included.
@@ -86,6 +89,8 @@ Queues = Data | Sequence[Data]
 #: How a failed TLS handshake starts its message, after "cannot connect to HOST:PORT: ".
 TLS_HANDSHAKE_FAILED = "TLS handshake failed"
 
+#: What sends a push with options (71), for errors from a server that may not take one.
+_NEEDS_1_2 = "a push with a delay or a TTL above 65,535 ms needs"
 _SYNC = wire.encode(wire.SYNC)
 _READY = wire.encode(wire.READY)
 
@@ -296,12 +301,30 @@ class Exchange:
         self._waiting: deque[Slot] = deque()
         #: Whether any byte has come from the server; the client's I/O layer sets it.
         self.received_any = False
+        #: Whether a push with options (71) went out that the server may not have read: no
+        #: reply to a request sent after it has come. An older server closes on it.
+        self._options_unproven = False
+        self._options_proof: Slot | None = None  # the first request sent after it
+
+    def sending(self, frame: bytes) -> None:
+        """A frame is about to be sent (before its slot, if it has one, is filed)."""
+        if frame[0] == wire.Opcode.PUSH_OPTIONS:
+            self._options_unproven = True
 
     def expect(self, what: Expect, lease_id: int = 0) -> Slot:
         """A request was (or is about to be) sent: its reply will fill the returned slot."""
         slot = Slot(what, lease_id)
         self._waiting.append(slot)
+        if self._options_unproven and self._options_proof is None:
+            self._options_proof = slot
         return slot
+
+    def _filled(self, reply: list[Packet] | LeaseReply) -> None:
+        slot = self._waiting.popleft()
+        slot.reply = reply
+        if slot is self._options_proof:  # replies come in order: the server read the 71
+            self._options_unproven = False
+            self._options_proof = None
 
     def feed(self, data: bytes) -> None:
         """Bytes from the server: fill the oldest slots with the replies they complete.
@@ -320,7 +343,7 @@ class Exchange:
                     return
                 if head.expect is Expect.STATUS:
                     check_status(self, lease, head.lease_id)
-                self._waiting.popleft().reply = lease
+                self._filled(lease)
                 continue
             reply = decoder.next_reply()
             if reply is None:
@@ -331,7 +354,7 @@ class Exchange:
                 raise self.error(f"{self.address} sent a reply nobody asked for")
             if head.expect is not Expect.PACKETS:
                 self._check_sync(len(reply))
-            self._waiting.popleft().reply = reply
+            self._filled(reply)
 
     def _check_sync(self, count: int) -> None:
         if count:
@@ -366,8 +389,13 @@ class Exchange:
             )
             if any(slot.expect is Expect.NOTHING for slot in self._waiting):
                 why += ", or not speak protocol 1.1, which sync needs"
+            if self._options_unproven:
+                why += f", or not speak protocol 1.2, which {_NEEDS_1_2}"
             return f"{self.address}: {why})"
-        return f"connection to {self.address} was closed by the server"
+        closed = f"connection to {self.address} was closed by the server"
+        if self._options_unproven:
+            closed += f" (it may not speak protocol 1.2, which {_NEEDS_1_2})"
+        return closed
 
     def _closed_before_judging(self) -> str:
         causes = "be at its connection limit, refuse clients from other hosts, or speak protocol "

@@ -295,6 +295,7 @@ class BlockingPinpriqClient:
             self._request(frame, Expect.NOTHING, "push to")
         else:
             with self._lock:
+                self._link.exchange.sending(frame)
                 self._link.send(frame, self._link.deadline(), "push to")
 
     def pop(self, queue: Data) -> list[Packet]:
@@ -419,6 +420,7 @@ class BlockingPinpriqClient:
         link = self._link
         with self._lock:
             deadline = link.deadline()
+            link.exchange.sending(frame)
             slot = link.exchange.expect(expect, lease_id)
             link.send(frame, deadline, what)
             while slot.reply is None:

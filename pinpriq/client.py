@@ -446,6 +446,7 @@ class PinpriqClient:
             # Raise a pending cancellation here, where nothing has been sent yet, rather than
             # inside send_all, where part of the frame may already be on its way.
             await trio.lowlevel.checkpoint_if_cancelled()
+            self._link.exchange.sending(frame)
             slot = None if expect is None else self._link.exchange.expect(expect, lease_id)
             try:
                 await self._link.send(frame)

@@ -357,6 +357,29 @@ def test_push_delay_and_ttl_take_units_and_a_bare_number_is_milliseconds() -> No
             assert (received, command.returncode, stderr) == (frame, 0, ""), options
 
 
+def test_a_delayed_push_to_a_server_that_closes_on_it_says_it_may_not_speak_1_2() -> None:
+    # What a 1.0 or 1.1 server does with a 71: an unknown opcode, so it closes the connection.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(TIMEOUT)
+        port = listener.getsockname()[1]
+        command = subprocess.Popen(
+            [PINPRIQ, "--port", str(port), "push", "q", "k", "v", "--delay", "10s"],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env(),
+        )
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(TIMEOUT)
+            assert conn.recv(1) == b"\x71"
+        _, stderr = command.communicate(timeout=TIMEOUT)
+    assert command.returncode == 1
+    assert stderr.endswith(
+        ", or not speak protocol 1.2, which a push with a delay or a TTL above 65,535 ms needs)\n"
+    )
+    assert stderr.count("\n") == 1
+
+
 def test_push_to_a_server_at_its_connection_limit_says_so() -> None:
     with (
         server_process("--max-connections", "1") as port,

@@ -222,6 +222,33 @@ def test_a_close_at_once_with_nothing_received_reads_as_a_refusal() -> None:
     assert "broke: reset" in str(ex.broken(100.5, OSError("reset")))
 
 
+NOT_1_2 = "not speak protocol 1.2, which a push with a delay or a TTL above 65,535 ms needs"
+
+
+def test_a_close_after_a_71_says_the_server_may_not_speak_1_2_until_a_later_reply_comes() -> None:
+    ex = exchange(opened_at=100.0)
+    ex.expect(Expect.PACKETS)  # a pop sent before the 71: its reply proves nothing about it
+    ex.sending(push_frame("q", "k", "v", 70_000, 1))
+    ex.sending(push(b"q", b"k", b"v"))  # a 70 after it changes nothing
+    ex.expect(Expect.NOTHING)  # a sync after the 71
+    assert ex.closed_by_server(100.5).endswith(f", or {NOT_1_2})")
+    ex.received_any = True
+    assert ex.closed_by_server(100.5) == (
+        f"connection to 127.0.0.1:7000 was closed by the server (it may {NOT_1_2})"
+    )
+    ex.feed(reply())  # the pop's reply
+    assert NOT_1_2 in ex.closed_by_server(100.5)
+    ex.feed(reply())  # the sync's: the server read the 71
+    assert ex.closed_by_server(100.5) == "connection to 127.0.0.1:7000 was closed by the server"
+
+
+def test_a_close_after_only_70s_says_nothing_of_protocol_1_2() -> None:
+    ex = exchange(opened_at=100.0)
+    ex.sending(push_frame("q", "k", "v", 65_535, 1))
+    ex.expect(Expect.NOTHING)
+    assert "1.2" not in ex.closed_by_server(100.5)
+
+
 # -- credits ----------------------------------------------------------------------------------
 
 
