@@ -310,6 +310,7 @@ class Exchange:
         """A frame is about to be sent (before its slot, if it has one, is filed)."""
         if frame[0] == wire.Opcode.PUSH_OPTIONS:
             self._options_unproven = True
+            self._options_proof = None  # a request sent before this 71 proves nothing of it
 
     def expect(self, what: Expect, lease_id: int = 0) -> Slot:
         """A request was (or is about to be) sent: its reply will fill the returned slot."""

@@ -240,6 +240,15 @@ def test_a_close_after_a_71_says_the_server_may_not_speak_1_2_until_a_later_repl
     assert NOT_1_2 in ex.closed_by_server(100.5)
     ex.feed(reply())  # the sync's: the server read the 71
     assert ex.closed_by_server(100.5) == "connection to 127.0.0.1:7000 was closed by the server"
+    # A second 71 after a request still unanswered: only a request sent after it proves it.
+    ex.sending(push_frame("q", "k", "v", 0, 1, delay_ms=5))
+    ex.expect(Expect.NOTHING)
+    ex.sending(push_frame("q", "k", "v", 0, 1, delay_ms=5))
+    ex.feed(reply())
+    assert NOT_1_2 in ex.closed_by_server(100.5)
+    ex.expect(Expect.NOTHING)
+    ex.feed(reply())
+    assert NOT_1_2 not in ex.closed_by_server(100.5)
 
 
 def test_a_close_after_only_70s_says_nothing_of_protocol_1_2() -> None:

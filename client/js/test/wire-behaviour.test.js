@@ -367,6 +367,40 @@ test('a sync the server closes the connection on (as a 1.0 server does) gets the
   });
 });
 
+test('a close after a push with options (as a 1.0 or 1.1 server closes on a 71) says so, until a later reply shows it was read', async () => {
+  const client = await connect();
+  const { socket } = await fake.connection(0);
+  const pushed = encodePush('q', 'k', 'v', { delayMs: 1000 });
+  const before = client.pop('q'); // sent before the 71: its reply shows nothing about it
+  await client.push('q', 'k', 'v', { delayMs: 1000 });
+  const after = client.pop('q');
+  await fake.received(0, 2 * encodePop('q').length + pushed.length);
+  socket.write(replyBytes());
+  assert.deepEqual(await before, []);
+  socket.end();
+  await assert.rejects(after, (error) => {
+    assert.equal(error.message, `connection to 127.0.0.1:${fake.port} was closed by the server; `
+      + 'it had not shown it read a push with a delay or a TTL above 65,535 ms, and a server '
+      + 'older than protocol 1.2 closes the connection on one');
+    return true;
+  });
+});
+
+test('a close after a push with options that a later reply showed was read has no such hint', async () => {
+  const client = await connect();
+  const { socket } = await fake.connection(0);
+  const pushed = encodePush('q', 'k', 'v', { ttlMs: 100_000 });
+  await client.push('q', 'k', 'v', { ttlMs: 100_000 });
+  const popped = client.pop('q');
+  await fake.received(0, pushed.length + encodePop('q').length);
+  socket.write(replyBytes());
+  assert.deepEqual(await popped, []);
+  const again = client.pop('q');
+  await fake.received(0, pushed.length + 2 * encodePop('q').length);
+  socket.end();
+  await assert.rejects(again, { message: `connection to 127.0.0.1:${fake.port} was closed by the server` });
+});
+
 test('limit: credits up to the limit and no further, then the iteration ends and the connection closes', async () => {
   const client = await connect();
   const subscription = await client.subscribe('q', { prefetch: 3, limit: 5 });
