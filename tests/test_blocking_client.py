@@ -337,6 +337,13 @@ def test_bad_arguments_raise_before_sending(
         assert receive_exactly(server, 13) == push(b"q", b"k", b"p")
 
 
+def test_a_delayed_push_is_confirmed_and_held_out_of_its_queue(live: ThreadServer) -> None:
+    with connect(live.port) as client:
+        client.push("q", "later", "", delay_ms=3_600_000, confirm=True)
+        assert live.call(lambda: live.server.broker.store.queue_info(b"q").delayed) == 1
+        assert client.pop("q") == []
+
+
 def test_a_push_is_a_70_unless_its_ttl_or_delay_needs_a_71(fake: socket.socket) -> None:
     with connect(port_of(fake)) as client, accept(fake) as server:
         client.push("q", "k", "p", ttl_ms=60_000, prio=2)

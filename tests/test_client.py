@@ -147,6 +147,21 @@ async def test_a_ttl_beyond_protocol_1_0_counts_on_the_servers_clock(
         assert await client.pop("q") == []
 
 
+async def test_a_delayed_push_is_confirmed_held_and_queued_when_due(
+    live: LiveServer, mock_clock: trio.testing.MockClock
+) -> None:
+    async with connect(live.port) as client:
+        await client.push("q", "later", "", delay_ms=60_000, ttl_ms=100_000, confirm=True)
+        assert live.store.queue_info(b"q").delayed == 1  # the confirm's sync: the server has it
+        assert await client.pop("q") == []
+        await trio.sleep(59.9)  # virtual time
+        assert await client.pop("q") == []
+        await trio.sleep(0.2)
+        assert live.store.queue_info(b"q").packets == 1
+        await trio.sleep(99.8)  # its TTL counts from when it was due
+        assert await client.pop("q") == [Packet(b"later", b"")]
+
+
 async def test_a_push_is_a_70_unless_its_ttl_or_delay_needs_a_71(fake: FakeServer) -> None:
     async with connect(fake.port) as client:
         server = await fake.accept()

@@ -139,6 +139,11 @@ def test_a_ttl_in_hours_is_a_push_the_server_takes(port: int) -> None:
     assert ok(port, "pop", "hours") == "k\tv\n"
 
 
+def test_a_delayed_push_is_stored_and_not_popped_before_it_is_due(port: int) -> None:
+    assert ok(port, "push", "later", "k", "v", "--delay", "1h", "--ttl", "2h") == ""
+    assert ok(port, "pop", "later") == ""  # in no queue for an hour
+
+
 def test_pop_of_an_empty_queue_prints_nothing(port: int) -> None:
     assert ok(port, "pop", "nothing-here") == ""
 

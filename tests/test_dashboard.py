@@ -1,8 +1,8 @@
 """The dashboard in a real browser: headless Chromium (Debian's package) loads the page from a
 live server holding packets, lets the page's own scripts poll the admin listener and draw, and
 the resulting DOM is checked for what a person would read. The overview is dumped once
-(``--dump-dom``); the queue page, its purge and the token prompt are driven like a person would,
-through the DevTools protocol on a pipe (``Browser``): clicks, typing, the confirmation dialog.
+(``--dump-dom``); the queue page, its purge and move and the token prompt are driven like a person
+would, through the DevTools protocol on a pipe (``Browser``): clicks, typing, the dialogs.
 
 The page's figures are made deterministic: the admin listener is given a ``Sampler`` on a fake
 clock that the test ticks (``serve_admin(sampler=...)``), so rates and charts are what the test
@@ -231,8 +231,9 @@ class Browser:
         await self._to.aclose()
         await self._from.aclose()
 
-    async def answer(self, accept: bool) -> None:
-        await self.call("Page.handleJavaScriptDialog", accept=accept)
+    async def answer(self, accept: bool, text: str = "") -> None:
+        """Close the open dialog: OK (with ``text`` typed into a prompt) or Cancel."""
+        await self.call("Page.handleJavaScriptDialog", accept=accept, promptText=text)
 
 
 async def start_browser(nursery: trio.Nursery) -> Browser:
@@ -346,7 +347,7 @@ async def test_the_dashboard_asks_for_the_token_when_the_server_has_one(
 
 
 #: The page has the listener's answer to an action (while it waits it shows an ellipsis).
-ANSWERED = "/^(Purged|not done)/.test(document.getElementById('action-result').textContent)"
+ANSWERED = "/^(Purged|Moved|not done)/.test(document.getElementById('action-result').textContent)"
 PACKET_ROWS = """[...document.querySelectorAll("#packets-table tbody tr")].map(
     (tr) => [...tr.children].map((td) => td.textContent))"""
 PRIO_ROWS = """Object.fromEntries([...document.querySelectorAll("#q-prios tbody tr")].map(
@@ -443,7 +444,74 @@ async def test_a_purge_through_the_queue_page_asks_first(
         assert await browser.evaluate(PACKET_ROWS) == []
 
 
-async def test_the_queue_page_asks_for_the_token_and_purges_with_it(
+async def test_a_move_through_the_queue_page_asks_where_then_asks_first(
+    start_server: StartServer, nursery: trio.Nursery
+) -> None:
+    admin, _, _ = await start_sampled_admin(start_server, nursery, PinpriqServer())
+    store = admin.live.store
+    producer = await admin.live.connect()
+    dead = b"".join(push(b"jobs.dead", b"k%d" % i, b"p%d" % i) for i in range(3))
+    await applied(producer, push(b"jobs", b"waiting", b"w") + dead)
+    browser = await start_browser(nursery)
+    with trio.fail_after(BROWSER_TIMEOUT):
+        await browser.open(f"http://127.0.0.1:{admin.port}/#queue=jobs.dead")
+        await browser.until("document.getElementById('q-packets').textContent === '3'")
+        await browser.click("#move")
+        assert await browser.dialogs.receive() == (
+            "Move the queued packets of jobs.dead to which queue?"
+        )
+        await browser.answer(False)  # no queue given: nothing asked or sent
+        await browser.click("#move")
+        await browser.dialogs.receive()
+        await browser.answer(True, "jobs")
+        assert await browser.dialogs.receive() == (
+            "Move all 3 queued packets of jobs.dead to jobs? They join jobs as new pushes; "
+            "leased and delayed packets stay."
+        )
+        await browser.answer(False)  # cancelled at the confirmation: nothing is sent
+        assert await browser.text("#action-result") == ""
+        assert store.queue_info(b"jobs.dead").packets == 3
+
+        await browser.click("#move")
+        await browser.dialogs.receive()
+        await browser.answer(True, "jobs")
+        await browser.dialogs.receive()
+        await browser.answer(True)
+        await browser.until(ANSWERED)
+        assert await browser.text("#action-result") == "Moved 3 packets to jobs."
+        await browser.until("document.getElementById('q-packets').textContent === '0'")
+        assert store.queue_info(b"jobs.dead").packets == 0
+        # They joined jobs as pushes made now, in their old order: newer than what was there.
+        assert [p.key for p in store.peek(b"jobs", 10)] == [b"k2", b"k1", b"k0", b"waiting"]
+
+        # At most one packet, to a name that must be percent-encoded: the newest group goes.
+        await browser.open(f"http://127.0.0.1:{admin.port}/#queue=jobs")
+        await browser.until("document.getElementById('q-packets').textContent === '4'")
+        await browser.evaluate("document.getElementById('move-count').value = '1'")
+        await browser.click("#move")
+        await browser.dialogs.receive()
+        await browser.answer(True, "a b/\u00e9&n=9")
+        assert await browser.dialogs.receive() == (
+            "Move up to 1 packets (whole key groups) of jobs to a b/\u00e9&n=9? They join "
+            "a b/\u00e9&n=9 as new pushes; leased and delayed packets stay."
+        )
+        await browser.answer(True)
+        await browser.until(ANSWERED)
+        assert await browser.text("#action-result") == "Moved 1 packets to a b/\u00e9&n=9."
+        assert [p.key for p in store.peek("a b/\u00e9&n=9".encode(), 10)] == [b"k2"]
+
+        # What the server refuses is said beside the buttons, and nothing moves.
+        await browser.click("#move")
+        await browser.dialogs.receive()
+        await browser.answer(True, "jobs")  # itself
+        await browser.dialogs.receive()
+        await browser.answer(True)
+        await browser.until(ANSWERED)
+        assert (await browser.text("#action-result")).startswith("not done: ")
+        assert store.queue_info(b"jobs").packets == 3
+
+
+async def test_the_queue_page_asks_for_the_token_and_purges_and_moves_with_it(
     start_server: StartServer, nursery: trio.Nursery
 ) -> None:
     server = PinpriqServer(token=b"tok")
@@ -472,6 +540,16 @@ async def test_the_queue_page_asks_for_the_token_and_purges_with_it(
         await browser.until(ANSWERED)
         assert await browser.text("#action-result") == "Purged 2 packets."
         assert admin.live.store.queue_info(b"jobs").packets == 0
+
+        await applied(producer, push(b"jobs", b"c", b"3"))
+        await browser.until("document.getElementById('q-packets').textContent === '1'")
+        await browser.click("#move")  # sent with the token and X-Pinpriq-Action too
+        await browser.dialogs.receive()
+        await browser.answer(True, "elsewhere")
+        await browser.dialogs.receive()
+        await browser.answer(True)
+        await browser.until("/^Moved/.test(document.getElementById('action-result').textContent)")
+        assert admin.live.store.queue_info(b"elsewhere").packets == 1
 
 
 async def test_a_queue_page_with_a_malformed_name_says_what_the_server_refused(
