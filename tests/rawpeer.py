@@ -163,15 +163,3 @@ def status(lease_id: int, live: bool) -> bytes:
 
 
 LEASED_NOTHING = bytes(11)
-
-
-# -- protocol 1.2: push with options ----------------------------------------------------------
-
-
-def push_options(
-    queue: bytes, key: bytes, payload: bytes, ttl_ms: int = 0, delay_ms: int = 0, prio: int = 1
-) -> bytes:
-    """A ``71`` (decision 21): push's layout with a u32 TTL, then a u32 delay."""
-    lengths = (len(key), len(payload))
-    header = struct.pack(">BHIIBHH", 0x71, len(queue), ttl_ms, delay_ms, prio, *lengths)
-    return header + key + payload + queue

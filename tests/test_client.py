@@ -170,8 +170,8 @@ async def test_a_push_is_a_70_unless_its_ttl_or_delay_needs_a_71(fake: FakeServe
         await client.push("q", "k", "p", ttl_ms=500, delay_ms=10_000, prio=3)
         expected = (
             push(b"q", b"k", b"p", 60_000, prio=2)
-            + push_options(b"q", b"k", b"p", 7_200_000)
-            + push_options(b"q", b"k", b"p", 500, 10_000, prio=3)
+            + push_options(b"q", b"k", b"p", ttl_ms=7_200_000)
+            + push_options(b"q", b"k", b"p", ttl_ms=500, delay_ms=10_000, prio=3)
         )
         assert await server.receive_exactly(len(expected)) == expected
 

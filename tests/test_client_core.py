@@ -102,10 +102,14 @@ def test_push_frame_with_confirm_ends_with_a_sync() -> None:
         (0, 0, push(b"q", b"k", b"v", prio=3)),
         (65_535, 0, push(b"q", b"k", b"v", 65_535, prio=3)),
         # A longer TTL or any delay needs the 71 (decision 21).
-        (65_536, 0, push_options(b"q", b"k", b"v", 65_536, prio=3)),
-        (0xFFFF_FFFF, 0, push_options(b"q", b"k", b"v", 0xFFFF_FFFF, prio=3)),
+        (65_536, 0, push_options(b"q", b"k", b"v", ttl_ms=65_536, prio=3)),
+        (0xFFFF_FFFF, 0, push_options(b"q", b"k", b"v", ttl_ms=0xFFFF_FFFF, prio=3)),
         (0, 1, push_options(b"q", b"k", b"v", delay_ms=1, prio=3)),
-        (500, 2_592_000_000, push_options(b"q", b"k", b"v", 500, 2_592_000_000, prio=3)),
+        (
+            500,
+            2_592_000_000,
+            push_options(b"q", b"k", b"v", ttl_ms=500, delay_ms=2_592_000_000, prio=3),
+        ),
     ],
 )
 def test_push_frame_is_a_70_unless_it_needs_a_71(ttl_ms: int, delay_ms: int, frame: bytes) -> None:

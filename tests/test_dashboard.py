@@ -32,7 +32,17 @@ from pinpriq.admin.stats import Sampler
 from pinpriq.display import escape
 from pinpriq.server import PinpriqServer
 from tests.conftest import StartServer
-from tests.rawpeer import READY, ack, lease_reply, pop, push, reserve, status, subscribe
+from tests.rawpeer import (
+    READY,
+    ack,
+    lease_reply,
+    pop,
+    push,
+    push_options,
+    reserve,
+    status,
+    subscribe,
+)
 from tests.test_admin import Admin, applied, start_admin
 from tests.test_load_shapes import wait_until
 from tests.test_store import FakeClock
@@ -369,6 +379,8 @@ async def test_a_queue_page_shows_its_figures_rates_and_next_packets(
         push(b"orders", b"k3", b"rider", prio=0),  # of k3's group: comes right after it
         push(b"orders", b"gone", b"", prio=1),
         push(odd, b"k", b"v"),
+        # Delayed (protocol 1.2): held, counted apart, in no queue yet, so never peeked.
+        push_options(b"orders", b"later", b"in an hour", delay_ms=3_600_000, prio=1),
     ]
     await applied(producer, b"".join(frames))
     assert await producer.request(pop(b"orders")) == [(b"gone", b"")]
@@ -379,7 +391,7 @@ async def test_a_queue_page_shows_its_figures_rates_and_next_packets(
     )
     await applied(subscriber, subscribe(b"orders"))  # no credit: nothing delivered
     clock.now += 10.0
-    sampler.tick()  # 6 pushed to orders in 10 s; 2 taken (a pop, a lease); 4 queued
+    sampler.tick()  # 7 pushed to orders in 10 s; 2 taken (a pop, a lease); 4 queued, 1 delayed
 
     browser = await start_browser(nursery)
     with trio.fail_after(BROWSER_TIMEOUT):
@@ -391,9 +403,10 @@ async def test_a_queue_page_shows_its_figures_rates_and_next_packets(
         assert await browser.text("#queue-name") == "orders"
         assert await browser.text("#q-leased") == "1"
         assert await browser.text("#q-subscribers") == "1"
-        assert await browser.text("#q-rates") == "0.6 / 0.2"
+        assert await browser.text("#q-rates") == "0.7 / 0.2"
         assert await browser.text("#q-rates-window") == "over the last 10 s"
-        assert await browser.evaluate("document.getElementById('q-delayed-card').hidden")
+        assert not await browser.evaluate("document.getElementById('q-delayed-card').hidden")
+        assert await browser.text("#q-delayed") == "1"
         assert (await browser.text("#q-oldest")).endswith(" s")
         assert await browser.evaluate(PRIO_ROWS) == {"0": "1", "1": "1", "2": "1", "3": "1"}
         assert await browser.evaluate(PACKET_ROWS) == [
@@ -482,7 +495,7 @@ async def test_a_move_through_the_queue_page_asks_where_then_asks_first(
         await browser.until("document.getElementById('q-packets').textContent === '0'")
         assert store.queue_info(b"jobs.dead").packets == 0
         # They joined jobs as pushes made now, in their old order: newer than what was there.
-        assert [p.key for p in store.peek(b"jobs", 10)] == [b"k2", b"k1", b"k0", b"waiting"]
+        assert [key for key, *_ in store.peek(b"jobs", 10)] == [b"k2", b"k1", b"k0", b"waiting"]
 
         # At most one packet, to a name that must be percent-encoded: the newest group goes.
         await browser.open(f"http://127.0.0.1:{admin.port}/#queue=jobs")
@@ -498,7 +511,7 @@ async def test_a_move_through_the_queue_page_asks_where_then_asks_first(
         await browser.answer(True)
         await browser.until(ANSWERED)
         assert await browser.text("#action-result") == "Moved 1 packets to a b/\u00e9&n=9."
-        assert [p.key for p in store.peek("a b/\u00e9&n=9".encode(), 10)] == [b"k2"]
+        assert [key for key, *_ in store.peek("a b/\u00e9&n=9".encode(), 10)] == [b"k2"]
 
         # What the server refuses is said beside the buttons, and nothing moves.
         await browser.click("#move")
@@ -507,7 +520,9 @@ async def test_a_move_through_the_queue_page_asks_where_then_asks_first(
         await browser.dialogs.receive()
         await browser.answer(True)
         await browser.until(ANSWERED)
-        assert (await browser.text("#action-result")).startswith("not done: ")
+        assert await browser.text("#action-result") == (
+            "not done: to= names the queue moved from, jobs: nothing to move"
+        )
         assert store.queue_info(b"jobs").packets == 3
 
 
