@@ -300,6 +300,8 @@ async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     odd = "<b>café</b>\\".encode() + b"\xff"  # markup, a backslash and a byte that is not UTF-8
     frames = [push(b"orders", b"k%d" % i, b"x" * 10, prio=1 + i % 3) for i in range(7)]
     frames += [push(b"orders", b"z", b"", prio=0), push(odd, b"k", b"v", prio=9)]
+    frames += [push_options(b"orders", b"soon", b"", delay_ms=3_600_000, prio=1)]
+    frames += [push_options(b"later", b"k", b"", delay_ms=3_600_000)]  # only delayed packets
     await applied(producer, b"".join(frames))
     await subscriber.send(subscribe(b"orders") + subscribe(b"empty") + READY)
     assert await subscriber.reply()  # one delivered: 7 left in orders
@@ -310,7 +312,7 @@ async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     assert await worker.receive_exactly(len(expected)) == expected
     await wait_until(lambda: admin.live.broker.subscriptions.subscriber_count == 1, "subscribed")
     clock.now += 2.0
-    sampler.tick()  # at 1002: 11 pushed, 1 delivered, 8 held, 2 leased (1 of them acked)
+    sampler.tick()  # at 1002: 13 pushed, 1 delivered, 10 held (2 delayed), 2 leased, 1 acked
 
     page = await render(f"http://127.0.0.1:{admin.port}/")
 
@@ -318,14 +320,16 @@ async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     assert page.by_id["connections"] == "3"
     assert page.by_id["leases"] == "1 / 1"
     assert page.by_id["subscribers"] == "1"
-    assert page.by_id["packets"] == "8"
-    assert page.by_id["queue-count"] == "2"
-    assert page.by_id["rates"] == "5.5 / 0.0"  # 11 pushes in the 2 s the test made
+    assert page.by_id["packets"] == "10"  # held: 2 of them delayed
+    assert page.by_id["queue-count"] == "3"  # later holds only a delayed packet
+    assert page.by_id["rates"] == "6.5 / 0.0"  # 13 pushes in the 2 s the test made
     assert page.by_id["memory"].endswith("of 1.0 GiB")
-    assert list(page.rows) == ["orders", escape(odd), "empty"]  # deepest first
+    assert list(page.rows) == ["orders", escape(odd), "later", "empty"]  # deepest first
     orders = page.rows["orders"]
     assert (orders["name"], orders["packets"], orders["subscribers"]) == ("orders", "7", "1")
-    assert (orders["pushed"], orders["popped"]) == ("4.0", "0.5")  # 8 pushed, 1 taken, in 2 s
+    assert orders["delayed"] == "1"  # held apart, not among its packets
+    assert (orders["pushed"], orders["popped"]) == ("4.5", "0.5")  # 9 pushed, 1 taken, in 2 s
+    assert (page.rows["later"]["packets"], page.rows["later"]["delayed"]) == ("0", "1")
     assert page.prios["orders"] == {"0": "1", "1": "2", "2": "2", "3": "2"}
     assert page.rows[escape(odd)]["name"] == "<b>café</b>\\\\\\xff"  # shown as text
     assert page.rows[escape(odd)]["popped"] == NO_FIGURE  # nobody looked at it before: no rates
@@ -333,9 +337,9 @@ async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     assert page.prios[escape(odd)] == {"9": "1"}
     assert page.rows["empty"]["packets"] == "0"
     assert page.chart["data-samples"] == "1"  # one second between the two ticks
-    # One point each, at 158 - value / top * 150: 8 packets of a top of 8; 5.5 pushes per
-    # second of a top of 5.5; 0.5 delivered per second.
-    assert page.lines == {"packets": "0.0,8.0", "pushed": "0.0,8.0", "popped": "0.0,144.4"}
+    # One point each, at 158 - value / top * 150: 10 packets of a top of 10; 6.5 pushes per
+    # second of a top of 6.5; 0.5 delivered per second.
+    assert page.lines == {"packets": "0.0,8.0", "pushed": "0.0,8.0", "popped": "0.0,146.5"}
     assert page.peers["127.0.0.1"] == {
         "address": "127.0.0.1",
         "connections": "3",
@@ -405,7 +409,6 @@ async def test_a_queue_page_shows_its_figures_rates_and_next_packets(
         assert await browser.text("#q-subscribers") == "1"
         assert await browser.text("#q-rates") == "0.7 / 0.2"
         assert await browser.text("#q-rates-window") == "over the last 10 s"
-        assert not await browser.evaluate("document.getElementById('q-delayed-card').hidden")
         assert await browser.text("#q-delayed") == "1"
         assert (await browser.text("#q-oldest")).endswith(" s")
         assert await browser.evaluate(PRIO_ROWS) == {"0": "1", "1": "1", "2": "1", "3": "1"}
