@@ -151,8 +151,9 @@ async def test_a_delayed_push_is_confirmed_held_and_queued_when_due(
     live: LiveServer, mock_clock: trio.testing.MockClock
 ) -> None:
     async with connect(live.port) as client:
-        await client.push("q", "later", "", delay_ms=60_000, ttl_ms=100_000, confirm=True)
-        assert live.store.queue_info(b"q").delayed == 1  # the confirm's sync: the server has it
+        await client.push("q", "later", "", delay_ms=60_000, ttl_ms=100_000)
+        await client.sync()
+        assert live.store.queue_info(b"q").delayed == 1  # the sync's answer: the server has it
         assert await client.pop("q") == []
         await trio.sleep(59.9)  # virtual time
         assert await client.pop("q") == []
