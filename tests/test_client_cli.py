@@ -331,6 +331,16 @@ def test_push_to_something_that_is_not_pinpriq_fails_loudly() -> None:
     assert stderr.count("\n") == 1
 
 
+def push_qkv(port: int, *options: str) -> subprocess.Popen[str]:
+    """``pinpriq push q k v OPTIONS`` to a port the test answers by hand; its stderr piped."""
+    return subprocess.Popen(
+        [PINPRIQ, "--port", str(port), "push", "q", "k", "v", *options],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(),
+    )
+
+
 def test_push_delay_and_ttl_take_units_and_a_bare_number_is_milliseconds() -> None:
     # The bytes the command sends, read by hand: 10s and 2h make a 71 (decision 21), then the
     # sync that confirms it; a bare --ttl 60000 with no delay stays the 1.0 push, 70.
@@ -345,12 +355,7 @@ def test_push_delay_and_ttl_take_units_and_a_bare_number_is_milliseconds() -> No
         port = listener.getsockname()[1]
         for options, header in sent.items():
             frame = header + b"\x00\x01\x00\x01kvq\x21"  # key k, payload v, queue q; sync
-            command = subprocess.Popen(
-                [PINPRIQ, "--port", str(port), "push", "q", "k", "v", *options],
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env(),
-            )
+            command = push_qkv(port, *options)
             conn, _ = listener.accept()
             with conn:
                 conn.settimeout(TIMEOUT)
@@ -367,12 +372,7 @@ def test_a_delayed_push_to_a_server_that_closes_on_it_says_it_may_not_speak_1_2(
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.settimeout(TIMEOUT)
         port = listener.getsockname()[1]
-        command = subprocess.Popen(
-            [PINPRIQ, "--port", str(port), "push", "q", "k", "v", "--delay", "10s"],
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env(),
-        )
+        command = push_qkv(port, "--delay", "10s")
         conn, _ = listener.accept()
         with conn:
             conn.settimeout(TIMEOUT)
