@@ -56,8 +56,9 @@ The token is the one in {URL_VARIABLE} (pinpriq://:TOKEN@HOST:PORT), else {TOKEN
 pinpriqs://HOST:PORT, --tls or --tls-ca speak TLS.
 
 `push` waits until the server confirms it has the packet (a protocol 1.1 sync), so exit status
-0 means the packet is queued. Output is one line per packet, KEY<tab>PAYLOAD, with backslash
-escapes for bytes that are not printable text. With --json, each line is a JSON object
+0 means the packet is queued (with --delay: held, and queued when due; a delay, or a --ttl above
+65535 ms, needs a protocol 1.2 server). Output is one line per packet, KEY<tab>PAYLOAD, with
+backslash escapes for bytes that are not printable text. With --json, each line is a JSON object
 {{"key": ..., "payload": ...}} whose values are strings when the bytes are UTF-8, else
 {{"base64": "..."}}. Popping an empty queue prints nothing and exits 0. Exit status: 0 done,
 1 server unreachable, connection lost, or no answer within --timeout, 2 bad arguments,
