@@ -6,6 +6,7 @@ depend on what else the machine is doing.
     python benchmarks/server_instructions.py -t push -n 64000 --runs 3
     python benchmarks/server_instructions.py --fsync everysec      # with --data-dir (a log)
     python benchmarks/server_instructions.py -P 1 -n 8000          # a round trip per request
+    python benchmarks/server_instructions.py -t push --ttl 65536   # pushes as 71 frames
 
 Each measurement starts ``pinpriq-server`` under ``valgrind --tool=callgrind``, drives it with
 ``pinpriq-bench`` (4 client processes, pipeline 64 or ``-P``, 8-byte keys, 16-byte payloads,
@@ -13,6 +14,10 @@ prio 1..255, as ``compare_redis.py``), stops it with SIGTERM and reads the instr
 valgrind prints. It does so for N and for 2N operations and divides the difference by N, so
 start-up, imports and shutdown cancel out. Pop scenarios push their packets first, so "pop" is
 a push and a pop.
+
+With ``--ttl MS`` every push carries that TTL. A TTL above 65,535 ms does not fit a ``70``, so
+the bench sends each push as a ``71`` with delay 0 (protocol 1.2): ``--ttl 65536`` against
+``--ttl 65535`` is what a ``71`` costs against a ``70``, the TTL's own cost being the same.
 
 With ``--fsync POLICY`` each server runs with ``--data-dir`` on a fresh temporary directory and
 that policy, so the figure includes logging every push and pop (fsyncs themselves are the
@@ -46,11 +51,16 @@ LISTENING = re.compile(rb"listening on \S+ port (\d+)")
 
 
 def server_instructions(
-    checkout: Path, scenario: str, ops: int, fsync: str | None = None, pipeline: int = 64
+    checkout: Path,
+    scenario: str,
+    ops: int,
+    fsync: str | None = None,
+    pipeline: int = 64,
+    ttl_ms: int = 0,
 ) -> int:
     """Instructions of one server process serving ``ops`` operations of ``scenario`` at
-    ``pipeline`` requests in flight per connection; with a log on a fresh directory if
-    ``fsync`` names a policy."""
+    ``pipeline`` requests in flight per connection, pushes with TTL ``ttl_ms``; with a log on
+    a fresh directory if ``fsync`` names a policy."""
     valgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     with tempfile.TemporaryFile() as log, tempfile.TemporaryDirectory() as data:
         command = [str(checkout / ".venv" / "bin" / "pinpriq-server"), "--port", "0"]
@@ -64,6 +74,7 @@ def server_instructions(
         try:
             port = _port(log, server)
             bench = [str(BENCH), "--port", str(port), "-q", "--json", "-t", scenario]
+            bench += ["--ttl", str(ttl_ms)] if ttl_ms else []
             subprocess.run(
                 [*bench, "-n", str(ops), "--timeout", "600", "-P", str(pipeline), *WORKLOAD],
                 check=True,
@@ -103,12 +114,17 @@ def _port(log: IO[bytes], server: subprocess.Popen[bytes]) -> int:
 
 
 def per_op(
-    checkout: Path, scenario: str, ops: int, fsync: str | None = None, pipeline: int = 64
+    checkout: Path,
+    scenario: str,
+    ops: int,
+    fsync: str | None = None,
+    pipeline: int = 64,
+    ttl_ms: int = 0,
 ) -> float:
     """Instructions per operation: the difference between 2N and N operations, over N."""
     return (
-        server_instructions(checkout, scenario, 2 * ops, fsync, pipeline)
-        - server_instructions(checkout, scenario, ops, fsync, pipeline)
+        server_instructions(checkout, scenario, 2 * ops, fsync, pipeline, ttl_ms)
+        - server_instructions(checkout, scenario, ops, fsync, pipeline, ttl_ms)
     ) / ops
 
 
@@ -122,6 +138,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1, help="repeat, report the median")
     parser.add_argument("--compare", type=Path, help="another checkout, with its own .venv")
     parser.add_argument(
+        "--ttl",
+        type=int,
+        default=0,
+        metavar="MS",
+        help="every push's TTL; above 65535 pushes are 71 frames (default: 0, 70 frames)",
+    )
+    parser.add_argument(
         "--fsync",
         choices=["always", "everysec", "no"],
         help="run the servers with --data-dir (fresh) and this policy (default: memory only)",
@@ -134,7 +157,7 @@ def main() -> None:
         figures = []
         for checkout in checkouts:
             runs = [
-                per_op(checkout, scenario, args.ops, args.fsync, args.pipeline)
+                per_op(checkout, scenario, args.ops, args.fsync, args.pipeline, args.ttl)
                 for _ in range(args.runs)
             ]
             figures.append(statistics.median(runs))

@@ -18,6 +18,9 @@ Theory of operation.
   means the peer is not a pinpriq 1.1 server, and is reported at its first two bytes. So must
   an auth, the first request on a connection to a server with a token (decision 12); a server
   that refuses the token closes the connection instead, which the error then says.
+* **Protocol 1.2**: a push with a delay or a long TTL goes out as a ``71``, which an older
+  server answers by closing the connection. Until a reply to a later request shows that the
+  server read it, a close says that it may not speak 1.2 (``Exchange.sending``).
 * **Credits**: a subscription grants ``prefetch`` credits up front and returns one each time the
   caller comes back for the next delivery (``Credits``), so at most ``prefetch`` deliveries are
   ever taken from the server and not yet finished, the one in hand included.
@@ -86,6 +89,8 @@ Queues = Data | Sequence[Data]
 #: How a failed TLS handshake starts its message, after "cannot connect to HOST:PORT: ".
 TLS_HANDSHAKE_FAILED = "TLS handshake failed"
 
+#: What sends a push with options (71), for errors from a server that may not take one.
+_NEEDS_1_2 = "a push with a delay or a TTL above 65,535 ms needs"
 _SYNC = wire.encode(wire.SYNC)
 _READY = wire.encode(wire.READY)
 
@@ -105,15 +110,19 @@ def as_bytes(field: str, value: Data) -> bytes:
     raise ArgumentTypeError(f"{field} must be bytes or str, not {type(value).__name__}")
 
 
-def check_int(field: str, value: object, low: int, high: int | None = None) -> int:
-    """``value`` if it is an integer in ``low..high`` (no upper bound if ``high`` is None)."""
+def check_int(
+    field: str, value: object, low: int, high: int | None = None, high_means: str = ""
+) -> int:
+    """``value`` if it is an integer in ``low..high`` (no upper bound if ``high`` is None);
+    ``high_means`` says what ``high`` is in words (``30 days``), for the error."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise ArgumentTypeError(f"{field} must be an integer, not {type(value).__name__} {value!r}")
     if high is None:
         if value < low:
             raise ArgumentError(f"{field} must be at least {low}, not {value}")
     elif not low <= value <= high:
-        raise ArgumentError(f"{field} must be in {low}..{high}, not {value}")
+        said = f" ({high_means})" if high_means else ""
+        raise ArgumentError(f"{field} must be in {low}..{high}{said}, not {value}")
     return value
 
 
@@ -136,16 +145,29 @@ def check_address(host: object, port: object) -> tuple[str, int]:
 
 
 def push_frame(
-    queue: Data, key: Data, payload: Data, ttl_ms: object, prio: object, *, confirm: bool = False
+    queue: Data,
+    key: Data,
+    payload: Data,
+    ttl_ms: object,
+    prio: object,
+    *,
+    delay_ms: object = 0,
+    confirm: bool = False,
 ) -> bytes:
-    """The bytes of a push, followed by a sync if ``confirm``."""
-    push = wire.Push(
+    """The bytes of a push, followed by a sync if ``confirm``.
+
+    A push that protocol 1.0 can say (no delay, a TTL of at most 65,535 ms) is a ``70``, which
+    every server takes; a longer TTL or a delay makes it a push with options (``71``, protocol
+    1.2), which an older server refuses by closing the connection."""
+    fields = (
         as_bytes("queue", queue),
         as_bytes("key", key),
         as_bytes("payload", payload),
         check_int("ttl_ms", ttl_ms, 0, wire.MAX_TTL_MS),
         check_int("prio", prio, 0, wire.MAX_PRIO),
     )
+    delay = check_int("delay_ms", delay_ms, 0, wire.MAX_DELAY_MS, "30 days")
+    push = wire.DelayedPush(*fields, delay) if delay else wire.Push(*fields)
     return wire.encode(push) + _SYNC if confirm else wire.encode(push)
 
 
@@ -279,12 +301,31 @@ class Exchange:
         self._waiting: deque[Slot] = deque()
         #: Whether any byte has come from the server; the client's I/O layer sets it.
         self.received_any = False
+        #: Whether a push with options (71) went out that the server may not have read: no
+        #: reply to a request sent after it has come. An older server closes on it.
+        self._options_unproven = False
+        self._options_proof: Slot | None = None  # the first request sent after it
+
+    def sending(self, frame: bytes) -> None:
+        """A frame is about to be sent (before its slot, if it has one, is filed)."""
+        if frame[0] == wire.Opcode.PUSH_OPTIONS:
+            self._options_unproven = True
+            self._options_proof = None  # a request sent before this 71 proves nothing of it
 
     def expect(self, what: Expect, lease_id: int = 0) -> Slot:
         """A request was (or is about to be) sent: its reply will fill the returned slot."""
         slot = Slot(what, lease_id)
         self._waiting.append(slot)
+        if self._options_unproven and self._options_proof is None:
+            self._options_proof = slot
         return slot
+
+    def _filled(self, reply: list[Packet] | LeaseReply) -> None:
+        slot = self._waiting.popleft()
+        slot.reply = reply
+        if slot is self._options_proof:  # replies come in order: the server read the 71
+            self._options_unproven = False
+            self._options_proof = None
 
     def feed(self, data: bytes) -> None:
         """Bytes from the server: fill the oldest slots with the replies they complete.
@@ -303,7 +344,7 @@ class Exchange:
                     return
                 if head.expect is Expect.STATUS:
                     check_status(self, lease, head.lease_id)
-                self._waiting.popleft().reply = lease
+                self._filled(lease)
                 continue
             reply = decoder.next_reply()
             if reply is None:
@@ -314,7 +355,7 @@ class Exchange:
                 raise self.error(f"{self.address} sent a reply nobody asked for")
             if head.expect is not Expect.PACKETS:
                 self._check_sync(len(reply))
-            self._waiting.popleft().reply = reply
+            self._filled(reply)
 
     def _check_sync(self, count: int) -> None:
         if count:
@@ -349,8 +390,13 @@ class Exchange:
             )
             if any(slot.expect is Expect.NOTHING for slot in self._waiting):
                 why += ", or not speak protocol 1.1, which sync needs"
+            if self._options_unproven:
+                why += f", or not speak protocol 1.2, which {_NEEDS_1_2}"
             return f"{self.address}: {why})"
-        return f"connection to {self.address} was closed by the server"
+        closed = f"connection to {self.address} was closed by the server"
+        if self._options_unproven:
+            closed += f" (it may not speak protocol 1.2, which {_NEEDS_1_2})"
+        return closed
 
     def _closed_before_judging(self) -> str:
         causes = "be at its connection limit, refuse clients from other hosts, or speak protocol "

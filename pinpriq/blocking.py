@@ -284,15 +284,18 @@ class BlockingPinpriqClient:
         *,
         ttl_ms: int = 0,
         prio: int = 1,
+        delay_ms: int = 0,
         confirm: bool = False,
     ) -> None:
-        """Queue ``payload`` under ``key`` (see ``PinpriqClient.push``); with ``confirm=True``,
-        return once the server has applied it."""
-        frame = push_frame(queue, key, payload, ttl_ms, prio, confirm=confirm)
+        """Queue ``payload`` under ``key`` (see ``PinpriqClient.push``: a delay or a TTL above
+        65,535 ms needs protocol 1.2); with ``confirm=True``, return once the server has
+        applied it."""
+        frame = push_frame(queue, key, payload, ttl_ms, prio, delay_ms=delay_ms, confirm=confirm)
         if confirm:
             self._request(frame, Expect.NOTHING, "push to")
         else:
             with self._lock:
+                self._link.exchange.sending(frame)
                 self._link.send(frame, self._link.deadline(), "push to")
 
     def pop(self, queue: Data) -> list[Packet]:
@@ -417,6 +420,7 @@ class BlockingPinpriqClient:
         link = self._link
         with self._lock:
             deadline = link.deadline()
+            link.exchange.sending(frame)
             slot = link.exchange.expect(expect, lease_id)
             link.send(frame, deadline, what)
             while slot.reply is None:

@@ -261,17 +261,22 @@ class PinpriqClient:
         *,
         ttl_ms: int = 0,
         prio: int = 1,
+        delay_ms: int = 0,
         confirm: bool = False,
     ) -> None:
         """Queue ``payload`` under ``key``.
 
         ``prio`` 1 is the highest, 255 the lowest; 0 is never popped on its own but leaves with
-        the next popped packet of the same key. ``ttl_ms`` 0 means the packet never expires.
+        the next popped packet of the same key. ``ttl_ms`` 0 means the packet never expires;
+        otherwise up to 4,294,967,295 (about 49.7 days). ``delay_ms`` (up to 2,592,000,000,
+        30 days) holds the packet out of its queue until then; its TTL counts from when it is
+        due. A TTL above 65,535 ms or a delay needs a server speaking protocol 1.2 (an older
+        one closes the connection); any other push is the 1.0 frame every server takes.
         The server does not answer a push: without ``confirm`` this returns once the frame is
         sent. With ``confirm=True`` a sync follows it, and this returns once the server has
         applied the push (and stored it, on a server that persists packets).
         """
-        frame = push_frame(queue, key, payload, ttl_ms, prio, confirm=confirm)
+        frame = push_frame(queue, key, payload, ttl_ms, prio, delay_ms=delay_ms, confirm=confirm)
         with self._link.time_limit("push to"):
             if confirm:
                 await self._wait_for(await self._send(frame, Expect.NOTHING))
@@ -441,6 +446,7 @@ class PinpriqClient:
             # Raise a pending cancellation here, where nothing has been sent yet, rather than
             # inside send_all, where part of the frame may already be on its way.
             await trio.lowlevel.checkpoint_if_cancelled()
+            self._link.exchange.sending(frame)
             slot = None if expect is None else self._link.exchange.expect(expect, lease_id)
             try:
                 await self._link.send(frame)

@@ -78,7 +78,7 @@ class PackedStore(_Base):  # type: ignore[misc]
         facts = self._facts(queue)
         if facts is None:
             return QueueInfo(0, 0, {}, None, None)
-        packets, held, by_priority, oldest_seq, next_deadline, _delayed = facts
+        packets, held, by_priority, oldest_seq, next_deadline, delayed = facts
         now = self.now()
         return QueueInfo(
             packets,
@@ -86,6 +86,7 @@ class PackedStore(_Base):  # type: ignore[misc]
             by_priority,
             None if oldest_seq is None else age(self._time_notes, oldest_seq, now),
             None if next_deadline is None else max(0.0, next_deadline - now),
+            delayed,
         )
 
 

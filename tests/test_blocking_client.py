@@ -31,6 +31,7 @@ from tests.rawpeer import (
     leased_subscribe,
     pop,
     push,
+    push_options,
     reply,
     status,
     subscribe,
@@ -314,7 +315,9 @@ TOO_LONG = b"x" * 65536
         ({"queue": TOO_LONG}, "queue"),
         ({"key": TOO_LONG}, "key"),
         ({"payload": TOO_LONG}, "payload"),
-        ({"ttl_ms": 65536}, "ttl_ms"),
+        ({"ttl_ms": 1 << 32}, "ttl_ms"),
+        ({"delay_ms": 2_592_000_001}, "delay_ms"),
+        ({"delay_ms": -1}, "delay_ms"),
         ({"prio": 256}, "prio"),
         ({"prio": -1}, "prio"),
     ],
@@ -332,6 +335,26 @@ def test_bad_arguments_raise_before_sending(
             client.subscribe("q", prefetch=0)
         client.push("q", "k", "p")
         assert receive_exactly(server, 13) == push(b"q", b"k", b"p")
+
+
+def test_a_delayed_push_is_confirmed_and_held_out_of_its_queue(live: ThreadServer) -> None:
+    with connect(live.port) as client:
+        client.push("q", "later", "", delay_ms=3_600_000, confirm=True)
+        assert live.call(lambda: live.server.broker.store.queue_info(b"q").delayed) == 1
+        assert client.pop("q") == []
+
+
+def test_a_push_is_a_70_unless_its_ttl_or_delay_needs_a_71(fake: socket.socket) -> None:
+    with connect(port_of(fake)) as client, accept(fake) as server:
+        client.push("q", "k", "p", ttl_ms=60_000, prio=2)
+        client.push("q", "k", "p", ttl_ms=7_200_000)
+        client.push("q", "k", "p", ttl_ms=500, delay_ms=10_000, prio=3)
+        expected = (
+            push(b"q", b"k", b"p", 60_000, prio=2)
+            + push_options(b"q", b"k", b"p", ttl_ms=7_200_000)
+            + push_options(b"q", b"k", b"p", ttl_ms=500, delay_ms=10_000, prio=3)
+        )
+        assert receive_exactly(server, len(expected)) == expected
 
 
 def test_refused_connection_names_the_address() -> None:

@@ -19,7 +19,18 @@ from pinpriq import Packet, PinpriqClient, PinpriqConnectionError, PinpriqError
 from pinpriq.client import Lease
 from pinpriq.server import PinpriqServer
 from tests.conftest import LiveServer, StartServer
-from tests.rawpeer import READY, Peer, lease_reply, pop, push, reply, reserve, status, subscribe
+from tests.rawpeer import (
+    READY,
+    Peer,
+    lease_reply,
+    pop,
+    push,
+    push_options,
+    reply,
+    reserve,
+    status,
+    subscribe,
+)
 
 TIMEOUT = 10
 
@@ -121,6 +132,49 @@ async def test_ttl_ms_expires_on_the_servers_clock(
         await trio.sleep(0.2)  # virtual time
         assert await client.pop("q") == [Packet(b"forever", b"")]
         assert await client.pop("q") == []
+
+
+async def test_a_ttl_beyond_protocol_1_0_counts_on_the_servers_clock(
+    live: LiveServer, mock_clock: trio.testing.MockClock
+) -> None:
+    two_hours = 7_200_000  # more than a 70's u16 can say: the client sends a 71
+    async with connect(live.port) as client:
+        await client.push("q", "long", "", ttl_ms=two_hours, confirm=True)
+        await trio.sleep(two_hours / 1000 - 1)  # virtual time
+        assert await client.pop("q") == [Packet(b"long", b"")]
+        await client.push("q", "long", "", ttl_ms=two_hours, confirm=True)
+        await trio.sleep(two_hours / 1000 + 1)
+        assert await client.pop("q") == []
+
+
+async def test_a_delayed_push_is_confirmed_held_and_queued_when_due(
+    live: LiveServer, mock_clock: trio.testing.MockClock
+) -> None:
+    async with connect(live.port) as client:
+        await client.push("q", "later", "", delay_ms=60_000, ttl_ms=100_000)
+        await client.sync()
+        assert live.store.queue_info(b"q").delayed == 1  # the sync's answer: the server has it
+        assert await client.pop("q") == []
+        await trio.sleep(59.9)  # virtual time
+        assert await client.pop("q") == []
+        await trio.sleep(0.2)
+        assert live.store.queue_info(b"q").packets == 1
+        await trio.sleep(99.8)  # its TTL counts from when it was due
+        assert await client.pop("q") == [Packet(b"later", b"")]
+
+
+async def test_a_push_is_a_70_unless_its_ttl_or_delay_needs_a_71(fake: FakeServer) -> None:
+    async with connect(fake.port) as client:
+        server = await fake.accept()
+        await client.push("q", "k", "p", ttl_ms=60_000, prio=2)
+        await client.push("q", "k", "p", ttl_ms=7_200_000)
+        await client.push("q", "k", "p", ttl_ms=500, delay_ms=10_000, prio=3)
+        expected = (
+            push(b"q", b"k", b"p", 60_000, prio=2)
+            + push_options(b"q", b"k", b"p", ttl_ms=7_200_000)
+            + push_options(b"q", b"k", b"p", ttl_ms=500, delay_ms=10_000, prio=3)
+        )
+        assert await server.receive_exactly(len(expected)) == expected
 
 
 async def test_largest_fields_round_trip(live: LiveServer) -> None:
@@ -313,8 +367,10 @@ TOO_LONG = b"x" * 65536
         ({"queue": TOO_LONG}, "queue"),
         ({"key": TOO_LONG}, "key"),
         ({"payload": "\u00e9" * 32768}, "payload"),  # 65,536 bytes of UTF-8
-        ({"ttl_ms": 65536}, "ttl_ms"),
+        ({"ttl_ms": 1 << 32}, "ttl_ms"),
         ({"ttl_ms": -1}, "ttl_ms"),
+        ({"delay_ms": 2_592_000_001}, "delay_ms"),
+        ({"delay_ms": -1}, "delay_ms"),
         ({"prio": 256}, "prio"),
         ({"prio": -1}, "prio"),
         ({"key": "\udcff"}, "key"),  # a lone surrogate has no UTF-8

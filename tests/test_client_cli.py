@@ -10,6 +10,7 @@ import re
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -133,6 +134,16 @@ def test_json_output_parses_and_marks_base64(port: int) -> None:
     ]
 
 
+def test_a_ttl_in_hours_is_a_push_the_server_takes(port: int) -> None:
+    assert ok(port, "push", "hours", "k", "v", "--ttl", "2h") == ""  # a 71: protocol 1.2
+    assert ok(port, "pop", "hours") == "k\tv\n"
+
+
+def test_a_delayed_push_is_stored_and_not_popped_before_it_is_due(port: int) -> None:
+    assert ok(port, "push", "later", "k", "v", "--delay", "1h", "--ttl", "2h") == ""
+    assert ok(port, "pop", "later") == ""  # in no queue for an hour
+
+
 def test_pop_of_an_empty_queue_prints_nothing(port: int) -> None:
     assert ok(port, "pop", "nothing-here") == ""
 
@@ -220,7 +231,17 @@ def test_refused_connection_is_one_line_and_exit_1() -> None:
     ("args", "message"),
     [
         (["push", "q", "k", "v", "--prio", "256"], "argument --prio: 256 is not in 0..255"),
-        (["push", "q", "k", "v", "--ttl", "-1"], "argument --ttl: -1 is not in 0..65535"),
+        (["push", "q", "k", "v", "--ttl", "-1"], "argument --ttl: invalid duration '-1': use e.g."),
+        (
+            ["push", "q", "k", "v", "--ttl", "50d"],
+            "argument --ttl: 50d is more than about 49.7 days (4294967295 ms)",
+        ),
+        (
+            ["push", "q", "k", "v", "--delay", "31d"],
+            "argument --delay: 31d is more than 30 days (2592000000 ms)",
+        ),
+        (["push", "q", "k", "v", "--delay", "10x"], "argument --delay: invalid duration '10x'"),
+        (["push", "q", "k", "v", "--delay", "1.5ms"], "1.5ms is not a whole number of millis"),
         (["subscribe", "q", "--prefetch", "0"], "argument --prefetch: 0 is not in 1..65535"),
         (["subscribe"], "the following arguments are required: QUEUE"),
         (["pop", "q", "--timeout", "0"], "argument --timeout: 0 is not a positive number"),
@@ -307,6 +328,60 @@ def test_push_to_something_that_is_not_pinpriq_fails_loudly() -> None:
             _, stderr = command.communicate(timeout=TIMEOUT)
     assert command.returncode == 1
     assert "answered a sync with 2d 45 instead of 00 00" in stderr
+    assert stderr.count("\n") == 1
+
+
+def push_qkv(port: int, *options: str) -> subprocess.Popen[str]:
+    """``pinpriq push q k v OPTIONS`` to a port the test answers by hand; its stderr piped."""
+    return subprocess.Popen(
+        [PINPRIQ, "--port", str(port), "push", "q", "k", "v", *options],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(),
+    )
+
+
+def test_push_delay_and_ttl_take_units_and_a_bare_number_is_milliseconds() -> None:
+    # The bytes the command sends, read by hand: 10s and 2h make a 71 (decision 21), then the
+    # sync that confirms it; a bare --ttl 60000 with no delay stays the 1.0 push, 70.
+    ttl_2h, delay_10s = struct.pack(">I", 7_200_000), struct.pack(">I", 10_000)
+    sent = {
+        ("--delay", "10s", "--ttl", "2h"): b"\x71\x00\x01" + ttl_2h + delay_10s + b"\x01",
+        ("--ttl", "60000"): b"\x70\x00\x01\xea\x60\x01",
+        ("--delay", "1.5m", "--ttl", "0"): b"\x71\x00\x01" + bytes(4) + b"\x00\x01\x5f\x90\x01",
+    }
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(TIMEOUT)
+        port = listener.getsockname()[1]
+        for options, header in sent.items():
+            frame = header + b"\x00\x01\x00\x01kvq\x21"  # key k, payload v, queue q; sync
+            command = push_qkv(port, *options)
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(TIMEOUT)
+                received = b""
+                while len(received) < len(frame) and (chunk := conn.recv(4096)):
+                    received += chunk
+                conn.sendall(b"\x00\x00")  # the sync's answer: exit 0 means stored
+                _, stderr = command.communicate(timeout=TIMEOUT)
+            assert (received, command.returncode, stderr) == (frame, 0, ""), options
+
+
+def test_a_delayed_push_to_a_server_that_closes_on_it_says_it_may_not_speak_1_2() -> None:
+    # What a 1.0 or 1.1 server does with a 71: an unknown opcode, so it closes the connection.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(TIMEOUT)
+        port = listener.getsockname()[1]
+        command = push_qkv(port, "--delay", "10s")
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(TIMEOUT)
+            assert conn.recv(1) == b"\x71"
+        _, stderr = command.communicate(timeout=TIMEOUT)
+    assert command.returncode == 1
+    assert stderr.endswith(
+        ", or not speak protocol 1.2, which a push with a delay or a TTL above 65,535 ms needs)\n"
+    )
     assert stderr.count("\n") == 1
 
 

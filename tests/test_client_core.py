@@ -31,7 +31,16 @@ from pinpriq._client_core import (
     touch_frame,
 )
 from pinpriq.wire import LeaseReply, Packet
-from tests.rawpeer import READY, lease_reply, leased_subscribe, push, reply, status, subscribe
+from tests.rawpeer import (
+    READY,
+    lease_reply,
+    leased_subscribe,
+    push,
+    push_options,
+    reply,
+    status,
+    subscribe,
+)
 
 
 def exchange(opened_at: float = 100.0) -> Exchange:
@@ -48,16 +57,24 @@ def exchange(opened_at: float = 100.0) -> Exchange:
         ({"ttl_ms": "5"}, ArgumentTypeError, "ttl_ms must be an integer, not str '5'"),
         ({"prio": None}, ArgumentTypeError, "prio must be an integer, not NoneType None"),
         ({"prio": True}, ArgumentTypeError, "prio must be an integer, not bool True"),
-        ({"ttl_ms": 65536}, ArgumentError, "ttl_ms must be in 0..65535, not 65536"),
+        ({"ttl_ms": 1 << 32}, ArgumentError, "ttl_ms must be in 0..4294967295, not 4294967296"),
         ({"prio": -1}, ArgumentError, "prio must be in 0..255, not -1"),
         ({"key": 7}, ArgumentTypeError, "key must be bytes or str, not int"),
         ({"payload": b"x" * 65536}, ArgumentError, "payload is 65536 bytes; the most is 65535"),
+        ({"delay_ms": -1}, ArgumentError, "delay_ms must be in 0..2592000000 (30 days), not -1"),
+        (
+            {"delay_ms": 2_592_000_001},
+            ArgumentError,
+            "delay_ms must be in 0..2592000000 (30 days), not 2592000001",
+        ),
+        ({"delay_ms": 1.5}, ArgumentTypeError, "delay_ms must be an integer, not float 1.5"),
+        ({"delay_ms": None}, ArgumentTypeError, "delay_ms must be an integer, not NoneType None"),
     ],
 )
 def test_push_arguments_name_the_field(
     kwargs: dict[str, object], error: type[Exception], message: str
 ) -> None:
-    args: dict[str, object] = {"ttl_ms": 0, "prio": 1, **kwargs}
+    args: dict[str, object] = {"ttl_ms": 0, "prio": 1, "delay_ms": 0, **kwargs}
     with pytest.raises(error) as info:
         push_frame(
             args.get("queue", "q"),  # type: ignore[arg-type]
@@ -65,6 +82,7 @@ def test_push_arguments_name_the_field(
             args.get("payload", "p"),  # type: ignore[arg-type]
             args["ttl_ms"],
             args["prio"],
+            delay_ms=args["delay_ms"],
         )
     assert str(info.value) == message
     # Each is also the built-in a caller would catch, and a PinpriqError.
@@ -75,6 +93,28 @@ def test_push_arguments_name_the_field(
 def test_push_frame_with_confirm_ends_with_a_sync() -> None:
     assert push_frame("q", "k", "v", 0, 1) == push(b"q", b"k", b"v")
     assert push_frame("q", "k", "v", 0, 1, confirm=True) == push(b"q", b"k", b"v") + b"\x21"
+
+
+@pytest.mark.parametrize(
+    ("ttl_ms", "delay_ms", "frame"),
+    [
+        # What protocol 1.0 can say stays a 70, so it works against an older server.
+        (0, 0, push(b"q", b"k", b"v", prio=3)),
+        (65_535, 0, push(b"q", b"k", b"v", 65_535, prio=3)),
+        # A longer TTL or any delay needs the 71 (decision 21).
+        (65_536, 0, push_options(b"q", b"k", b"v", ttl_ms=65_536, prio=3)),
+        (0xFFFF_FFFF, 0, push_options(b"q", b"k", b"v", ttl_ms=0xFFFF_FFFF, prio=3)),
+        (0, 1, push_options(b"q", b"k", b"v", delay_ms=1, prio=3)),
+        (
+            500,
+            2_592_000_000,
+            push_options(b"q", b"k", b"v", ttl_ms=500, delay_ms=2_592_000_000, prio=3),
+        ),
+    ],
+)
+def test_push_frame_is_a_70_unless_it_needs_a_71(ttl_ms: int, delay_ms: int, frame: bytes) -> None:
+    assert push_frame("q", "k", "v", ttl_ms, 3, delay_ms=delay_ms) == frame
+    assert push_frame("q", "k", "v", ttl_ms, 3, delay_ms=delay_ms, confirm=True) == frame + b"\x21"
 
 
 @pytest.mark.parametrize(
@@ -184,6 +224,42 @@ def test_a_close_at_once_with_nothing_received_reads_as_a_refusal() -> None:
     ex.received_any = True
     assert "at once" not in ex.closed_by_server(100.5)
     assert "broke: reset" in str(ex.broken(100.5, OSError("reset")))
+
+
+NOT_1_2 = "not speak protocol 1.2, which a push with a delay or a TTL above 65,535 ms needs"
+
+
+def test_a_close_after_a_71_says_the_server_may_not_speak_1_2_until_a_later_reply_comes() -> None:
+    ex = exchange(opened_at=100.0)
+    ex.expect(Expect.PACKETS)  # a pop sent before the 71: its reply proves nothing about it
+    ex.sending(push_frame("q", "k", "v", 70_000, 1))
+    ex.sending(push(b"q", b"k", b"v"))  # a 70 after it changes nothing
+    ex.expect(Expect.NOTHING)  # a sync after the 71
+    assert ex.closed_by_server(100.5).endswith(f", or {NOT_1_2})")
+    ex.received_any = True
+    assert ex.closed_by_server(100.5) == (
+        f"connection to 127.0.0.1:7000 was closed by the server (it may {NOT_1_2})"
+    )
+    ex.feed(reply())  # the pop's reply
+    assert NOT_1_2 in ex.closed_by_server(100.5)
+    ex.feed(reply())  # the sync's: the server read the 71
+    assert ex.closed_by_server(100.5) == "connection to 127.0.0.1:7000 was closed by the server"
+    # A second 71 after a request still unanswered: only a request sent after it proves it.
+    ex.sending(push_frame("q", "k", "v", 0, 1, delay_ms=5))
+    ex.expect(Expect.NOTHING)
+    ex.sending(push_frame("q", "k", "v", 0, 1, delay_ms=5))
+    ex.feed(reply())
+    assert NOT_1_2 in ex.closed_by_server(100.5)
+    ex.expect(Expect.NOTHING)
+    ex.feed(reply())
+    assert NOT_1_2 not in ex.closed_by_server(100.5)
+
+
+def test_a_close_after_only_70s_says_nothing_of_protocol_1_2() -> None:
+    ex = exchange(opened_at=100.0)
+    ex.sending(push_frame("q", "k", "v", 65_535, 1))
+    ex.expect(Expect.NOTHING)
+    assert "1.2" not in ex.closed_by_server(100.5)
 
 
 # -- credits ----------------------------------------------------------------------------------

@@ -257,6 +257,45 @@ class FreshTtlOnReturn(QueueStore):
         return packet if packet is not None and packet[DEADLINE] == entry[0] else None
 
 
+class DelayIgnored(QueueStore):
+    def push_delayed(
+        self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int, delay_ms: int
+    ) -> float:
+        return self.push(queue, key, payload, ttl_ms, prio)
+
+
+class TtlFromThePush(QueueStore):
+    """Counts a delayed packet's TTL from its push, not from when it is due."""
+
+    def push_delayed(
+        self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int, delay_ms: int
+    ) -> float:
+        ttl_ms = max(ttl_ms - delay_ms, 1) if ttl_ms else 0  # deadline: due + TTL - delay
+        return super().push_delayed(queue, key, payload, ttl_ms, prio, delay_ms)
+
+
+class NewestWhenDue(QueueStore):
+    """Files a delayed packet under a new number when it is due, as a push made then."""
+
+    def _arrive(self, queue: bytes, packet: QueuedPacket, now: float) -> bool:
+        # (Private.) Renumbered where the store keeps it, then let in as usual.
+        self._seq += 1
+        self._skipped += 1
+        renumbered = (*packet[:SEQ], self._seq, *packet[SEQ + 1 :])
+        waiting = self._delayed[queue]
+        del waiting.packets[packet[SEQ]]
+        waiting.packets[self._seq] = renumbered  # type: ignore[assignment]
+        return super()._arrive(queue, renumbered, now)  # type: ignore[arg-type]
+
+
+class ArrivalsOfferedToNobody(QueueStore):
+    """Packets that fall due wait in their queue until something else wakes the subscribers."""
+
+    def take_arrived(self) -> list[bytes]:
+        super().take_arrived()
+        return []
+
+
 # -- wrong variants: leases -------------------------------------------------------------------
 
 
@@ -464,6 +503,8 @@ class QueuesInNameOrder(Subscriptions):
 # finds frame boundaries with its own few lines, from the protocol's layouts.
 
 _PUSH_HEADER = struct.Struct(">HHBHH")  # after the opcode: queue_len, ttl, prio, key/payload_len
+_OPTIONS_HEADER = struct.Struct(">HIIBHH")  # a 71's: queue_len, ttl, delay, prio, key/payload_len
+_MAX_DELAY_MS = 2_592_000_000
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 _FIXED_SIZES = {0x4B: 9, 0x4E: 13, 0x54: 13}  # ack, release, touch: their whole length
@@ -491,6 +532,11 @@ def frame_end(data: bytes | bytearray, pos: int) -> int | None:
             return None
         queue_len, _, _, key_len, payload_len = _PUSH_HEADER.unpack_from(data, pos + 1)
         end = pos + 10 + queue_len + key_len + payload_len
+    elif opcode == 0x71:
+        if len(data) - pos < 16:
+            return None
+        queue_len, _, _, _, key_len, payload_len = _OPTIONS_HEADER.unpack_from(data, pos + 1)
+        end = pos + 16 + queue_len + key_len + payload_len
     else:
         raise ValueError(f"no opcode {opcode:#x}")
     return end if end <= len(data) else None
@@ -565,6 +611,15 @@ def lease_times_clamped(held: bytearray, chunk: bytes) -> bytes:
         at = {0x52: 1, 0x53: 1, 0x4E: 9, 0x54: 9}.get(frame[0])
         if at is not None and _U32.unpack_from(frame, at)[0] > _MAX_LEASE_MS:
             _U32.pack_into(frame, at, _MAX_LEASE_MS)
+    return b"".join(map(bytes, frames))
+
+
+def delays_clamped(held: bytearray, chunk: bytes) -> bytes:
+    """Delays above 30 days are cut to 30 days: the server never sees them."""
+    frames = _frames(held, chunk)
+    for frame in frames:
+        if frame[0] == 0x71 and _U32.unpack_from(frame, 7)[0] > _MAX_DELAY_MS:
+            _U32.pack_into(frame, 7, _MAX_DELAY_MS)
     return b"".join(map(bytes, frames))
 
 
@@ -874,6 +929,31 @@ VARIANTS: dict[str, Variant] = {
         PinpriqServer,
         {"lease-time-malformed"},
         to_server=lease_times_clamped,
+    ),
+    "a 71's TTL read as 16 bits": Variant(
+        with_store(lambda: MappedTtl(clock, lambda ttl: ttl & 0xFFFF)),
+        {"push-options"},
+    ),
+    "delays ignored": Variant(
+        with_store(lambda: DelayIgnored(clock)),
+        {"delayed-push", "delayed-push-key-group", "delayed-push-ttl"},
+    ),
+    "a delayed packet's TTL counted from its push": Variant(
+        with_store(lambda: TtlFromThePush(clock)),
+        {"delayed-push-ttl"},
+    ),
+    "a delayed packet filed as the newest when due": Variant(
+        with_store(lambda: NewestWhenDue(clock)),
+        {"delayed-push", "delayed-push-key-group"},
+    ),
+    "a due packet waits for the next push to be delivered": Variant(
+        with_store(lambda: ArrivalsOfferedToNobody(clock)),
+        {"delayed-push-delivered"},
+    ),
+    "delays above 30 days accepted": Variant(
+        PinpriqServer,
+        {"delayed-push-too-long"},
+        to_server=delays_clamped,
     ),
 }
 

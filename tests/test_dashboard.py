@@ -1,8 +1,8 @@
 """The dashboard in a real browser: headless Chromium (Debian's package) loads the page from a
 live server holding packets, lets the page's own scripts poll the admin listener and draw, and
 the resulting DOM is checked for what a person would read. The overview is dumped once
-(``--dump-dom``); the queue page, its purge and the token prompt are driven like a person would,
-through the DevTools protocol on a pipe (``Browser``): clicks, typing, the confirmation dialog.
+(``--dump-dom``); the queue page, its purge and move and the token prompt are driven like a person
+would, through the DevTools protocol on a pipe (``Browser``): clicks, typing, the dialogs.
 
 The page's figures are made deterministic: the admin listener is given a ``Sampler`` on a fake
 clock that the test ticks (``serve_admin(sampler=...)``), so rates and charts are what the test
@@ -32,7 +32,17 @@ from pinpriq.admin.stats import Sampler
 from pinpriq.display import escape
 from pinpriq.server import PinpriqServer
 from tests.conftest import StartServer
-from tests.rawpeer import READY, ack, lease_reply, pop, push, reserve, status, subscribe
+from tests.rawpeer import (
+    READY,
+    ack,
+    lease_reply,
+    pop,
+    push,
+    push_options,
+    reserve,
+    status,
+    subscribe,
+)
 from tests.test_admin import Admin, applied, start_admin
 from tests.test_load_shapes import wait_until
 from tests.test_store import FakeClock
@@ -231,8 +241,9 @@ class Browser:
         await self._to.aclose()
         await self._from.aclose()
 
-    async def answer(self, accept: bool) -> None:
-        await self.call("Page.handleJavaScriptDialog", accept=accept)
+    async def answer(self, accept: bool, text: str = "") -> None:
+        """Close the open dialog: OK (with ``text`` typed into a prompt) or Cancel."""
+        await self.call("Page.handleJavaScriptDialog", accept=accept, promptText=text)
 
 
 async def start_browser(nursery: trio.Nursery) -> Browser:
@@ -289,6 +300,8 @@ async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     odd = "<b>café</b>\\".encode() + b"\xff"  # markup, a backslash and a byte that is not UTF-8
     frames = [push(b"orders", b"k%d" % i, b"x" * 10, prio=1 + i % 3) for i in range(7)]
     frames += [push(b"orders", b"z", b"", prio=0), push(odd, b"k", b"v", prio=9)]
+    frames += [push_options(b"orders", b"soon", b"", delay_ms=3_600_000, prio=1)]
+    frames += [push_options(b"later", b"k", b"", delay_ms=3_600_000)]  # only delayed packets
     await applied(producer, b"".join(frames))
     await subscriber.send(subscribe(b"orders") + subscribe(b"empty") + READY)
     assert await subscriber.reply()  # one delivered: 7 left in orders
@@ -299,7 +312,7 @@ async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     assert await worker.receive_exactly(len(expected)) == expected
     await wait_until(lambda: admin.live.broker.subscriptions.subscriber_count == 1, "subscribed")
     clock.now += 2.0
-    sampler.tick()  # at 1002: 11 pushed, 1 delivered, 8 held, 2 leased (1 of them acked)
+    sampler.tick()  # at 1002: 13 pushed, 1 delivered, 10 held (2 delayed), 2 leased, 1 acked
 
     page = await render(f"http://127.0.0.1:{admin.port}/")
 
@@ -307,14 +320,16 @@ async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     assert page.by_id["connections"] == "3"
     assert page.by_id["leases"] == "1 / 1"
     assert page.by_id["subscribers"] == "1"
-    assert page.by_id["packets"] == "8"
-    assert page.by_id["queue-count"] == "2"
-    assert page.by_id["rates"] == "5.5 / 0.0"  # 11 pushes in the 2 s the test made
+    assert page.by_id["packets"] == "10"  # held: 2 of them delayed
+    assert page.by_id["queue-count"] == "3"  # later holds only a delayed packet
+    assert page.by_id["rates"] == "6.5 / 0.0"  # 13 pushes in the 2 s the test made
     assert page.by_id["memory"].endswith("of 1.0 GiB")
-    assert list(page.rows) == ["orders", escape(odd), "empty"]  # deepest first
+    assert list(page.rows) == ["orders", escape(odd), "later", "empty"]  # deepest first
     orders = page.rows["orders"]
     assert (orders["name"], orders["packets"], orders["subscribers"]) == ("orders", "7", "1")
-    assert (orders["pushed"], orders["popped"]) == ("4.0", "0.5")  # 8 pushed, 1 taken, in 2 s
+    assert orders["delayed"] == "1"  # held apart, not among its packets
+    assert (orders["pushed"], orders["popped"]) == ("4.5", "0.5")  # 9 pushed, 1 taken, in 2 s
+    assert (page.rows["later"]["packets"], page.rows["later"]["delayed"]) == ("0", "1")
     assert page.prios["orders"] == {"0": "1", "1": "2", "2": "2", "3": "2"}
     assert page.rows[escape(odd)]["name"] == "<b>café</b>\\\\\\xff"  # shown as text
     assert page.rows[escape(odd)]["popped"] == NO_FIGURE  # nobody looked at it before: no rates
@@ -322,9 +337,9 @@ async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     assert page.prios[escape(odd)] == {"9": "1"}
     assert page.rows["empty"]["packets"] == "0"
     assert page.chart["data-samples"] == "1"  # one second between the two ticks
-    # One point each, at 158 - value / top * 150: 8 packets of a top of 8; 5.5 pushes per
-    # second of a top of 5.5; 0.5 delivered per second.
-    assert page.lines == {"packets": "0.0,8.0", "pushed": "0.0,8.0", "popped": "0.0,144.4"}
+    # One point each, at 158 - value / top * 150: 10 packets of a top of 10; 6.5 pushes per
+    # second of a top of 6.5; 0.5 delivered per second.
+    assert page.lines == {"packets": "0.0,8.0", "pushed": "0.0,8.0", "popped": "0.0,146.5"}
     assert page.peers["127.0.0.1"] == {
         "address": "127.0.0.1",
         "connections": "3",
@@ -346,7 +361,7 @@ async def test_the_dashboard_asks_for_the_token_when_the_server_has_one(
 
 
 #: The page has the listener's answer to an action (while it waits it shows an ellipsis).
-ANSWERED = "/^(Purged|not done)/.test(document.getElementById('action-result').textContent)"
+ANSWERED = "/^(Purged|Moved|not done)/.test(document.getElementById('action-result').textContent)"
 PACKET_ROWS = """[...document.querySelectorAll("#packets-table tbody tr")].map(
     (tr) => [...tr.children].map((td) => td.textContent))"""
 PRIO_ROWS = """Object.fromEntries([...document.querySelectorAll("#q-prios tbody tr")].map(
@@ -368,6 +383,8 @@ async def test_a_queue_page_shows_its_figures_rates_and_next_packets(
         push(b"orders", b"k3", b"rider", prio=0),  # of k3's group: comes right after it
         push(b"orders", b"gone", b"", prio=1),
         push(odd, b"k", b"v"),
+        # Delayed (protocol 1.2): held, counted apart, in no queue yet, so never peeked.
+        push_options(b"orders", b"later", b"in an hour", delay_ms=3_600_000, prio=1),
     ]
     await applied(producer, b"".join(frames))
     assert await producer.request(pop(b"orders")) == [(b"gone", b"")]
@@ -378,7 +395,7 @@ async def test_a_queue_page_shows_its_figures_rates_and_next_packets(
     )
     await applied(subscriber, subscribe(b"orders"))  # no credit: nothing delivered
     clock.now += 10.0
-    sampler.tick()  # 6 pushed to orders in 10 s; 2 taken (a pop, a lease); 4 queued
+    sampler.tick()  # 7 pushed to orders in 10 s; 2 taken (a pop, a lease); 4 queued, 1 delayed
 
     browser = await start_browser(nursery)
     with trio.fail_after(BROWSER_TIMEOUT):
@@ -390,9 +407,9 @@ async def test_a_queue_page_shows_its_figures_rates_and_next_packets(
         assert await browser.text("#queue-name") == "orders"
         assert await browser.text("#q-leased") == "1"
         assert await browser.text("#q-subscribers") == "1"
-        assert await browser.text("#q-rates") == "0.6 / 0.2"
+        assert await browser.text("#q-rates") == "0.7 / 0.2"
         assert await browser.text("#q-rates-window") == "over the last 10 s"
-        assert await browser.evaluate("document.getElementById('q-delayed-card').hidden")
+        assert await browser.text("#q-delayed") == "1"
         assert (await browser.text("#q-oldest")).endswith(" s")
         assert await browser.evaluate(PRIO_ROWS) == {"0": "1", "1": "1", "2": "1", "3": "1"}
         assert await browser.evaluate(PACKET_ROWS) == [
@@ -443,7 +460,76 @@ async def test_a_purge_through_the_queue_page_asks_first(
         assert await browser.evaluate(PACKET_ROWS) == []
 
 
-async def test_the_queue_page_asks_for_the_token_and_purges_with_it(
+async def test_a_move_through_the_queue_page_asks_where_then_asks_first(
+    start_server: StartServer, nursery: trio.Nursery
+) -> None:
+    admin, _, _ = await start_sampled_admin(start_server, nursery, PinpriqServer())
+    store = admin.live.store
+    producer = await admin.live.connect()
+    dead = b"".join(push(b"jobs.dead", b"k%d" % i, b"p%d" % i) for i in range(3))
+    await applied(producer, push(b"jobs", b"waiting", b"w") + dead)
+    browser = await start_browser(nursery)
+    with trio.fail_after(BROWSER_TIMEOUT):
+        await browser.open(f"http://127.0.0.1:{admin.port}/#queue=jobs.dead")
+        await browser.until("document.getElementById('q-packets').textContent === '3'")
+        await browser.click("#move")
+        assert await browser.dialogs.receive() == (
+            "Move the queued packets of jobs.dead to which queue?"
+        )
+        await browser.answer(False)  # no queue given: nothing asked or sent
+        await browser.click("#move")
+        await browser.dialogs.receive()
+        await browser.answer(True, "jobs")
+        assert await browser.dialogs.receive() == (
+            "Move all 3 queued packets of jobs.dead to jobs? They join jobs as new pushes; "
+            "leased and delayed packets stay."
+        )
+        await browser.answer(False)  # cancelled at the confirmation: nothing is sent
+        assert await browser.text("#action-result") == ""
+        assert store.queue_info(b"jobs.dead").packets == 3
+
+        await browser.click("#move")
+        await browser.dialogs.receive()
+        await browser.answer(True, "jobs")
+        await browser.dialogs.receive()
+        await browser.answer(True)
+        await browser.until(ANSWERED)
+        assert await browser.text("#action-result") == "Moved 3 packets to jobs."
+        await browser.until("document.getElementById('q-packets').textContent === '0'")
+        assert store.queue_info(b"jobs.dead").packets == 0
+        # They joined jobs as pushes made now, in their old order: newer than what was there.
+        assert [key for key, *_ in store.peek(b"jobs", 10)] == [b"k2", b"k1", b"k0", b"waiting"]
+
+        # At most one packet, to a name that must be percent-encoded: the newest group goes.
+        await browser.open(f"http://127.0.0.1:{admin.port}/#queue=jobs")
+        await browser.until("document.getElementById('q-packets').textContent === '4'")
+        await browser.evaluate("document.getElementById('move-count').value = '1'")
+        await browser.click("#move")
+        await browser.dialogs.receive()
+        await browser.answer(True, "a b/\u00e9&n=9")
+        assert await browser.dialogs.receive() == (
+            "Move up to 1 packets (whole key groups) of jobs to a b/\u00e9&n=9? They join "
+            "a b/\u00e9&n=9 as new pushes; leased and delayed packets stay."
+        )
+        await browser.answer(True)
+        await browser.until(ANSWERED)
+        assert await browser.text("#action-result") == "Moved 1 packets to a b/\u00e9&n=9."
+        assert [key for key, *_ in store.peek("a b/\u00e9&n=9".encode(), 10)] == [b"k2"]
+
+        # What the server refuses is said beside the buttons, and nothing moves.
+        await browser.click("#move")
+        await browser.dialogs.receive()
+        await browser.answer(True, "jobs")  # itself
+        await browser.dialogs.receive()
+        await browser.answer(True)
+        await browser.until(ANSWERED)
+        assert await browser.text("#action-result") == (
+            "not done: to= names the queue moved from, jobs: nothing to move"
+        )
+        assert store.queue_info(b"jobs").packets == 3
+
+
+async def test_the_queue_page_asks_for_the_token_and_purges_and_moves_with_it(
     start_server: StartServer, nursery: trio.Nursery
 ) -> None:
     server = PinpriqServer(token=b"tok")
@@ -472,6 +558,16 @@ async def test_the_queue_page_asks_for_the_token_and_purges_with_it(
         await browser.until(ANSWERED)
         assert await browser.text("#action-result") == "Purged 2 packets."
         assert admin.live.store.queue_info(b"jobs").packets == 0
+
+        await applied(producer, push(b"jobs", b"c", b"3"))
+        await browser.until("document.getElementById('q-packets').textContent === '1'")
+        await browser.click("#move")  # sent with the token and X-Pinpriq-Action too
+        await browser.dialogs.receive()
+        await browser.answer(True, "elsewhere")
+        await browser.dialogs.receive()
+        await browser.answer(True)
+        await browser.until("/^Moved/.test(document.getElementById('action-result').textContent)")
+        assert admin.live.store.queue_info(b"elsewhere").packets == 1
 
 
 async def test_a_queue_page_with_a_malformed_name_says_what_the_server_refused(

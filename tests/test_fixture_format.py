@@ -26,9 +26,11 @@ from pinpriq.conformance import (
     parse_fixture,
 )
 from pinpriq.wire import (
+    MAX_TTL_MS,
     Ack,
     Auth,
     ClientFrame,
+    DelayedPush,
     FrameDecoder,
     LeasedSubscribe,
     Pop,
@@ -239,8 +241,8 @@ def test_fixture_sends_whole_frames_to_its_own_queues(fixture: Fixture) -> None:
                 continue
             name = fixture.name.encode()
             assert frame.queue == name or frame.queue.startswith(name + b"."), frame.queue
-            if isinstance(frame, Push):
-                assert 0 <= frame.ttl_ms <= 0xFFFF
+            if isinstance(frame, Push | DelayedPush):  # a 71 carries a u32 TTL (decision 21)
+                assert 0 <= frame.ttl_ms <= MAX_TTL_MS
 
 
 def decoded_frames(data: bytes) -> list[ClientFrame]:

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
+from decimal import Decimal
 from typing import NoReturn
 
 __all__ = [
     "OneLineParser",
     "byte_size",
     "client_port",
+    "duration_ms",
     "http_port",
     "int_in",
     "port_number",
@@ -84,6 +87,35 @@ def byte_size(text: str) -> int:
     if unit not in _SIZE_UNITS or not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: use e.g. 512MiB, 2GB or 65536")
     return int(value * _SIZE_UNITS[unit])
+
+
+#: Milliseconds per unit of a duration; no unit is milliseconds.
+_DURATION_UNITS = {"": 1, "ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ms|s|m|h|d)?")
+
+
+def duration_ms(most: int, most_means: str) -> Callable[[str], int]:
+    """An argparse type: a duration such as ``500ms``, ``10s``, ``5m``, ``2h``, ``1.5d``, or a
+    bare number of milliseconds (``60000``), as whole milliseconds in ``0..most``;
+    ``most_means`` says ``most`` in words for the error."""
+
+    def parse(text: str) -> int:
+        match = _DURATION.fullmatch(text.strip())
+        if match is None:
+            raise argparse.ArgumentTypeError(
+                f"invalid duration {text!r}: use e.g. 500ms, 10s, 5m, 2h, 1d, or a number of "
+                "milliseconds"
+            )
+        number, unit = match.groups()
+        # Decimal, not float: 0.3s is 300 ms exactly, and a long number stays exact.
+        value = Decimal(number) * _DURATION_UNITS[unit or ""]
+        if value != value.to_integral_value():
+            raise argparse.ArgumentTypeError(f"{text} is not a whole number of milliseconds")
+        if value > most:
+            raise argparse.ArgumentTypeError(f"{text} is more than {most_means} ({most} ms)")
+        return int(value)
+
+    return parse
 
 
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:

@@ -34,10 +34,10 @@ from pinpriq._client_core import (
 from pinpriq.auth import TOKEN_VARIABLE
 from pinpriq.blocking import BlockingLease, BlockingPinpriqClient
 from pinpriq.cli.admin import ADMIN_COMMANDS, AdminError, add_admin_commands, run_admin
-from pinpriq.cli.args import OneLineParser, client_port, int_in, seconds
+from pinpriq.cli.args import OneLineParser, client_port, duration_ms, int_in, seconds
 from pinpriq.display import escape, json_value
 from pinpriq.errors import ArgumentError, ArgumentTypeError, PinpriqError, PinpriqTimeoutError
-from pinpriq.wire import MAX_LEASE_MS, MAX_PRIO, MAX_TTL_MS, Packet
+from pinpriq.wire import MAX_DELAY_MS, MAX_LEASE_MS, MAX_PRIO, MAX_TTL_MS, Packet
 
 __all__ = ["client_parser", "main"]
 
@@ -56,8 +56,9 @@ The token is the one in {URL_VARIABLE} (pinpriq://:TOKEN@HOST:PORT), else {TOKEN
 pinpriqs://HOST:PORT, --tls or --tls-ca speak TLS.
 
 `push` waits until the server confirms it has the packet (a protocol 1.1 sync), so exit status
-0 means the packet is queued. Output is one line per packet, KEY<tab>PAYLOAD, with backslash
-escapes for bytes that are not printable text. With --json, each line is a JSON object
+0 means the packet is queued (with --delay: held, and queued when due; a delay, or a --ttl above
+65535 ms, needs a protocol 1.2 server). Output is one line per packet, KEY<tab>PAYLOAD, with
+backslash escapes for bytes that are not printable text. With --json, each line is a JSON object
 {{"key": ..., "payload": ...}} whose values are strings when the bytes are UTF-8, else
 {{"base64": "..."}}. Popping an empty queue prints nothing and exits 0. Exit status: 0 done,
 1 server unreachable, connection lost, or no answer within --timeout, 2 bad arguments,
@@ -178,10 +179,20 @@ def client_parser() -> argparse.ArgumentParser:
     push.add_argument("payload", metavar="PAYLOAD")
     push.add_argument(
         "--ttl",
-        type=int_in(0, MAX_TTL_MS),
+        type=duration_ms(MAX_TTL_MS, "about 49.7 days"),
         default=0,
-        metavar="MS",
-        help="milliseconds to live; 0, the default, never expires",
+        metavar="TIME",
+        help="time to live, from when the packet enters its queue: 500ms, 10s, 5m, 2h, 7d, or "
+        "a bare number of milliseconds; 0, the default, never expires. Above 65535 ms the push "
+        "needs a protocol 1.2 server",
+    )
+    push.add_argument(
+        "--delay",
+        type=duration_ms(MAX_DELAY_MS, "30 days"),
+        default=0,
+        metavar="TIME",
+        help="keep the packet out of its queue this long (at most 30d; units as --ttl); 0, the "
+        "default, queues it at once. Needs a protocol 1.2 server",
     )
     push.add_argument(
         "--prio",
@@ -304,7 +315,15 @@ def run_client(
         if args.command == "push":
             queue, key, payload = (os.fsencode(arg) for arg in (args.queue, args.key, args.payload))
             try:
-                client.push(queue, key, payload, ttl_ms=args.ttl, prio=args.prio, confirm=True)
+                client.push(
+                    queue,
+                    key,
+                    payload,
+                    ttl_ms=args.ttl,
+                    prio=args.prio,
+                    delay_ms=args.delay,
+                    confirm=True,
+                )
             except PinpriqTimeoutError as error:
                 raise PinpriqTimeoutError(f"{error}: {why_unconfirmed(url, tls)}") from None
         elif args.command == "pop":

@@ -22,7 +22,7 @@
 import net from 'node:net';
 import tls from 'node:tls';
 import {
-  MAX_LEASE_MS, ReplyDecoder, checkInteger, encodeAck, encodeAuth, encodeLeasedSubscribe,
+  MAX_LEASE_MS, OPCODE, ReplyDecoder, checkInteger, encodeAck, encodeAuth, encodeLeasedSubscribe,
   encodePop, encodePush, encodeReady, encodeRelease, encodeReserve, encodeSubscribe, encodeSync,
   encodeTouch, toBytes,
 } from './wire.js';
@@ -304,6 +304,9 @@ class Endpoint {
 // A pinpriq 1.0 server closes the connection on the opcode of sync, which it does not know.
 const SYNC_HINT = '; it had not answered a sync, and a protocol 1.0 server closes the connection '
   + 'on sync';
+// And a 1.0 or 1.1 server on a push with options (71).
+const OPTIONS_HINT = '; it had not shown it read a push with a delay or a TTL above 65,535 ms, '
+  + 'and a server older than protocol 1.2 closes the connection on one';
 
 /**
  * What is known about how a connection went; `watchSocket` keeps it up to date.
@@ -316,6 +319,8 @@ const SYNC_HINT = '; it had not answered a sync, and a protocol 1.0 server close
  *   came, if it did
  * @property {boolean} [received] whether the server ever sent a byte
  * @property {boolean} [syncUnanswered] the oldest request left when it closed was a sync
+ * @property {boolean} [optionsUnproven] a push with options (71) had gone out that the server
+ *   was not shown to have read
  */
 
 /**
@@ -324,11 +329,11 @@ const SYNC_HINT = '; it had not answered a sync, and a protocol 1.0 server close
  * @param {ConnectionState} state
  */
 function closeError(endpoint, state) {
-  const { closedByUs, error, syncUnanswered } = state;
+  const { closedByUs, error, syncUnanswered, optionsUnproven } = state;
   if (closedByUs) return endpoint.connectionError(`connection to ${endpoint.address} is closed`);
   // Ours, and it already says what went wrong and where.
   if (error instanceof PinpriqError) return error;
-  const hint = syncUnanswered ? SYNC_HINT : '';
+  const hint = (syncUnanswered ? SYNC_HINT : '') + (optionsUnproven ? OPTIONS_HINT : '');
   if (closedAtOnce(state)) {
     return endpoint.connectionError(
       `connection to ${endpoint.address}: ${CLOSED_AT_ONCE}${hint}`,
@@ -434,7 +439,13 @@ export class PinpriqClient {
   /** @type {Set<Subscription>} */
   #subscriptions = new Set();
   /** @type {ConnectionState} */
-  #state = { closedByUs: false, error: null, ended: false, syncUnanswered: false };
+  #state = {
+    closedByUs: false, error: null, ended: false, syncUnanswered: false, optionsUnproven: false,
+  };
+  /** a push with options (71, protocol 1.2) went out, and no reply has shown it was read */
+  #optionsUnproven = false;
+  /** the first request sent after it, whose reply shows it */
+  #optionsProof = null;
   #ended;
 
   /**
@@ -476,11 +487,14 @@ export class PinpriqClient {
    * @param {Data} queue
    * @param {Data} key
    * @param {Data} payload
-   * @param {{ ttlMs?: number, prio?: number, confirm?: boolean }} [options] `prio` 1 (the
-   *   default) is the highest, 255 the lowest, 0 never popped on its own but leaves with the
-   *   next popped packet of its key; `ttlMs` 0 (the default) never expires, else 1..65535 ms;
-   *   `confirm: true` sends a sync with the push and resolves when its answer comes
-   *   (protocol 1.1)
+   * @param {{ ttlMs?: number, prio?: number, delayMs?: number, confirm?: boolean }} [options]
+   *   `prio` 1 (the default) is the highest, 255 the lowest, 0 never popped on its own but
+   *   leaves with the next popped packet of its key; `ttlMs` 0 (the default) never expires,
+   *   else 1..4294967295 ms, counted from when the packet enters its queue; `delayMs`
+   *   (0..2592000000, 30 days) keeps it out of its queue that long; `confirm: true` sends a
+   *   sync with the push and resolves when its answer comes (protocol 1.1). A delay or a TTL
+   *   above 65,535 ms makes the push a 71, which needs a protocol 1.2 server; any other push
+   *   is the 1.0 frame every server takes
    * @returns {Promise<void>}
    */
   async push(queue, key, payload, options = {}) {
@@ -490,6 +504,11 @@ export class PinpriqClient {
       throw new TypeError(`confirm must be true or false, not ${typeof confirm}`);
     }
     this.#checkOpen();
+    if (frame[0] === OPCODE.PUSH_OPTIONS) {
+      // Until a request sent after it is answered, a close may be an older server's answer.
+      this.#optionsUnproven = true;
+      this.#optionsProof = null;
+    }
     if (confirm) {
       // One write: the sync's answer comes once the push before it is applied.
       await this.#request(Buffer.concat([frame, encodeSync()]), 'push to', { sync: true });
@@ -699,6 +718,7 @@ export class PinpriqClient {
     const reply = new Promise((resolve, reject) => Object.assign(waiter, { resolve, reject }));
     // Same synchronous step as the write: the FIFO order is the order frames go out.
     this.#pending.push(waiter);
+    if (this.#optionsUnproven) this.#optionsProof ??= waiter;
     this.#socket.write(frame);
     // A timed-out request keeps its place: its reply arrives later and is dropped (for a pop,
     // whatever it took is lost: at most once).
@@ -723,6 +743,10 @@ export class PinpriqClient {
       }
       this.#pending.shift();
       this.#answered += 1;
+      if (waiter === this.#optionsProof) { // replies come in order: the server read the 71
+        this.#optionsUnproven = false;
+        this.#optionsProof = null;
+      }
       if (!waiter.abandoned) waiter.resolve(reply);
     }
     // A sync's answer is 00 00: judge it by its first two bytes, because another kind of
@@ -758,6 +782,7 @@ export class PinpriqClient {
     this.#state.ended = true;
     // The oldest request left unanswered was a sync: the close may be a 1.0 server's answer.
     this.#state.syncUnanswered = this.#pending[0]?.sync ?? false;
+    this.#state.optionsUnproven = this.#optionsUnproven;
     const error = closeError(this.#endpoint, this.#state);
     for (const waiter of this.#pending.splice(0)) waiter.reject(error);
   }

@@ -1,13 +1,14 @@
-// The pinpriq wire format (protocol 1.0, and the sync, auth and lease frames of 1.1,
-// docs/protocol.md), sans I/O: functions from arguments to frame bytes, and a decoder from
+// The pinpriq wire format (protocol 1.0, the sync, auth and lease frames of 1.1, and 1.2's
+// push with options, docs/protocol.md), sans I/O: functions from arguments to frame bytes, and a decoder from
 // received bytes to replies.
 // Nothing here touches a socket, so every byte layout lives in this one file and can be tested
 // without a server.
 
-/** Opcodes of the client frames: the five of protocol 1.0, and sync, auth and the leases from
- * 1.1. */
+/** Opcodes of the client frames: the five of protocol 1.0, sync, auth and the leases from
+ * 1.1, and 1.2's push with options. */
 export const OPCODE = Object.freeze({
   PUSH: 0x70,
+  PUSH_OPTIONS: 0x71,
   POP: 0x50,
   SUBSCRIBE: 0x73,
   UNSUBSCRIBE: 0x75,
@@ -23,8 +24,12 @@ export const OPCODE = Object.freeze({
 
 /** Largest queue name, key or payload, in bytes (a u16 length). */
 export const MAX_FIELD_BYTES = 0xffff;
-/** Largest TTL in milliseconds (a u16); 0 means the packet never expires. */
-export const MAX_TTL_MS = 0xffff;
+/** Largest TTL in milliseconds (a u32, protocol 1.2); 0 means the packet never expires. */
+export const MAX_TTL_MS = 0xffff_ffff;
+/** Largest TTL a protocol 1.0 push (70) can carry (a u16): a longer one needs a 71. */
+export const MAX_TTL_MS_1_0 = 0xffff;
+/** Longest delay of a push in milliseconds (30 days, protocol 1.2); 0 queues it at once. */
+export const MAX_DELAY_MS = 2_592_000_000;
 /** Lowest priority (a u8); 1 is the highest, 0 is never selected on its own. */
 export const MAX_PRIO = 0xff;
 /** Longest lease time or release delay in milliseconds (24 h); 0 means the server's default. */
@@ -101,27 +106,39 @@ function describe(value) {
 /**
  * The bytes of a push. The packet (its lengths, key and payload) comes before the queue name,
  * while the queue's length comes first: that is the protocol's order, not a mistake.
+ * A push that protocol 1.0 can say (no delay, a TTL up to 65,535 ms) is a 70, which every
+ * server takes; a longer TTL or a delay makes it a push with options, 71 (protocol 1.2).
  * @param {Data} queue
  * @param {Data} key
  * @param {Data} payload
- * @param {{ ttlMs?: number, prio?: number }} [options] ttlMs 0..65535 (0: never expires,
- *   the default); prio 0..255 (1 highest, the default; 0 never selected on its own)
+ * @param {{ ttlMs?: number, prio?: number, delayMs?: number }} [options] ttlMs
+ *   0..4294967295 (0: never expires, the default; counted from when the packet is due);
+ *   prio 0..255 (1 highest, the default; 0 never selected on its own); delayMs
+ *   0..2592000000 (30 days; 0, the default, queues it at once)
  * @returns {Buffer} one whole frame
  */
-export function encodePush(queue, key, payload, { ttlMs = 0, prio = 1 } = {}) {
+export function encodePush(queue, key, payload, { ttlMs = 0, prio = 1, delayMs = 0 } = {}) {
   const q = toBytes('queue', queue);
   const k = toBytes('key', key);
   const p = toBytes('payload', payload);
   checkInteger('ttlMs', ttlMs, 0, MAX_TTL_MS);
   checkInteger('prio', prio, 0, MAX_PRIO);
-  const frame = Buffer.allocUnsafe(10 + k.length + p.length + q.length);
-  frame[0] = OPCODE.PUSH;
+  checkInteger('delayMs', delayMs, 0, MAX_DELAY_MS);
+  const options = delayMs > 0 || ttlMs > MAX_TTL_MS_1_0;
+  // 70: u16 TTL (10-byte header); 71: u32 TTL, then u32 delay (16 bytes).
+  let at = options ? 16 : 10;
+  const frame = Buffer.allocUnsafe(at + k.length + p.length + q.length);
+  frame[0] = options ? OPCODE.PUSH_OPTIONS : OPCODE.PUSH;
   frame.writeUInt16BE(q.length, 1);
-  frame.writeUInt16BE(ttlMs, 3);
-  frame[5] = prio;
-  frame.writeUInt16BE(k.length, 6);
-  frame.writeUInt16BE(p.length, 8);
-  let at = 10;
+  if (options) {
+    frame.writeUInt32BE(ttlMs, 3);
+    frame.writeUInt32BE(delayMs, 7);
+  } else {
+    frame.writeUInt16BE(ttlMs, 3);
+  }
+  frame[at - 5] = prio;
+  frame.writeUInt16BE(k.length, at - 4);
+  frame.writeUInt16BE(p.length, at - 2);
   at += k.copy(frame, at);
   at += p.copy(frame, at);
   q.copy(frame, at);

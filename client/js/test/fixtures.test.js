@@ -71,14 +71,18 @@ function readClientFrame(stream, at) {
       const ms = stream.readUInt32BE(at + 9);
       return whole(at + 13, { leaseId: Number(stream.readBigUInt64BE(at + 1)), ms });
     }
-    case OPCODE.PUSH: {
-      if (at + 10 > stream.length) return null;
+    case OPCODE.PUSH:
+    case OPCODE.PUSH_OPTIONS: { // 71: the TTL a u32, then a u32 delay (protocol 1.2)
+      const options = stream[at] === OPCODE.PUSH_OPTIONS;
+      const header = options ? 16 : 10;
+      if (at + header > stream.length) return null;
       const queueLength = stream.readUInt16BE(at + 1);
-      const ttlMs = stream.readUInt16BE(at + 3);
-      const prio = stream[at + 5];
-      const keyLength = stream.readUInt16BE(at + 6);
-      const payloadLength = stream.readUInt16BE(at + 8);
-      const key = at + 10;
+      const ttlMs = options ? stream.readUInt32BE(at + 3) : stream.readUInt16BE(at + 3);
+      const delayMs = options ? stream.readUInt32BE(at + 7) : 0;
+      const prio = stream[at + header - 5];
+      const keyLength = stream.readUInt16BE(at + header - 4);
+      const payloadLength = stream.readUInt16BE(at + header - 2);
+      const key = at + header;
       const payload = key + keyLength;
       const queue = payload + payloadLength;
       const end = queue + queueLength;
@@ -87,6 +91,7 @@ function readClientFrame(stream, at) {
         payload: stream.subarray(payload, queue),
         queue: stream.subarray(queue, end),
         ttlMs,
+        delayMs,
         prio,
       });
     }
@@ -99,8 +104,9 @@ function readClientFrame(stream, at) {
 function encodeAgain({ opcode, fields }) {
   switch (opcode) {
     case OPCODE.PUSH:
+    case OPCODE.PUSH_OPTIONS:
       return encodePush(fields.queue, fields.key, fields.payload, {
-        ttlMs: fields.ttlMs, prio: fields.prio,
+        ttlMs: fields.ttlMs, prio: fields.prio, delayMs: fields.delayMs,
       });
     case OPCODE.POP: return encodePop(fields.queue);
     case OPCODE.SUBSCRIBE: return encodeSubscribe(fields.queue);
@@ -189,12 +195,19 @@ describe('encoder: every client frame of every fixture, byte for byte', () => {
         const { frames, rest } = splitClientFrames(sent);
         for (const frame of frames) {
           opcodesSeen.add(frame.opcode);
-          if ((frame.fields.leaseMs ?? frame.fields.ms ?? 0) > 86_400_000) {
+          if ((frame.fields.leaseMs ?? frame.fields.ms ?? 0) > 86_400_000
+            || (frame.fields.delayMs ?? 0) > 2_592_000_000) {
             // Malformed (the fixture expects a close): the encoder refuses to write it.
             assert.throws(() => encodeAgain(frame), RangeError);
             continue;
           }
           const encoded = encodeAgain(frame);
+          if (frame.opcode === OPCODE.PUSH_OPTIONS && encoded[0] === OPCODE.PUSH) {
+            // A 71 that 1.0 can say (no delay, a short TTL): the encoder writes it as the 70
+            // it is equal to (decision 21), with the same fields.
+            assert.deepEqual(readClientFrame(encoded, 0).fields, frame.fields, name);
+            continue;
+          }
           // Buffer.equals first: assert.deepEqual on 65,537 frames is needlessly slow.
           if (!encoded.equals(frame.bytes)) {
             assert.deepEqual(encoded, frame.bytes, `${name}, connection ${connection}`);

@@ -96,6 +96,28 @@ describe('push and pop', () => {
     assert.deepEqual(await client.pop(q), []);
   });
 
+  test('a TTL beyond protocol 1.0 (a 71, protocol 1.2) is taken: the packet is queued', async () => {
+    const q = fresh('long-ttl');
+    await client.push(q, 'k', 'two hours', { ttlMs: 7_200_000, confirm: true });
+    assert.deepEqual(text(await client.pop(q)), [['k', 'two hours']]);
+  });
+
+  test('a delayed push (protocol 1.2) is in no queue until it is due, then pops', async () => {
+    const q = fresh('delayed');
+    await client.push(q, 'later', 'in an hour', { delayMs: 3_600_000 });
+    await client.push(q, 'soon', 'in 50 ms', { delayMs: 50 });
+    await client.push(q, 'now', '', { confirm: true });
+    assert.deepEqual(text(await client.pop(q)), [['now', '']]);
+    // However long this takes, 'later' is not due and 'soon' comes once it is.
+    let popped = [];
+    for (const deadline = Date.now() + 5000; popped.length === 0 && Date.now() < deadline;) {
+      await sleep(20);
+      popped = await client.pop(q);
+    }
+    assert.deepEqual(text(popped), [['soon', 'in 50 ms']]);
+    assert.deepEqual(await client.pop(q), []);
+  });
+
   test('bytes of any value, empty fields and the largest fields round-trip', async () => {
     const q = Buffer.from([0x00, 0xff, 0x0a, ...Buffer.from(fresh('bytes'))]);
     await client.push(q, new Uint8Array([0, 1, 2]), Buffer.alloc(0));
@@ -191,7 +213,8 @@ describe('argument checks on the client', () => {
   test('out-of-range arguments reject with a RangeError naming the field; the client stays usable', async () => {
     const q = fresh('range');
     await assert.rejects(client.push(q, 'k', 'p', { prio: 256 }), { name: 'RangeError', message: /\bprio\b/ });
-    await assert.rejects(client.push(q, 'k', 'p', { ttlMs: 70000 }), { name: 'RangeError', message: /\bttlMs\b/ });
+    await assert.rejects(client.push(q, 'k', 'p', { ttlMs: 2 ** 32 }), { name: 'RangeError', message: /\bttlMs\b/ });
+    await assert.rejects(client.push(q, 'k', 'p', { delayMs: 2_592_000_001 }), { name: 'RangeError', message: /\bdelayMs\b/ });
     await assert.rejects(client.push(q, 'k', 'x'.repeat(65536)), { name: 'RangeError', message: /\bpayload\b/ });
     await assert.rejects(client.pop('q'.repeat(65536)), { name: 'RangeError', message: /\bqueue\b/ });
     await assert.rejects(client.subscribe(q, { prefetch: 0 }), { name: 'RangeError', message: /\bprefetch\b/ });
@@ -479,15 +502,28 @@ describe('leases (protocol 1.1)', () => {
   });
 });
 
+/** A README example, made to import this package and talk to this test's server. */
+function runnable(example) {
+  return example
+    .replace("from 'pinpriq'", `from ${JSON.stringify(new URL('../index.js', import.meta.url).href)}`)
+    .replace('port: 7000', `port: ${server.port}`);
+}
+
+test("the README's delayed job example runs as written: the job is not there yet", async () => {
+  const readme = readFileSync(new URL('../README.md', import.meta.url), 'utf8');
+  const example = /A job to run in ten minutes[\s\S]*?```js\n([\s\S]*?)```/.exec(readme)[1];
+  const { stdout } = await promisify(execFile)(
+    process.execPath, ['--input-type=module', '-e', runnable(example)], { timeout: 10_000 },
+  );
+  assert.equal(stdout, '[]\n');
+});
+
 test("the README's example runs as written (against this test's server)", async () => {
   const readme = readFileSync(new URL('../README.md', import.meta.url), 'utf8');
   const example = /## Example[\s\S]*?```js\n([\s\S]*?)```/.exec(readme)[1];
   assert.equal(example.trim().split('\n').length, 5, 'the example is five lines');
-  const code = example
-    .replace("from 'pinpriq'", `from ${JSON.stringify(new URL('../index.js', import.meta.url).href)}`)
-    .replace('port: 7000', `port: ${server.port}`);
   const { stdout } = await promisify(execFile)(
-    process.execPath, ['--input-type=module', '-e', code], { timeout: 10_000 },
+    process.execPath, ['--input-type=module', '-e', runnable(example)], { timeout: 10_000 },
   );
   assert.equal(stdout, 'job-1: resize cat.jpg\n');
 });

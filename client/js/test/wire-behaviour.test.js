@@ -299,6 +299,24 @@ test('push with confirm sends the push and a sync, and resolves only once the 00
   await client.close();
 });
 
+test('a push with a delay or a TTL above 65,535 ms goes out as a 71; any other as a 70', async () => {
+  const client = await connect();
+  await client.push('q', 'k', 'v', { ttlMs: 60_000 });
+  await client.push('q', 'k', 'v', { ttlMs: 7_200_000 });
+  const confirmed = client.push('q', 'k', 'v', { delayMs: 10_000, prio: 3, confirm: true });
+  // Key k (6b), payload v (76), queue q (71) after each header.
+  const sent = Buffer.from([
+    '70 0001 ea60 01 0001 0001 6b 76 71', // 70: u16 TTL 60,000
+    '71 0001 006ddd00 00000000 01 0001 0001 6b 76 71', // 71: u32 TTL 2 h, delay 0
+    '71 0001 00000000 00002710 03 0001 0001 6b 76 71', // 71: TTL 0, delay 10 s, prio 3
+    '21', // the sync that confirms it
+  ].join('').replaceAll(' ', ''), 'hex');
+  assert.deepEqual(await fake.received(0, sent.length), sent);
+  (await fake.connection(0)).socket.write(replyBytes());
+  await confirmed;
+  await client.close();
+});
+
 // What other servers answer when a pinpriq client talks to them: each reads as a reply whose
 // count announces thousands of packets that will never come.
 const FOREIGN_ANSWERS = [
@@ -347,6 +365,40 @@ test('a sync the server closes the connection on (as a 1.0 server does) gets the
       + 'it had not answered a sync, and a protocol 1.0 server closes the connection on sync');
     return true;
   });
+});
+
+test('a close after a push with options (as a 1.0 or 1.1 server closes on a 71) says so, until a later reply shows it was read', async () => {
+  const client = await connect();
+  const { socket } = await fake.connection(0);
+  const pushed = encodePush('q', 'k', 'v', { delayMs: 1000 });
+  const before = client.pop('q'); // sent before the 71: its reply shows nothing about it
+  await client.push('q', 'k', 'v', { delayMs: 1000 });
+  const after = client.pop('q');
+  await fake.received(0, 2 * encodePop('q').length + pushed.length);
+  socket.write(replyBytes());
+  assert.deepEqual(await before, []);
+  socket.end();
+  await assert.rejects(after, (error) => {
+    assert.equal(error.message, `connection to 127.0.0.1:${fake.port} was closed by the server; `
+      + 'it had not shown it read a push with a delay or a TTL above 65,535 ms, and a server '
+      + 'older than protocol 1.2 closes the connection on one');
+    return true;
+  });
+});
+
+test('a close after a push with options that a later reply showed was read has no such hint', async () => {
+  const client = await connect();
+  const { socket } = await fake.connection(0);
+  const pushed = encodePush('q', 'k', 'v', { ttlMs: 100_000 });
+  await client.push('q', 'k', 'v', { ttlMs: 100_000 });
+  const popped = client.pop('q');
+  await fake.received(0, pushed.length + encodePop('q').length);
+  socket.write(replyBytes());
+  assert.deepEqual(await popped, []);
+  const again = client.pop('q');
+  await fake.received(0, pushed.length + 2 * encodePop('q').length);
+  socket.end();
+  await assert.rejects(again, { message: `connection to 127.0.0.1:${fake.port} was closed by the server` });
 });
 
 test('limit: credits up to the limit and no further, then the iteration ends and the connection closes', async () => {

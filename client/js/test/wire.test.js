@@ -22,10 +22,17 @@ function assertRangeError(fn, field) {
 describe('encoder argument checks', () => {
   const big = 'x'.repeat(MAX_FIELD_BYTES + 1);
 
-  test('ttlMs outside 0..65535 or not an integer', () => {
-    for (const ttlMs of [-1, 65536, 1.5, NaN, Infinity]) {
+  test('ttlMs outside 0..4294967295 or not an integer', () => {
+    for (const ttlMs of [-1, 2 ** 32, 1.5, NaN, Infinity]) {
       assertRangeError(() => encodePush('q', 'k', 'p', { ttlMs }), 'ttlMs');
     }
+  });
+
+  test('delayMs outside 0..2592000000 (30 days) or not an integer', () => {
+    for (const delayMs of [-1, 2_592_000_001, 0.5, NaN]) {
+      assertRangeError(() => encodePush('q', 'k', 'p', { delayMs }), 'delayMs');
+    }
+    assert.throws(() => encodePush('q', 'k', 'p', { delayMs: '10' }), { name: 'TypeError', message: /\bdelayMs\b/ });
   });
 
   test('prio outside 0..255 or not an integer', () => {
@@ -52,8 +59,10 @@ describe('encoder argument checks', () => {
   test('the largest values are accepted', () => {
     const max = 'm'.repeat(MAX_FIELD_BYTES);
     const frame = encodePush(max, max, max, { ttlMs: 65535, prio: 255 });
-    assert.equal(frame.length, 196_615); // the protocol's largest frame
+    assert.equal(frame.length, 196_615); // protocol 1.0's largest frame
     assert.equal(encodePush('', '', '', { ttlMs: 0, prio: 0 }).length, 10); // and its smallest
+    const options = { ttlMs: 2 ** 32 - 1, delayMs: 2_592_000_000, prio: 255 };
+    assert.equal(encodePush(max, max, max, options).length, 196_621); // 1.2's largest
   });
 
   test('a field that is neither text nor bytes is a TypeError naming it', () => {
@@ -89,6 +98,33 @@ describe('encoder inputs', () => {
     encodeSync()[0] = 0; // a caller scribbling on one frame must not change the next
     assert.deepEqual(encodeSync(), Buffer.from([0x21]));
     assert.equal(pinpriq.encodeSync, encodeSync, 'pinpriq re-exports it, as it does the others');
+  });
+});
+
+describe('push with options (protocol 1.2)', () => {
+  const hex = (buffer) => buffer.toString('hex');
+
+  test('a push is a 70 while protocol 1.0 can say it: no delay, a TTL up to 65,535 ms', () => {
+    // 70 | queue_len u16 | ttl u16 | prio u8 | key_len u16 | payload_len u16 | k | p | q
+    assert.equal(hex(encodePush('q', 'k', 'p', { ttlMs: 65_535, prio: 2 })), '700001ffff02000100016b7071');
+    assert.equal(encodePush('q', 'k', 'p', { delayMs: 0 })[0], 0x70);
+  });
+
+  test('a longer TTL or a delay makes it a 71: u32 TTL, then u32 delay', () => {
+    // 71 | queue_len u16 | ttl u32 | delay u32 | prio u8 | key_len u16 | payload_len u16 | ...
+    assert.equal(hex(encodePush('q', 'k', 'p', { ttlMs: 65_536 })),
+      '710001' + '00010000' + '00000000' + '01' + '00010001' + '6b7071');
+    assert.equal(hex(encodePush('jobs', 'k', 'p', { ttlMs: 7_200_000, delayMs: 10_000, prio: 3 })),
+      '710004' + '006ddd00' + '00002710' + '03' + '00010001' + '6b70' + hex(Buffer.from('jobs')));
+    assert.equal(hex(encodePush('', '', '', { delayMs: 2_592_000_000 })),
+      '710000' + '00000000' + '9a7ec800' + '01' + '00000000');
+  });
+
+  test('the limits are exported', () => {
+    assert.equal(pinpriq.MAX_TTL_MS, 4_294_967_295);
+    assert.equal(pinpriq.MAX_TTL_MS_1_0, 65_535);
+    assert.equal(pinpriq.MAX_DELAY_MS, 2_592_000_000);
+    assert.equal(pinpriq.OPCODE.PUSH_OPTIONS, 0x71);
   });
 });
 
