@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 from typing import NamedTuple
 
 import pytest
 
+from pinpriq import packed
 from pinpriq.broker import OUTPUT_HIGH_WATER, Blocked, Broker, Session
 from pinpriq.store import PACKET_OVERHEAD, QueueStore
 from pinpriq.wire import (
@@ -696,3 +698,34 @@ def test_a_move_offers_the_target_to_its_waiting_subscribers(clock: FakeClock) -
     assert broker.move(b"jobs.dead", b"jobs") == 0
     with pytest.raises(ValueError, match="itself"):
         broker.move(b"jobs", b"jobs")
+
+
+@pytest.mark.skipif(not packed.available, reason="the packed store's C core is not built")
+@pytest.mark.parametrize("max_pop", [1, 3, 0xFFFF])
+def test_the_packed_stores_pop_replies_are_the_reference_stores_bytes(
+    clock: FakeClock, max_pop: int
+) -> None:
+    # On the packed store a pop frame's reply is written by the store (pop_reply), not by
+    # wire.append_reply: the same frames must give the same bytes, key groups (cut at
+    # max_pop), prio-0 riders, empty and missing queues included.
+    rng = random.Random(max_pop)
+    frames: list[ClientFrame] = []
+    for n in range(600):
+        queue = rng.choice([b"a", b"b", b""])
+        if rng.random() < 0.6:
+            key = rng.choice([b"k1", b"k2", b"", b"x" * 300, b"k%d" % n])
+            payload = b"p" * rng.choice([0, 1, 16, 70])
+            frames.append(Push(queue, key, payload, 0, rng.choice([0, 1, 2, 255])))
+        else:
+            frames.append(Pop(queue))
+    frames += [Pop(b"a")] * 200 + [Pop(b"missing")]
+    outputs = []
+    for store in (QueueStore(clock, max_pop=max_pop), packed.PackedStore(clock, max_pop=max_pop)):
+        broker = Broker(store)
+        assert (broker.packed_store is store) == isinstance(store, packed.PackedStore)
+        session = broker.open_session()
+        assert session.receive(frames) == len(frames)
+        outputs.append(take(session))
+        store.check_invariants()
+    assert outputs[0] == outputs[1]
+    assert outputs[0].endswith(reply() * 2)  # queue a ran dry; b"missing" never was
