@@ -1,4 +1,5 @@
-"""Build pinpriq with its hot modules compiled by mypyc, or as plain Python when that fails.
+"""Build pinpriq with its hot modules compiled by mypyc and the packed store's C core
+(``pinpriq/_packed.c``, issue 20), or as plain Python when that fails.
 
 Everything else about the package is in pyproject.toml; this file only adds the extensions
 (issue 14). The compiled build needs mypyc (part of mypy, a build requirement), a C compiler

@@ -1,7 +1,8 @@
 """What the broker needs from a store of queues, and what it may rely on.
 
-``store.QueueStore`` (in memory) is the store today; a log-backed or Redis-backed store is
-written against this contract, not against that class. The broker (``broker.py``) and the
+``store.QueueStore`` (in memory) is the reference store, and ``packed.PackedStore`` the same
+rules in C (the server's in-memory store where it is built); a log-backed or Redis-backed store
+is written against this contract, not against either class. The broker (``broker.py``) and the
 subscriptions (``subscriptions.py``) use a store only through ``Store``.
 
 How an asynchronous store fits. ``Store`` is synchronous: each call has done its work when it
