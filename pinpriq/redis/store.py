@@ -202,8 +202,8 @@ class RedisStore:
         return self._pushed
 
     def __len__(self) -> int:
-        """Packets held in all queues, as of the last snapshot."""
-        return sum(self._snapshot.sizes.values())
+        """Packets held in all queues, delayed ones included, as of the last snapshot."""
+        return sum(self._snapshot.sizes.values()) + sum(self._snapshot.delayed.values())
 
     def push(self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> float:
         """Already done by ``run``; the deadline is Redis's business, so never the broker's
@@ -274,6 +274,9 @@ class RedisStore:
 
     def purge(self, queue: bytes) -> int:
         raise NotImplementedError("the Redis store purges asynchronously: use purge_async")
+
+    def move(self, source: bytes, target: bytes, limit: int) -> int:
+        raise NotImplementedError("the Redis store moves asynchronously: use move_async")
 
     def note_time(self) -> None:
         """Nothing to note: ages are not kept."""
@@ -525,7 +528,10 @@ class RedisStore:
 
         One function call, atomic, when both queues live in one slot (always on one Redis; on
         a Cluster when their hash tags match, as a queue's and its ``.dead`` queue's do).
-        Otherwise group by group (``_move_across``), each group atomic."""
+        Otherwise in rounds (``_move_across``), each atomic. ``source == target`` raises
+        ``ValueError``."""
+        if source == target:
+            raise ValueError("a move needs two different queues")
         if self.cluster and hash_tag(source) != hash_tag(target):
             return await self._move_across(source, target, limit)
         t = self.keys(target)
