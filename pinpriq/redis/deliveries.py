@@ -72,7 +72,7 @@ class RedisSubscriptions(Subscriptions):
 
     def _settle(self, sub: Subscriber, *, once: bool = False) -> bool:
         """File ``sub`` as waiting or not, and note it for ``serve``; delivers nothing now."""
-        self._file(sub)
+        self._file(sub, False)
         if sub.stamp:
             self._due_subs[sub] = None
             # Served by the reader right after its frame, or, when the call came from
@@ -96,18 +96,11 @@ class RedisSubscriptions(Subscriptions):
         """Whether ``serve`` has anything to do."""
         return bool(self._due_subs or self._due_queues)
 
-    def _file(self, sub: Subscriber) -> None:
-        waiting = bool(sub.credits and sub.queues and not sub.paused)
-        if sub.stamp and not waiting:
-            for queue in sub.queues:
-                self._leave(queue, sub.stamp)
-            sub.stamp = 0
-        elif waiting and not sub.stamp:
-            self._stamp += 1
-            sub.stamp = self._stamp
-            for queue in sub.queues:
-                self._waiters(queue)[sub.stamp] = sub
-        if waiting:
+    def _file(self, sub: Subscriber, served: bool) -> None:
+        """Filed as on the built-in store; and the queues of a waiting subscriber are
+        listened to (``_watch_new``)."""
+        super()._file(sub, served)
+        if sub.stamp:
             for queue in sub.queues:
                 if self.redis.keys(queue).channel not in self._watched:
                     self._to_watch[queue] = None
@@ -175,11 +168,7 @@ class RedisSubscriptions(Subscriptions):
             return False
         sub.credits -= 1
         sub.deliver([(p.key, p.payload) for p in packets])
-        if sub.stamp:  # restamped: it has waited least now (first come, first served)
-            for q in sub.queues:
-                self._leave(q, sub.stamp)
-            sub.stamp = 0
-        self._file(sub)
+        self._file(sub, True)
         self.flush()
         return True
 
@@ -195,11 +184,7 @@ class RedisSubscriptions(Subscriptions):
             return False
         sub.credits -= 1
         sub.deliver(leases.made(sub.holder, queue, reply))  # type: ignore[attr-defined]
-        if sub.stamp:
-            for q in sub.queues:
-                self._leave(q, sub.stamp)
-            sub.stamp = 0
-        self._file(sub)
+        self._file(sub, True)
         self.flush()
         return True
 
