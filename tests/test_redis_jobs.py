@@ -8,6 +8,7 @@ delay before it expects a packet, and ``fail_after`` bounds what it waits for a 
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
 import trio
@@ -16,7 +17,7 @@ from pinpriq.redis.keys import queue_keys
 from pinpriq.redis.store import RedisStore
 from pinpriq.wire import DelayedPush, encode
 from tests.rawpeer import pop, push, release, reserve, subscribe
-from tests.redis_servers import RedisServer
+from tests.redis_servers import RedisServer, need_redis
 from tests.test_redis_store import (
     READY,
     SYNC,
@@ -210,3 +211,37 @@ async def test_a_moved_packet_starts_its_attempts_again(
         assert redis_server.cli("EXISTS", queue_keys(b"src").attempts.decode()) == "0"
         await worker.send(reserve(b"dst", 60_000))
         assert (await worker.lease())[1:] == (1, [(b"k", b"job")])
+
+
+async def test_subscribers_are_woken_after_redis_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The direct connections (``direct.py``: deliveries and the pub/sub messages that start
+    them) connect again after Redis restarts, and a subscriber waiting since before the
+    restart is still woken by a push through another front end."""
+    need_redis()
+    no_scans(monkeypatch)
+    redis = RedisServer(tmp_path / "aof", "--appendonly", "yes", "--appendfsync", "always")
+    redis.start()
+    channel = queue_keys(b"jobs").channel.decode()
+    try:
+        async with two_front_ends(redis.url) as (a, b):
+            subscriber, pusher = await connect(b), await connect(a)
+            await subscriber.send(subscribe(b"jobs") + READY * 2)
+            await subscriber.request(SYNC)
+            await pusher.request(push(b"jobs", b"k1", b"before") + SYNC)
+            with trio.fail_after(10):
+                assert await subscriber.reply() == [(b"k1", b"before")]
+            redis.stop()  # SIGKILL
+            await trio.sleep(0.2)
+            redis.start()  # same port; its AOF has the waiting mark
+            with trio.fail_after(15):  # B reconnects with backoff, then subscribes again
+                while True:  # Redis is the only one who can tell: ask it
+                    if redis.cli("PUBSUB", "NUMSUB", channel).split()[-1] == "1":
+                        break
+                    await trio.sleep(0.05)
+            await pusher.request(push(b"jobs", b"k2", b"after") + SYNC)
+            with trio.fail_after(10):
+                assert await subscriber.reply() == [(b"k2", b"after")]
+    finally:
+        redis.stop()

@@ -11,8 +11,8 @@ Redis's errors into the same exceptions as coredis raises, so ``RedisStore.call_
 them alike).
 
 Standalone Redis only (``redis://``, ``rediss://``): on a Cluster, coredis routes each call to
-its slot's node and these are not used. One request at a time per connection (a lock): the
-deliveries of a front end are made one at a time anyway.
+its slot's node and these are not used. Every script call of the store goes this way there
+(``RedisStore._pipeline``); coredis keeps the rest (the checks at start, scans, the figures).
 """
 
 from __future__ import annotations
@@ -120,26 +120,35 @@ class _Link:
 
 
 class DirectConnection:
-    """Requests to Redis answered in the calling task, one pipeline at a time."""
+    """Requests to Redis answered in the calling task: each pipeline takes a socket of its
+    own from a pool (at most ``size`` open; more callers wait for one), so the tasks of many
+    client connections still reach Redis side by side."""
 
-    def __init__(self, host: str, port: int, **options: Any) -> None:
-        self._link = _Link(host, port, **options)
-        self._lock = trio.Lock()
+    def __init__(self, host: str, port: int, *, size: int = 64, **options: Any) -> None:
+        self._address = (host, port)
+        self._options = options
+        self._idle: list[_Link] = []
+        self._slots = trio.Semaphore(size)
 
     async def pipeline(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Send ``commands`` and return their replies, in order; an error reply is returned as
         its exception. Raises coredis's ``ConnectionError`` if Redis cannot be reached (the
         next call connects again)."""
-        async with self._lock:
-            await self._link.open()
+        async with self._slots:
+            link = self._idle.pop() if self._idle else _Link(*self._address, **self._options)
             try:
-                return await self._link.exchange(commands)
+                await link.open()
+                replies = await link.exchange(commands)
             except BaseException:
-                self._link.close()  # cancelled mid-reply: the next reply would be this one's
+                link.close()  # cancelled mid-reply: the next reply would be this one's
                 raise
+            self._idle.append(link)
+            return replies
 
     def close(self) -> None:
-        self._link.close()
+        for link in self._idle:
+            link.close()
+        self._idle.clear()
 
 
 class DirectSubscriber:

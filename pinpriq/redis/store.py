@@ -190,8 +190,8 @@ class RedisStore:
         self._lease_sweeps: list[tuple[float, bytes]] = []
         self._lease_sweep_at: dict[bytes, float] = {}
         self._lease_wake = trio.CancelScope()
-        #: A connection for deliveries that answers in the calling task (standalone Redis
-        #: only; ``connect.open_store`` makes it), or ``None``.
+        #: Connections to Redis that answer in the calling task, for every script call
+        #: (standalone Redis only; ``connect.open_store`` makes them), or ``None``.
         self.direct: DirectConnection | None = None
 
     # -- the Store contract, as the broker calls it ------------------------------------------
@@ -479,7 +479,7 @@ class RedisStore:
     async def pop_for_delivery(self, queue: bytes) -> tuple[list[Popped], bool]:
         """Pop ``queue`` now, for a delivery; and whether it holds more selectable packets."""
         call = self._pop_call(queue, full=1)
-        (reply,) = await self.call_all([call], direct=True)
+        (reply,) = await self.call_all([call])
         self._took(queue, call[2], reply)
         return _popped(reply[0]), bool(reply[1])
 
@@ -489,14 +489,14 @@ class RedisStore:
         args: list[bytes | int | str] = [k.channel]
         for packet in packets:
             args.extend(packet)
-        (reply,) = await self.call_all([("restore", [*k[:6], k.key_index], args)], direct=True)
+        (reply,) = await self.call_all([("restore", [*k[:6], k.key_index], args)])
         return int(reply)
 
     async def ranks(self, queues: Sequence[bytes]) -> list[tuple[int, int] | None]:
         """The rank (``(prio, -seq)``, smaller is better) of what each queue's pop would take;
         ``None`` where nothing is selectable. One pipeline; each rank is exact when read, but
         across Cluster slots they are read at slightly different moments."""
-        replies = await self.call_all([("rank", self._timed(q), ()) for q in queues], direct=True)
+        replies = await self.call_all([("rank", self._timed(q), ()) for q in queues])
         return [(int(r[0]), -int(r[1])) if r else None for r in replies]
 
     async def peek_async(self, queue: bytes, count: int) -> list[PeekedPacket]:
@@ -744,13 +744,13 @@ class RedisStore:
         """Lease ``queue`` now for a leased subscriber (decision 17); and whether it holds
         more selectable packets."""
         call, handle = self._reserve_call(queue, lease_ms)
-        (reply,) = await self.call_all([call], direct=True)
+        (reply,) = await self.call_all([call])
         return self._reserved(queue, handle, reply), bool(reply and int(reply[2]))
 
     async def unreserve(self, queue: bytes, handle: bytes) -> None:
         """Put back a lease made for a delivery nobody could take, its attempt not counted."""
         unreserve = self._lease_call("lease_op", queue, "unreserve", handle, 0)
-        await self.call_all([unreserve], direct=True)
+        await self.call_all([unreserve])
 
     def wake_leases(self) -> None:
         """``closing`` has leases to release: ``lease_loop`` runs now."""
@@ -809,14 +809,12 @@ class RedisStore:
         front ends of one layout share the library, the one loaded last (``lua.LAYOUT``)."""
         await self.client.function_load(lua.LIBRARY, replace=True)
 
-    async def call_all(self, calls: Sequence[_Call], *, direct: bool = False) -> list[Any]:
+    async def call_all(self, calls: Sequence[_Call]) -> list[Any]:
         """Run scripts as one pipeline, in order; retries what Redis could not run yet (it is
         unreachable, loading, out of memory, or lost the scripts in a restart) with backoff,
-        logging once, until it has. Another error is a bug, raised. ``direct``: through the
-        direct connection where there is one (a delivery: ``direct.py`` says why)."""
+        logging once, until it has. Another error is a bug, raised."""
         results: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
-        pipeline = self._direct_pipeline if direct and self.direct is not None else self._pipeline
         delay = RETRY_FIRST
         calls = list(calls)
         while todo:
@@ -824,7 +822,7 @@ class RedisStore:
                 for index in todo:
                     calls[index] = _retried(calls[index])
             try:
-                replies = await pipeline([calls[i] for i in todo])
+                replies = await self._pipeline([calls[i] for i in todo])
             except _TRANSIENT as error:
                 self._trouble(f"Redis is unreachable ({error}); retrying")
                 replies = None
@@ -857,13 +855,13 @@ class RedisStore:
             self._troubled = None
         return results
 
-    async def _direct_pipeline(self, calls: Sequence[_Call]) -> list[Any]:
-        assert self.direct is not None
-        return await self.direct.pipeline(
-            [(b"FCALL", _FUNCTIONS[name], len(keys), *keys, *args) for name, keys, args in calls]
-        )
-
     async def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
+        """One round trip: through the direct connections where there are (``direct.py``
+        says why), else coredis's pipeline."""
+        if self.direct is not None:
+            return await self.direct.pipeline(
+                [(b"FCALL", _FUNCTIONS[n], len(keys), *keys, *args) for n, keys, args in calls]
+            )
         async with self.client.pipeline(transaction=False, raise_on_error=False) as pipe:
             requests = [
                 pipe.fcall(_FUNCTIONS[name], keys=keys, args=args) for name, keys, args in calls
