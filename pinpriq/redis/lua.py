@@ -380,10 +380,11 @@ return {tostring(earliest), redis.call('HLEN', KEYS[2])}
 
 #: KEYS d s g x q r y Y w k; ARGV max_pop, pops, full, call id, retry ('1' if sent before), then
 #: the call ids whose results the front end has. Promotes and sweeps what is due, then ``pops``
-#: times removes the best packet and its key group (decisions 2-4). Returns one flat list a pop: two fields a
-#: packet (key, payload), or with ``full`` = 1 five (key, payload, prio, seq, deadline: enough
-#: for a delivery nobody could take to go back unchanged); then the selectable packets left, and
-#: all the packets left. A call that took packets keeps that reply under its id in ``:r``.
+#: times removes the best packet and its key group (decisions 2-4). Returns one flat list a
+#: pop: two fields a packet (key, payload), or with ``full`` = 1 five (key, payload, prio, seq,
+#: deadline: enough for a delivery nobody could take to go back unchanged); then the
+#: selectable packets left, and all the packets left. A call that took packets keeps that reply
+#: under its id in ``:r``.
 #: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
 POP = r"""
 local max_pop, pops, full = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
