@@ -431,18 +431,16 @@ class QueueStore:
         return q.size if q is not None else 0
 
     def sizes(self) -> Iterator[tuple[bytes, int, int]]:
-        """Every queue holding packets, with its packets and its bytes, delayed ones included
-        (a queue holding only delayed packets too). O(1) per queue."""
+        """Every queue holding packets, with its packets (as ``QueueInfo.packets``: delayed
+        ones not counted) and its bytes (delayed ones' included); a queue holding only delayed
+        packets too. O(1) per queue."""
         delayed = self._delayed
         for name, q in self._queues.items():
             waiting = delayed.get(name) if delayed else None
-            if waiting is None:
-                yield name, q.size, q.bytes
-            else:
-                yield name, q.size + len(waiting.packets), q.bytes + waiting.bytes
+            yield name, q.size, q.bytes if waiting is None else q.bytes + waiting.bytes
         for name, waiting in delayed.items():
             if name not in self._queues:
-                yield name, len(waiting.packets), waiting.bytes
+                yield name, 0, waiting.bytes
 
     def push(self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> float:
         """Queue a packet; returns its deadline on the store's clock (inf for TTL 0)."""

@@ -93,9 +93,10 @@ class Store(Protocol):
       the calls below.
     * **Delayed packets** (decision 21) are held but in no queue until they are due: no pop,
       take, peek or move sees them, and they are in no key group; they count in
-      ``bytes_held`` (``delayed_bytes``), in ``len``, in ``sizes``, ``queue_count`` and
-      ``QueueInfo.delayed``, and a purge removes them. A queue holding only delayed packets is
-      empty for pops and is forgotten (decision 5) as far as pops can tell, yet listed.
+      ``bytes_held`` (``delayed_bytes``), in ``len``, ``queue_count``, a queue's bytes and
+      ``QueueInfo.delayed`` (not in its ``packets``), and a purge removes them. A queue
+      holding only delayed packets is empty for pops and is forgotten (decision 5) as far as
+      pops can tell, yet listed.
       ``next_deadline`` covers their due times, and ``expire`` files every due packet into its
       queue in its place in push order (its seq, taken at the push, as ``restore`` files a
       packet), with its TTL deadline (due time plus TTL), or drops it if that has passed too.
@@ -173,8 +174,9 @@ class Store(Protocol):
         ...
 
     def sizes(self) -> Iterator[tuple[bytes, int, int]]:
-        """Every queue holding packets, with its packets and its bytes, delayed ones included
-        (a queue holding only delayed packets too); O(1) per queue."""
+        """Every queue holding packets, with its packets (as ``QueueInfo.packets``: delayed
+        ones not counted) and its bytes (delayed ones' included); a queue holding only delayed
+        packets too. O(1) per queue."""
         ...
 
     def queue_info(self, queue: bytes) -> QueueInfo:
