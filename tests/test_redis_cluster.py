@@ -8,12 +8,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trio
 
 from pinpriq.conformance import run_suite
 from pinpriq.redis.keys import queue_keys
 from pinpriq.redis.store import RedisStore
+from pinpriq.wire import DelayedPush, encode
+from tests.rawpeer import subscribe
 from tests.redis_servers import RedisServer, need_redis, start_cluster
-from tests.test_redis_store import FIXTURES, HOST, STEP_TIMEOUT, SYNC, connect, front_end, pop, push
+from tests.test_redis_store import (
+    FIXTURES,
+    HOST,
+    READY,
+    STEP_TIMEOUT,
+    SYNC,
+    connect,
+    front_end,
+    pop,
+    push,
+)
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +142,22 @@ async def test_a_move_cut_between_its_halves_is_finished_once_by_a_scan(
         await store._move_in(b"cut-to", b"dead:m1", packets)
         assert await peer.request(pop(b"cut-to")) == [(b"k", b"job"), (b"k", b"rider")]
         assert await peer.request(pop(b"cut-to")) == []
+
+
+async def test_delayed_packets_on_a_cluster(cluster: list[RedisServer]) -> None:
+    url = cluster_url(cluster)
+    async with front_end(url) as (_, a), front_end(url) as (_, b):
+        pusher, subscriber = await connect(a), await connect(b)
+        await subscriber.send(subscribe(b"later") + READY)
+        await subscriber.request(SYNC)
+        await pusher.send(
+            encode(DelayedPush(b"later", b"k", b"due", 0, 1, 200))
+            + encode(DelayedPush(b"popped", b"k", b"due", 0, 1, 200))
+            + SYNC
+        )
+        assert await pusher.reply() == []
+        assert await pusher.request(pop(b"popped")) == []  # not before it is due
+        with trio.fail_after(10):  # B hears of it, times it, and is woken when it is due
+            assert await subscriber.reply() == [(b"k", b"due")]
+        await trio.sleep(0.25)
+        assert await pusher.request(pop(b"popped")) == [(b"k", b"due")]
