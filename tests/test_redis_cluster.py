@@ -146,18 +146,24 @@ async def test_a_move_cut_between_its_halves_is_finished_once_by_a_scan(
 
 async def test_delayed_packets_on_a_cluster(cluster: list[RedisServer]) -> None:
     url = cluster_url(cluster)
-    async with front_end(url) as (_, a), front_end(url) as (_, b):
+    async with front_end(url) as (server, a), front_end(url) as (_, b):
         pusher, subscriber = await connect(a), await connect(b)
         await subscriber.send(subscribe(b"later") + READY)
         await subscriber.request(SYNC)
         await pusher.send(
-            encode(DelayedPush(b"later", b"k", b"due", 0, 1, 200))
-            + encode(DelayedPush(b"popped", b"k", b"due", 0, 1, 200))
+            encode(DelayedPush(b"later", b"k", b"due", 0, 1, 300))
+            + encode(DelayedPush(b"popped", b"k", b"due", 0, 1, 300))
+            + encode(DelayedPush(b"held", b"k", b"in a minute", 0, 1, 60_000))
             + SYNC
         )
         assert await pusher.reply() == []
         assert await pusher.request(pop(b"popped")) == []  # not before it is due
+        store = server.broker.store
+        assert isinstance(store, RedisStore)
+        await store.refresh_snapshot()  # the scan finds them on their nodes
+        assert store.queue_info(b"held").delayed == 1
+        assert store.delayed_bytes > 0
         with trio.fail_after(10):  # B hears of it, times it, and is woken when it is due
             assert await subscriber.reply() == [(b"k", b"due")]
-        await trio.sleep(0.25)
+        await trio.sleep(0.35)
         assert await pusher.request(pop(b"popped")) == [(b"k", b"due")]
