@@ -152,7 +152,7 @@ async def test_delayed_packets_on_a_cluster(cluster: list[RedisServer]) -> None:
         await subscriber.request(SYNC)
         await pusher.send(
             encode(DelayedPush(b"later", b"k", b"due", 0, 1, 300))
-            + encode(DelayedPush(b"popped", b"k", b"due", 0, 1, 300))
+            + encode(DelayedPush(b"popped", b"k", b"due", 0, 1, 1000))
             + encode(DelayedPush(b"held", b"k", b"in a minute", 0, 1, 60_000))
             + SYNC
         )
@@ -165,5 +165,5 @@ async def test_delayed_packets_on_a_cluster(cluster: list[RedisServer]) -> None:
         assert store.delayed_bytes > 0
         with trio.fail_after(10):  # B hears of it, times it, and is woken when it is due
             assert await subscriber.reply() == [(b"k", b"due")]
-        await trio.sleep(0.35)
+        await trio.sleep(1.05)
         assert await pusher.request(pop(b"popped")) == [(b"k", b"due")]

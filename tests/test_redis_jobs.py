@@ -55,7 +55,7 @@ async def test_a_delayed_packet_is_in_no_queue_until_due_then_keeps_its_push_ord
     async with two_front_ends(redis_url) as (a, b):
         pusher, popper = await connect(a), await connect(b)
         await pusher.send(
-            later(b"q", b"k", b"delayed", 300, prio=5)  # its seq is taken now
+            later(b"q", b"k", b"delayed", 1000, prio=5)  # its seq is taken now
             + push(b"q", b"k", b"now", prio=7)
             + push(b"q", b"other", b"newer", prio=5)
         )
@@ -66,7 +66,7 @@ async def test_a_delayed_packet_is_in_no_queue_until_due_then_keeps_its_push_ord
         assert await popper.request(pop(b"q")) == []
         await pusher.send(push(b"q", b"n", b"pushed after it", prio=5))
         await pusher.request(SYNC)
-        await trio.sleep(0.35)
+        await trio.sleep(1.05)
         # Due: pushed after it, the other prio-5 packet is newer and comes first (decision 21).
         await pusher.send(push(b"q", b"k", b"rider", prio=0))
         await pusher.request(SYNC)
@@ -78,13 +78,15 @@ async def test_a_delayed_packet_is_in_no_queue_until_due_then_keeps_its_push_ord
 async def test_a_delayed_packets_ttl_counts_from_its_due_time(redis_url: str) -> None:
     async with front_end(redis_url) as (_, port):
         peer = await connect(port)
+        # Counted from the push, the TTL would end at 1 s, when the packets fall due: they
+        # would be dropped as they arrive. Counted from the due time, they live until 2 s.
         await peer.send(
-            later(b"t", b"a", b"", 200, ttl_ms=250) + later(b"t", b"b", b"", 200, ttl_ms=250)
+            later(b"t", b"a", b"", 1000, ttl_ms=1000) + later(b"t", b"b", b"", 1000, ttl_ms=1000)
         )
         await peer.request(SYNC)
-        await trio.sleep(0.3)  # past push + TTL, before due + TTL: both live
+        await trio.sleep(1.05)
         assert len(await peer.request(pop(b"t"))) == 1
-        await trio.sleep(0.25)  # past due + TTL
+        await trio.sleep(1.0)  # past due + TTL
         assert await peer.request(pop(b"t")) == []
 
 
@@ -119,7 +121,7 @@ async def test_a_subscriber_on_another_front_end_gets_a_delayed_packet_when_due(
         subscriber, pusher = await connect(b), await connect(a)
         await subscriber.send(subscribe(b"jobs") + READY)
         await subscriber.request(SYNC)
-        await pusher.send(later(b"jobs", b"k", b"job", 200))
+        await pusher.send(later(b"jobs", b"k", b"job", 1000))
         await pusher.request(SYNC)
         await subscriber.expect_silence(0.1)  # not before it is due
         with trio.fail_after(10):
