@@ -247,3 +247,25 @@ async def test_subscribers_are_woken_after_redis_restarts(
                 assert await subscriber.reply() == [(b"k2", b"after")]
     finally:
         redis.stop()
+
+
+async def test_a_subscriber_arriving_while_redis_is_down_is_served_once_it_is_back(
+    tmp_path: Path,
+) -> None:
+    need_redis()
+    redis = RedisServer(tmp_path / "aof", "--appendonly", "yes", "--appendfsync", "always")
+    redis.start()
+    try:
+        async with two_front_ends(redis.url) as (a, b):
+            redis.stop()  # SIGKILL
+            await trio.sleep(0.2)
+            subscriber = await connect(b)
+            await subscriber.send(subscribe(b"jobs") + READY)  # cannot mark it in Redis now
+            await trio.sleep(0.3)
+            redis.start()
+            pusher = await connect(a)
+            with trio.fail_after(30):  # B's renewal of its marks comes within 10 s
+                await pusher.request(push(b"jobs", b"k", b"job") + SYNC)
+                assert await subscriber.reply() == [(b"k", b"job")]
+    finally:
+        redis.stop()

@@ -196,9 +196,14 @@ class RedisSubscriptions(Subscriptions):
         channels = [self.redis.keys(q).channel for q in queues]
         for queue, channel in zip(queues, channels, strict=True):
             self._watched[channel] = queue
-        if self._pubsub is not None:
-            await self._pubsub.subscribe(*channels)
-        await self._mark_waiting(queues, due_times=True)
+        try:
+            if self._pubsub is not None:
+                await self._pubsub.subscribe(*channels)
+            await self._mark_waiting(queues, due_times=True)
+        except _TRANSIENT as error:
+            # Redis went away: the subscription is remade with every watched channel, and the
+            # marks renewed (``_refresh_loop``), once it is back; pops wait for it meanwhile.
+            log.warning("cannot mark queues waited on in Redis now (%s); retrying", error)
 
     async def _mark_waiting(self, queues: list[bytes], *, due_times: bool = False) -> None:
         """Mark ``queues`` waited on (pushes then publish); with ``due_times``, time the
