@@ -6,13 +6,14 @@ moves least: it counts the time Redis spent running a command, not the time the 
 generator or a front end took. Starts a fresh ``redis-server`` (noeviction, no persistence) on
 a free loopback port. Prints medians over ``--rounds`` rounds.
 
-    python benchmarks/redis_script_costs.py [--rounds 5] [--calls] [--scripts]
+    python benchmarks/redis_script_costs.py [--rounds 5] [--calls] [--scripts] [--delayed]
 
 ``--calls``: one EVAL loops 100,000 times over one ``redis.call`` on a queue of 1,000 packets;
 Redis's CPU time for it less an empty loop's, per iteration, is that call's cost. ``--scripts``:
 redis-benchmark (pipeline 64, 4 connections) sends the push and pop scripts with one packet a
 call (P1) and with 64 a call (P64: one push of 64 packets, one call of 64 pops), and plain
-ZADD / ZPOPMIN; usec per call over packets per call is the cost per packet.
+ZADD / ZPOPMIN; usec per call over packets per call is the cost per packet. ``--delayed``:
+protocol 1.2's functions (``delayed_costs``).
 """
 
 from __future__ import annotations
