@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from pinpriq.persistence.records import (
     Block,
+    Entries,
     Kind,
     LogFormatError,
     decode_entries,
@@ -20,13 +21,32 @@ from pinpriq.persistence.records import (
     encode_push,
     encode_remove,
     read_block,
+    zeros_from,
 )
 
 
-def entries(data: bytes, offset: int = 0) -> list[tuple[object, ...]]:
+def entries(data: bytes, offset: int = 0, *, old_copies: bool = False) -> list[tuple[object, ...]]:
     block = read_block(data, offset)
     assert block is not None
-    return decode_entries(data, block)
+    return flat(decode_entries(data, block, old_copies=old_copies), block.base_ms)
+
+
+def flat(decoded: Entries, base_ms: int) -> list[tuple[object, ...]]:
+    """A block's entries as one list, in the order replay applies them (pushes, copies,
+    removes): ``(kind, seq, deadline_ms, prio, queue, key, payload, pushed_ms)`` or
+    ``(REMOVE, seq)``; a push's push time is its block's ``base_ms``."""
+    deadlines = dict(decoded.push_deadlines)
+    found: list[tuple[object, ...]] = [
+        (Kind.PUSH, seq, deadlines.get(seq, 0), prio, queue, key, payload, base_ms)
+        for queue, key, payload, prio, seq in decoded.pushes
+    ]
+    found += [
+        (Kind.COPY, seq, deadline_ms, prio, queue, key, payload, pushed_ms)
+        for (queue, key, payload, prio, seq), deadline_ms, pushed_ms in zip(
+            decoded.copies, decoded.copy_deadlines, decoded.copy_times, strict=True
+        )
+    ]
+    return found + [(Kind.REMOVE, seq) for seq in decoded.removed]
 
 
 def test_a_block_byte_by_byte() -> None:
@@ -70,10 +90,7 @@ def test_a_copy_entry_byte_by_byte_in_both_formats() -> None:
     )
     assert entries(encode_block(20, 0, copy)) == [(Kind.COPY, 9, 7_000, 4, b"q", b"k", b"v", 6_000)]
     old = bytes.fromhex("63 0000000000000009 0000000000001b58 04 0001 0001 0001") + b"qkv"
-    data = encode_block(20, 0, old)
-    block = read_block(data, 0)
-    assert block is not None
-    assert decode_entries(data, block, old_copies=True) == [
+    assert entries(encode_block(20, 0, old), old_copies=True) == [
         (Kind.COPY, 9, 7_000, 4, b"q", b"k", b"v", 0)  # push time unknown
     ]
     for cut in range(1, len(old)):
@@ -103,6 +120,17 @@ def test_blocks_follow_each_other_and_zeros_end_the_data() -> None:
     assert block.end == len(first) + len(second)
     assert read_block(data, block.end) is None  # the unused, zeroed rest of a segment
     assert read_block(data, len(data)) is None
+
+
+@pytest.mark.parametrize("at", [0, 1, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, (3 << 20) - 1])
+def test_zeros_from_finds_one_non_zero_byte_anywhere(at: int) -> None:
+    """Compared a megabyte at a time: a byte in any chunk, or on a chunk's edge, counts."""
+    data = bytearray(3 << 20)
+    assert zeros_from(bytes(data), 0)
+    data[at] = 1
+    assert not zeros_from(bytes(data), 0)
+    assert not zeros_from(bytes(data), at)
+    assert zeros_from(bytes(data), at + 1)
 
 
 @pytest.mark.parametrize("cut", range(1, 40))
@@ -166,7 +194,7 @@ def _read_all(data: bytes) -> list[object]:
     offset = 0
     while (block := read_block(data, offset)) is not None:
         assert isinstance(block, Block)
-        found.extend(decode_entries(data, block))
+        found.extend(flat(decode_entries(data, block), block.base_ms))
         offset = block.end
     return found
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import enum
 import struct
 import zlib
-from typing import Any, Final, NamedTuple
+from typing import Final, NamedTuple
 
 __all__ = [
     "BLOCK_HEADER",
@@ -53,9 +53,10 @@ __all__ = [
     "PUSH_HEADER",
     "REMOVE",
     "Block",
-    "Entry",
+    "Entries",
     "Kind",
     "LogFormatError",
+    "Packet",
     "decode_entries",
     "encode_block",
     "encode_copy",
@@ -103,14 +104,37 @@ class Block(NamedTuple):
     base_ms: int
 
 
-#: A decoded entry, one plain tuple per kind (the replay loop reads millions of them):
-#: ``(PUSH or COPY, seq, deadline_ms, prio, queue, key, payload, pushed_ms)`` or
-#: ``(REMOVE, seq)``. A push's deadline is already made absolute (0 means never), and its
-#: ``pushed_ms`` is its block's ``base_ms``; a copy's is its own (0: unknown).
-Entry = tuple[Any, ...]
+#: A push or copy entry's packet, as recovery files it: ``(queue, key, payload, prio, seq)``,
+#: the order ``QueueStore.load`` takes (recovery hands these tuples to it as they are: one
+#: object per packet, made once, since there are millions).
+Packet = tuple[bytes, bytes, bytes, int, int]
 
-# The kinds as plain ints, for the loops that compare every entry's first byte.
-_PUSH, _COPY, _REMOVE = int(Kind.PUSH), int(Kind.COPY), int(Kind.REMOVE)
+
+class Entries:
+    """The entries of one block, by kind, each in log order. The writer puts a block's pushes
+    first, then its copies, then its removes, so replaying them in that order (pushes,
+    copies, removes) is replaying the block; an entry names its packet by seq alone."""
+
+    def __init__(self) -> None:
+        #: Push entries: packets ``seq_base + 1``, ``seq_base + 2``, ..., in order.
+        self.pushes: list[Packet] = []
+        #: ``(seq, deadline_ms)`` of the pushes with a TTL (a push's deadline is its block's
+        #: ``base_ms`` plus its TTL; its push time is ``base_ms``).
+        self.push_deadlines: list[tuple[int, int]] = []
+        #: Copy entries, and beside each its deadline (0: none) and push time (0: unknown).
+        self.copies: list[Packet] = []
+        self.copy_deadlines: list[int] = []
+        self.copy_times: list[int] = []
+        #: Seqs of the remove entries.
+        self.removed: list[int] = []
+
+
+# The kinds as plain ints, for the loops that compare every entry's first byte: each ``Final``
+# on its own line, which mypyc keeps in a C variable (a tuple assignment left them names to
+# look up in the module's dict, three lookups per entry).
+_PUSH: Final = int(Kind.PUSH)
+_COPY: Final = int(Kind.COPY)
+_REMOVE: Final = int(Kind.REMOVE)
 
 
 def encode_push(queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> bytes:
@@ -178,86 +202,76 @@ _ZEROS = bytes(1 << 20)
 
 
 def zeros_from(data: bytes, offset: int) -> bool:
-    """Whether every byte from ``offset`` on is zero, compared a megabyte at a time (the
-    fastest way CPython has: a segment is megabytes of zeros until written)."""
+    """Whether every byte from ``offset`` on is zero, compared a megabyte at a time with
+    ``startswith``, which compares in place (a slice would copy each megabyte first: a
+    preallocated segment is megabytes of zeros until written, and recovery checks the unused
+    rest of each segment)."""
     step = len(_ZEROS)
     for start in range(offset, len(data), step):
-        chunk = data[start : start + step]
-        if chunk != _ZEROS[: len(chunk)]:
+        size = min(step, len(data) - start)
+        if not data.startswith(_ZEROS if size == step else _ZEROS[:size], start):
             return False
     return True
 
 
-def decode_entries(data: bytes, block: Block, *, old_copies: bool = False) -> list[Entry]:
-    """The entries of a block of ``data``, in order, each as an ``Entry`` tuple (copies laid
-    out as log format 1 wrote them with ``old_copies``). Raises ``LogFormatError`` at an entry
-    that is cut short or of an unknown kind (only a writer bug or a newer format makes one: the
-    block's checksum was right).
+def decode_entries(data: bytes, block: Block, *, old_copies: bool = False) -> Entries:
+    """The entries of a block of ``data``, by kind (copies laid out as log format 1 wrote them
+    with ``old_copies``). Raises ``LogFormatError`` at an entry that is cut short or of an
+    unknown kind (only a writer bug or a newer format makes one: the block's checksum was
+    right).
 
     One tight loop over the bytes, since recovery decodes every entry of the log. The fields
     are read byte by byte rather than with ``struct``: this module is compiled (mypyc), where
     indexing ``bytes`` and native integer arithmetic are C, while a ``struct`` call and the
-    tuple it returns cost more than the rest of the entry (recovery of a million packets spent
-    half its time here)."""
-    entries: list[Entry] = []
-    append = entries.append
+    tuple it returns cost more than the rest of the entry. Each packet becomes one tuple, in
+    the order the store loads it, and nothing else per packet unless it has a TTL or is a
+    copy (recovery of a million packets spent most of its time making, reordering and
+    freeing objects per packet)."""
+    entries = Entries()
+    pushes, copies, removed = entries.pushes, entries.copies, entries.removed
     pos: int = block.start
     end: int = block.end
     seq: int = block.seq_base
     base_ms: int = block.base_ms
+    copy_size = _COPY_1_SIZE if old_copies else _COPY_SIZE
     while pos < end:
         kind = data[pos]
+        if kind == _REMOVE:
+            if end - pos < _REMOVE_SIZE:
+                raise LogFormatError("a remove entry cut short")
+            removed.append(_u64(data, pos + 1))
+            pos += _REMOVE_SIZE
+            continue
         if kind == _PUSH:
             if end - pos < _PUSH_SIZE:
                 raise LogFormatError("a push entry cut short")
             ttl_ms = data[pos + 1] << 8 | data[pos + 2]
-            prio = data[pos + 3]
-            queue_len = data[pos + 4] << 8 | data[pos + 5]
-            key_len = data[pos + 6] << 8 | data[pos + 7]
-            payload_len = data[pos + 8] << 8 | data[pos + 9]
-            pos += _PUSH_SIZE
-            seq += 1
-            number = seq
-            deadline_ms = base_ms + ttl_ms if ttl_ms else 0
-            pushed_ms = base_ms
+            lengths = pos + 4
+            size = _PUSH_SIZE
         elif kind == _COPY:
-            size = _COPY_1_SIZE if old_copies else _COPY_SIZE
-            if end - pos < size:
+            if end - pos < copy_size:
                 raise LogFormatError("a copy entry cut short")
-            number = _u64(data, pos + 1)
-            deadline_ms = _u64(data, pos + 9)
-            lengths = pos + size - 6  # prio before them, pushed_ms before it (format 2)
-            pushed_ms = 0 if old_copies else _u64(data, pos + 17)
-            prio = data[lengths - 1]
-            queue_len = data[lengths] << 8 | data[lengths + 1]
-            key_len = data[lengths + 2] << 8 | data[lengths + 3]
-            payload_len = data[lengths + 4] << 8 | data[lengths + 5]
-            pos += size
-        elif kind == _REMOVE:
-            if end - pos < _REMOVE_SIZE:
-                raise LogFormatError("a remove entry cut short")
-            append((_REMOVE, _u64(data, pos + 1)))
-            pos += _REMOVE_SIZE
-            continue
+            lengths = pos + copy_size - 6  # prio before them, pushed_ms before it (format 2)
+            size = copy_size
         else:
             raise LogFormatError(f"unknown entry kind 0x{kind:02x}")
-        key_at = pos + queue_len
-        payload_at = key_at + key_len
-        stop = payload_at + payload_len
+        prio = data[lengths - 1]
+        key_at = pos + size + (data[lengths] << 8 | data[lengths + 1])
+        payload_at = key_at + (data[lengths + 2] << 8 | data[lengths + 3])
+        stop = payload_at + (data[lengths + 4] << 8 | data[lengths + 5])
         if stop > end:
             raise LogFormatError("a packet entry cut short")
-        append(
-            (
-                kind,
-                number,
-                deadline_ms,
-                prio,
-                data[pos:key_at],
-                data[key_at:payload_at],
-                data[payload_at:stop],
-                pushed_ms,
-            )
-        )
+        queue = data[pos + size : key_at]
+        if kind == _PUSH:
+            seq += 1
+            pushes.append((queue, data[key_at:payload_at], data[payload_at:stop], prio, seq))
+            if ttl_ms:
+                entries.push_deadlines.append((seq, base_ms + ttl_ms))
+        else:
+            copied = _u64(data, pos + 1)
+            copies.append((queue, data[key_at:payload_at], data[payload_at:stop], prio, copied))
+            entries.copy_deadlines.append(_u64(data, pos + 9))
+            entries.copy_times.append(0 if old_copies else _u64(data, pos + 17))
         pos = stop
     return entries
 

@@ -28,7 +28,6 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from operator import itemgetter
 
 from pinpriq.persistence.compaction import Compactor
 from pinpriq.persistence.journal import Journal
@@ -54,9 +53,6 @@ log = logging.getLogger("pinpriq.persistence")
 _pack_push = PUSH_HEADER.pack
 _pack_remove = REMOVE.pack
 _PUSH, _REMOVE = int(Kind.PUSH), int(Kind.REMOVE)
-#: A log entry ``(kind, seq, deadline_ms, prio, queue, key, payload)`` as ``QueueStore.load``
-#: takes a packet, ``(queue, key, payload, prio, seq)``: picked in C, since there are millions.
-_LOADED = itemgetter(4, 5, 6, 3, 1)
 
 
 class LoggedStore(QueueStore):
@@ -248,7 +244,7 @@ class LoggedStore(QueueStore):
                     f"cannot read the log in {journal.data_dir.path}: {error}"
                 ) from None
             self.load(
-                map(_LOADED, result.packets.values()),
+                result.packets.values(),
                 {seq: now + (ms - now_ms) / 1000 for seq, ms in result.deadlines.items()},
                 result.last_seq,
                 times=[(seq, now + (ms - now_ms) / 1000) for seq, ms in result.times],
