@@ -28,6 +28,9 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from typing import Final
+
+from mypy_extensions import mypyc_attr
 
 from pinpriq.persistence.compaction import Compactor
 from pinpriq.persistence.journal import Journal
@@ -50,13 +53,20 @@ __all__ = ["LoggedStore"]
 
 log = logging.getLogger("pinpriq.persistence")
 
-_pack_push = PUSH_HEADER.pack
-_pack_remove = REMOVE.pack
-_PUSH, _REMOVE = int(Kind.PUSH), int(Kind.REMOVE)
+# Final: mypyc keeps each in a C variable (the hot path reads them per packet).
+_pack_push: Final = PUSH_HEADER.pack
+_pack_remove: Final = REMOVE.pack
+_PUSH: Final = int(Kind.PUSH)
+_REMOVE: Final = int(Kind.REMOVE)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LoggedStore(QueueStore):
-    """Queues whose every push and removal is logged to ``journal`` before anyone sees it."""
+    """Queues whose every push and removal is logged to ``journal`` before anyone sees it.
+
+    Compiled with the store (mypyc, ``pinpriq/_build.py``): the broker's calls into ``push``
+    and ``pop`` then run no interpreted frame, which was most of what logging added to a
+    push's instructions. Tests may subclass it (to slow ``recover`` down, say)."""
 
     def __init__(
         self,
