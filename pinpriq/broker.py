@@ -87,6 +87,7 @@ from pinpriq.wire import (
     Ack,
     Auth,
     ClientFrame,
+    DelayedPush,
     LeasedSubscribe,
     Opcode,
     Pop,
@@ -592,6 +593,11 @@ class Session(Subscriber):
         self.output += encode_lease_status(frame.lease_id, live)
         self.broker.settle()
 
+    def _delayed_push(self, frame: DelayedPush) -> None:
+        # Protocol 1.2's delayed packets (decision 21) need a store that holds them; until the
+        # stores do, the frame closes the connection as an opcode this server lacks would.
+        raise _Refused("a push with a delay: this server does not hold delayed packets yet")
+
     def _leased_subscribe(self, frame: LeasedSubscribe) -> None:
         self._lease_frame(frame)
         self.leased = True
@@ -654,6 +660,7 @@ _HANDLERS: dict[type[ClientFrame], Callable[[Session, ClientFrame], None]] = {
     Release: Session._release,  # type: ignore[dict-item]
     Touch: Session._touch,  # type: ignore[dict-item]
     LeasedSubscribe: Session._leased_subscribe,  # type: ignore[dict-item]
+    DelayedPush: Session._delayed_push,  # type: ignore[dict-item]
 }
 assert set(_HANDLERS) | {Push} == set(FRAMES.values()), "a frame the broker cannot handle"
 

@@ -7,7 +7,8 @@ is shared by HTTP clients and servers. Integers are big-endian and unsigned.
 Two decoders, because the two directions carry different streams:
 
 * ``FrameDecoder`` reads what a client sends (push, pop, subscribe, unsubscribe, ready, sync,
-  auth, and the lease frames: reserve, ack, release, touch, leased subscribe);
+  auth, the lease frames: reserve, ack, release, touch, leased subscribe; and 1.2's push with
+  options);
 * ``ReplyDecoder`` reads what a server sends (pop replies and subscription deliveries, which
   look the same: ``u16 count`` then ``count`` packets; and, through ``next_lease_reply``, the
   11-byte-header messages of leases: ``u64 lease id``, ``u8 attempt or status``, ``u16 count``).
@@ -30,16 +31,20 @@ __all__ = [
     "FRAMES",
     "LEASED_EMPTY",
     "MAX_ATTEMPT",
+    "MAX_DELAY_MS",
     "MAX_FIELD",
     "MAX_FRAME",
     "MAX_LEASE_ID",
     "MAX_LEASE_MS",
     "MAX_REPLY_PACKETS",
+    "MAX_TTL_MS",
+    "MAX_TTL_MS_1_0",
     "READY",
     "SYNC",
     "Ack",
     "Auth",
     "ClientFrame",
+    "DelayedPush",
     "FrameDecoder",
     "LeaseReply",
     "LeasedSubscribe",
@@ -78,6 +83,7 @@ class Opcode(enum.IntEnum):
     RELEASE = 0x4E
     TOUCH = 0x54
     LEASED_SUBSCRIBE = 0x53
+    PUSH_OPTIONS = 0x71  # protocol 1.2: push with a u32 TTL and a delay (decision 21)
 
 
 #: The TCP port a pinpriq server listens on, and a client connects to, unless told otherwise.
@@ -86,9 +92,15 @@ DEFAULT_PORT: Final = 7000
 MAX_FIELD: Final = 0xFFFF
 #: Most packets in one reply: the count field is u16.
 MAX_REPLY_PACKETS: Final = 0xFFFF
-#: Largest legal frame, a push with three maximal fields: 1+2+2+1+4+3*65535.
-MAX_FRAME: Final = 1 + 2 + 2 + 1 + 4 + 3 * MAX_FIELD
-MAX_TTL_MS: Final = 0xFFFF
+#: Largest legal frame, a push with options (1.2) with three maximal fields: 16 + 3*65535. A
+#: 1.0 push is at most 1+2+2+1+4+3*65535.
+MAX_FRAME: Final = 1 + 2 + 4 + 4 + 1 + 4 + 3 * MAX_FIELD
+#: Longest TTL, in milliseconds: a push with options (``71``) carries a u32.
+MAX_TTL_MS: Final = 0xFFFF_FFFF
+#: Longest TTL a plain push (``70``) carries: a u16. ``encode`` writes a ``71`` above it.
+MAX_TTL_MS_1_0: Final = 0xFFFF
+#: Longest delay of a push with options (30 days); a frame with more is malformed.
+MAX_DELAY_MS: Final = 2_592_000_000
 MAX_PRIO: Final = 0xFF
 #: Longest lease time or release delay, in milliseconds (24 h); a frame with more is malformed.
 MAX_LEASE_MS: Final = 86_400_000
@@ -103,6 +115,10 @@ _NAME_HEADER = struct.Struct(">H")  # queue_len of pop, subscribe, unsubscribe; 
 _COUNT = struct.Struct(">H")  # a reply's packet count
 _PACKET_HEADER = struct.Struct(">HH")  # key_len, payload_len
 _PUSH_PREFIX = struct.Struct(">BHHBHH")  # opcode + push header, for encoding
+#: After the opcode of a push with options: queue_len, ttl_ms, delay_ms, prio, key_len,
+#: payload_len.
+_OPTIONS_HEADER = struct.Struct(">HIIBHH")
+_OPTIONS_PREFIX = struct.Struct(">BHIIBHH")  # opcode + that header, for encoding
 _EMPTY_REPLY: Final = b"\x00\x00"
 _TIMED_NAME_HEADER = struct.Struct(">IH")  # lease_ms, queue_len of reserve, leased subscribe
 #: What the server sends on a lease: lease id, attempt (or status), count; then the packets.
@@ -181,6 +197,20 @@ class Push(NamedTuple):
     payload: bytes
     ttl_ms: int = 0
     prio: int = 1
+
+
+@_distinct
+class DelayedPush(NamedTuple):
+    """A push with options (``71``, decision 21) whose packet waits ``delay_ms`` (1 up to
+    ``MAX_DELAY_MS``) before it enters its queue. A ``71`` with no delay decodes to a ``Push``,
+    which it is in every respect (a ``Push``'s ``ttl_ms`` goes up to ``MAX_TTL_MS``)."""
+
+    queue: bytes
+    key: bytes
+    payload: bytes
+    ttl_ms: int
+    prio: int
+    delay_ms: int
 
 
 @_distinct
@@ -278,6 +308,8 @@ ClientFrame: TypeAlias = (
     | Release
     | Touch
     | LeasedSubscribe
+    # protocol 1.2
+    | DelayedPush
 )
 
 #: Every client frame the protocol has, by opcode: the one table the decoder decodes by and the
@@ -295,6 +327,7 @@ FRAMES: dict[int, type[ClientFrame]] = {
     Opcode.RELEASE: Release,
     Opcode.TOUCH: Touch,
     Opcode.LEASED_SUBSCRIBE: LeasedSubscribe,
+    Opcode.PUSH_OPTIONS: DelayedPush,
 }
 _OPCODE_BYTE = {cls: bytes([op]) for op, cls in FRAMES.items()}
 
@@ -312,6 +345,7 @@ _NAMED: Final = 2
 _SINGLE: Final = 3
 _TIMED_NAME: Final = 4
 _FIXED: Final = 5
+_PUSH_OPTIONS: Final = 6
 #: The frames laid out as an opcode and one u16-length byte string have one of these fields.
 _NAMED_FIELDS = (("queue",), ("token",))
 
@@ -329,6 +363,8 @@ def _layout(cls: type[ClientFrame] | None) -> int:
         return _UNKNOWN
     if cls is Push:
         return _PUSH
+    if cls is DelayedPush:
+        return _PUSH_OPTIONS
     if cls._fields in _NAMED_FIELDS:
         return _NAMED
     if not cls._fields:
@@ -380,21 +416,8 @@ def _check_int(name: str, value: int, most: int) -> None:
 def encode(frame: ClientFrame) -> bytes:
     """The bytes of one client frame. Raises ``ArgumentError`` (a ``ValueError``) naming a
     field that cannot fit."""
-    if isinstance(frame, Push):
-        _check_field("queue", frame.queue)
-        _check_field("key", frame.key)
-        _check_field("payload", frame.payload)
-        _check_int("ttl_ms", frame.ttl_ms, MAX_TTL_MS)
-        _check_int("prio", frame.prio, MAX_PRIO)
-        header = _PUSH_PREFIX.pack(
-            Opcode.PUSH,
-            len(frame.queue),
-            frame.ttl_ms,
-            frame.prio,
-            len(frame.key),
-            len(frame.payload),
-        )
-        return b"".join((header, frame.key, frame.payload, frame.queue))
+    if isinstance(frame, Push | DelayedPush):
+        return _encode_push(frame)
     opcode = _OPCODE_BYTE[frame.__class__]
     if not frame:  # a frame of one byte: ready, sync
         return opcode
@@ -410,6 +433,28 @@ def encode(frame: ClientFrame) -> bytes:
     (field,) = frame
     _check_field(frame._fields[0], field)
     return b"".join((opcode, _NAME_HEADER.pack(len(field)), field))
+
+
+def _encode_push(frame: Push | DelayedPush) -> bytes:
+    """A push as ``70`` when it fits (no delay, a TTL of a u16), else as ``71`` (decision 21:
+    a ``70`` is exactly a ``71`` with delay 0), so a 1.0 server takes every push it can."""
+    _check_field("queue", frame.queue)
+    _check_field("key", frame.key)
+    _check_field("payload", frame.payload)
+    _check_int("ttl_ms", frame.ttl_ms, MAX_TTL_MS)
+    _check_int("prio", frame.prio, MAX_PRIO)
+    delay_ms = frame.delay_ms if isinstance(frame, DelayedPush) else 0
+    _check_int("delay_ms", delay_ms, MAX_DELAY_MS)
+    lengths = (len(frame.key), len(frame.payload))
+    if delay_ms or frame.ttl_ms > MAX_TTL_MS_1_0:
+        header = _OPTIONS_PREFIX.pack(
+            Opcode.PUSH_OPTIONS, len(frame.queue), frame.ttl_ms, delay_ms, frame.prio, *lengths
+        )
+    else:
+        header = _PUSH_PREFIX.pack(
+            Opcode.PUSH, len(frame.queue), frame.ttl_ms, frame.prio, *lengths
+        )
+    return b"".join((header, frame.key, frame.payload, frame.queue))
 
 
 def append_reply(output: bytearray, packets: Sequence[KeyedPayload]) -> None:
@@ -518,6 +563,9 @@ class _Buffer:
 _PUSH_HEAD: Final = 10  # opcode, queue_len u16, ttl_ms u16, prio u8, key_len u16, payload_len u16
 _NAME_HEAD: Final = 3  # opcode, u16 length
 _TIMED_NAME_HEAD: Final = 7  # opcode, lease_ms u32, queue_len u16
+_OPTIONS_HEAD: Final = (
+    16  # opcode, queue_len u16, ttl_ms u32, delay_ms u32, prio, key and payload lens
+)
 _OP_PUSH: Final = 0x70
 _OP_POP: Final = 0x50
 #: Whether this module runs compiled (mypyc): the push header is then read byte by byte, which
@@ -529,8 +577,14 @@ _SHARED_NAME_MAX: Final = 256
 assert _PUSH_HEADER.size + 1 == _PUSH_HEAD
 assert _NAME_HEADER.size + 1 == _NAME_HEAD
 assert _TIMED_NAME_HEADER.size + 1 == _TIMED_NAME_HEAD
+assert _OPTIONS_HEADER.size + 1 == _OPTIONS_HEAD
 assert Opcode.PUSH.value == _OP_PUSH
 assert Opcode.POP.value == _OP_POP
+
+
+def _delay_too_long(offset: int, delay_ms: int) -> MalformedFrame:
+    reason = f"delay {delay_ms:,} ms is above the most, {MAX_DELAY_MS:,} ms (30 days)"
+    return MalformedFrame(offset, Opcode.PUSH_OPTIONS, reason)
 
 
 def _too_long(offset: int, opcode: int, ms: int) -> MalformedFrame:
@@ -706,6 +760,31 @@ class FrameDecoder:
                     frame = new(_CLASSES[opcode], (raw[_TIMED_NAME_HEAD:], lease_ms))
                     seen[raw] = frame
                 append(frame)
+                pos = stop
+            elif layout == _PUSH_OPTIONS:  # not the hot path: a struct call will do
+                if end - pos < _OPTIONS_HEAD:
+                    need = _OPTIONS_HEAD
+                    break
+                queue_len, ttl_ms, delay_ms, prio, key_len, payload_len = (
+                    _OPTIONS_HEADER.unpack_from(data, pos + 1)
+                )
+                if delay_ms > MAX_DELAY_MS:  # known from the header: no need to wait for more
+                    self.error = _delay_too_long(self._offset + pos, delay_ms)
+                    break
+                key_at = pos + _OPTIONS_HEAD
+                payload_at = key_at + key_len
+                queue_at = payload_at + payload_len
+                stop = queue_at + queue_len
+                if stop > end:
+                    need = stop - pos
+                    break
+                key, payload = data[key_at:payload_at], data[payload_at:queue_at]
+                queue = data[queue_at:stop]
+                if delay_ms:
+                    delayed = (queue, key, payload, ttl_ms, prio, delay_ms)
+                    append(new(DelayedPush, delayed))
+                else:  # decision 21: a ``71`` with no delay is a push
+                    append(new(push_type, (queue, key, payload, ttl_ms, prio)))
                 pos = stop
             else:
                 self.error = ProtocolError(self._offset + pos, opcode)

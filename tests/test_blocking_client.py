@@ -314,7 +314,7 @@ TOO_LONG = b"x" * 65536
         ({"queue": TOO_LONG}, "queue"),
         ({"key": TOO_LONG}, "key"),
         ({"payload": TOO_LONG}, "payload"),
-        ({"ttl_ms": 65536}, "ttl_ms"),
+        ({"ttl_ms": 1 << 32}, "ttl_ms"),
         ({"prio": 256}, "prio"),
         ({"prio": -1}, "prio"),
     ],

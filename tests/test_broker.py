@@ -19,6 +19,7 @@ from pinpriq.wire import (
     Ack,
     Auth,
     ClientFrame,
+    DelayedPush,
     LeasedSubscribe,
     Opcode,
     Pop,
@@ -80,7 +81,8 @@ def test_every_frame_of_the_protocol_is_handled(clock: FakeClock) -> None:
     # Lease frames on a connection of their own: never with a plain subscribe (decision 20).
     lease_examples = {Reserve: Reserve(b"q"), Ack: Ack(1), Release: Release(2), Touch: Touch(3)}
     lease_examples |= {LeasedSubscribe: LeasedSubscribe(b"r")}  # last: the connection is leased
-    assert set(examples) | set(lease_examples) == set(FRAMES.values())
+    # Until the stores hold delayed packets, a delayed push closes the connection (below).
+    assert set(examples) | set(lease_examples) | {DelayedPush} == set(FRAMES.values())
     for frames in (examples, lease_examples):
         session = broker.open_session()
         assert session.receive(list(frames.values())) == len(frames)

@@ -313,7 +313,7 @@ TOO_LONG = b"x" * 65536
         ({"queue": TOO_LONG}, "queue"),
         ({"key": TOO_LONG}, "key"),
         ({"payload": "\u00e9" * 32768}, "payload"),  # 65,536 bytes of UTF-8
-        ({"ttl_ms": 65536}, "ttl_ms"),
+        ({"ttl_ms": 1 << 32}, "ttl_ms"),
         ({"ttl_ms": -1}, "ttl_ms"),
         ({"prio": 256}, "prio"),
         ({"prio": -1}, "prio"),

@@ -220,7 +220,7 @@ def test_refused_connection_is_one_line_and_exit_1() -> None:
     ("args", "message"),
     [
         (["push", "q", "k", "v", "--prio", "256"], "argument --prio: 256 is not in 0..255"),
-        (["push", "q", "k", "v", "--ttl", "-1"], "argument --ttl: -1 is not in 0..65535"),
+        (["push", "q", "k", "v", "--ttl", "-1"], "argument --ttl: -1 is not in 0..4294967295"),
         (["subscribe", "q", "--prefetch", "0"], "argument --prefetch: 0 is not in 1..65535"),
         (["subscribe"], "the following arguments are required: QUEUE"),
         (["pop", "q", "--timeout", "0"], "argument --timeout: 0 is not a positive number"),

@@ -48,7 +48,7 @@ def exchange(opened_at: float = 100.0) -> Exchange:
         ({"ttl_ms": "5"}, ArgumentTypeError, "ttl_ms must be an integer, not str '5'"),
         ({"prio": None}, ArgumentTypeError, "prio must be an integer, not NoneType None"),
         ({"prio": True}, ArgumentTypeError, "prio must be an integer, not bool True"),
-        ({"ttl_ms": 65536}, ArgumentError, "ttl_ms must be in 0..65535, not 65536"),
+        ({"ttl_ms": 1 << 32}, ArgumentError, "ttl_ms must be in 0..4294967295, not 4294967296"),
         ({"prio": -1}, ArgumentError, "prio must be in 0..255, not -1"),
         ({"key": 7}, ArgumentTypeError, "key must be bytes or str, not int"),
         ({"payload": b"x" * 65536}, ArgumentError, "payload is 65536 bytes; the most is 65535"),

@@ -27,6 +27,7 @@ from pinpriq.wire import (
     Ack,
     Auth,
     ClientFrame,
+    DelayedPush,
     FrameDecoder,
     LeasedSubscribe,
     LeaseReply,
@@ -92,6 +93,17 @@ PINNED_FRAMES: list[tuple[ClientFrame, str]] = [
     # 53 | lease_ms u32 | queue_len | queue
     (LeasedSubscribe(b"jobs", 100), "53 00000064 0004 6a6f6273"),
     (LeasedSubscribe(b""), "53 00000000 0000"),
+    # 71 | queue_len | ttl_ms u32 | delay_ms u32 | prio | key_len | payload_len | key | payload
+    # | queue (decision 21): a push with a delay, or with a TTL a u16 cannot hold
+    (
+        DelayedPush(b"jobs", b"id-7", b"x", 7_200_000, 3, 10_000),
+        "71 0004 006ddd00 00002710 03 0004 0001 69642d37 78 6a6f6273",
+    ),
+    (Push(b"q", b"k", b"", ttl_ms=65536, prio=1), "71 0001 00010000 00000000 01 0001 0000 6b 71"),
+    (
+        DelayedPush(b"", b"", b"", 0xFFFF_FFFF, 0, 2_592_000_000),
+        "71 0000 ffffffff 9a7ec800 00 0000 0000",
+    ),
 ]
 
 MAX_PUSH = Push(queue=b"q" * 65535, key=b"k" * 65535, payload=b"p" * 65535, ttl_ms=65535, prio=255)
@@ -191,7 +203,7 @@ def test_reply_decoder_separates_consecutive_replies() -> None:
 
 def test_max_size_push_is_196615_bytes_and_decodes_whole() -> None:
     data = encode(MAX_PUSH)
-    assert len(data) == 196_615 == wire.MAX_FRAME
+    assert len(data) == 196_615 == wire.MAX_FRAME - 6  # a push with options is 6 bytes longer
     assert data[:10] == MAX_PUSH_HEADER
     assert data[10:] == b"k" * 65535 + b"p" * 65535 + b"q" * 65535
     assert decode_frames([data]) == [MAX_PUSH]
@@ -286,11 +298,21 @@ pushes = st.builds(
     queue=fields,
     key=fields,
     payload=fields,
-    ttl_ms=st.integers(0, 65535),
+    ttl_ms=st.one_of(st.integers(0, 65535), st.integers(0, wire.MAX_TTL_MS)),
     prio=st.integers(0, 255),
+)
+delayed_pushes = st.builds(
+    DelayedPush,
+    queue=fields,
+    key=fields,
+    payload=fields,
+    ttl_ms=st.integers(0, wire.MAX_TTL_MS),
+    prio=st.integers(0, 255),
+    delay_ms=st.integers(1, wire.MAX_DELAY_MS),
 )
 client_frames: st.SearchStrategy[ClientFrame] = st.one_of(
     pushes,
+    delayed_pushes,
     st.builds(Pop, fields),
     st.builds(Subscribe, fields),
     st.builds(Unsubscribe, fields),
@@ -449,7 +471,10 @@ TOO_LONG = b"x" * 65536
         (Push(queue=b"", key=TOO_LONG, payload=b""), "key"),
         (Push(queue=b"", key=b"", payload=TOO_LONG), "payload"),
         (Push(queue=b"", key=b"", payload=b"", ttl_ms=-1), "ttl_ms"),
-        (Push(queue=b"", key=b"", payload=b"", ttl_ms=65536), "ttl_ms"),
+        (Push(queue=b"", key=b"", payload=b"", ttl_ms=1 << 32), "ttl_ms"),
+        (DelayedPush(b"", b"", b"", 0, 1, 2_592_000_001), "delay_ms"),
+        (DelayedPush(b"", b"", b"", 0, 1, -1), "delay_ms"),
+        (DelayedPush(TOO_LONG, b"", b"", 0, 1, 1), "queue"),
         (Push(queue=b"", key=b"", payload=b"", prio=-1), "prio"),
         (Push(queue=b"", key=b"", payload=b"", prio=256), "prio"),
         (Pop(TOO_LONG), "queue"),
@@ -539,6 +564,47 @@ def test_a_malformed_reserve_is_refused_from_its_header_without_waiting_for_the_
     decoder.feed(bytes.fromhex("52 ffffffff ffff"))  # a 65,535-byte name announced, none sent
     assert decoder.decode() == []
     assert isinstance(decoder.error, MalformedFrame)
+
+
+# --- push with options (protocol 1.2, decision 21) --------------------------------------------
+
+
+def test_a_push_with_options_and_no_delay_is_a_push() -> None:
+    frame = bytes.fromhex("71 0001 0000ea60 00000000 07 0001 0002 6b 7676 71")
+    assert decode_frames([frame]) == [Push(b"q", b"k", b"vv", ttl_ms=60_000, prio=7)]
+    assert decode_frames([frame])[0].__class__ is Push
+
+
+def test_a_push_that_fits_1_0_is_encoded_as_70_for_old_servers() -> None:
+    assert encode(Push(b"q", b"k", b"", ttl_ms=65535))[0] == 0x70
+    assert encode(DelayedPush(b"q", b"k", b"", 65535, 1, 0))[0] == 0x70
+    assert encode(Push(b"q", b"k", b"", ttl_ms=65536))[0] == 0x71
+
+
+def test_a_delay_above_30_days_makes_the_frame_malformed_from_its_header() -> None:
+    # The header announces 65,535-byte fields that never come: the header alone decides.
+    header = bytes.fromhex("71 ffff 00000000 9a7ec801 01 ffff ffff")
+    for chunks in ([header], one_byte_at_a_time(header)):
+        decoder = FrameDecoder()
+        decoder.feed(bytes.fromhex("21"))
+        frames = decoder.decode()
+        for chunk in chunks:
+            decoder.feed(chunk)
+            frames += decoder.decode()
+        assert frames == [SYNC]
+        assert isinstance(decoder.error, MalformedFrame)
+        assert str(decoder.error) == (
+            "malformed delayed push frame (0x71) at stream offset 1: delay 2,592,000,001 ms is"
+            " above the most, 2,592,000,000 ms (30 days)"
+        )
+
+
+def test_the_largest_frame_is_a_push_with_options_of_196621_bytes() -> None:
+    frame = DelayedPush(b"q" * 65535, b"k" * 65535, b"p" * 65535, 0xFFFF_FFFF, 255, 1)
+    data = encode(frame)
+    assert len(data) == wire.MAX_FRAME == 196_621
+    assert decode_frames([data]) == [frame]
+    assert decode_frames([data[:-1]]) == []
 
 
 @pytest.mark.parametrize(
