@@ -30,10 +30,16 @@ Theory of operation, as the driver sees it:
   no more deliveries (its subscriber is paused, credits kept) until the driver calls
   ``output_drained``.
 * **Time.** The store keeps its own clock. ``Broker.timer`` is the earliest time the broker
-  knows something is due: a TTL deadline, a lease's deadline or the end of a release delay;
-  pushes and lease frames only ever move it earlier. The driver sleeps until then and calls
-  ``expire()``, which sweeps, ends what is due and sets the next one: one timer, whatever the
-  number of packets and leases.
+  knows something is due: a TTL deadline, a lease's deadline, the end of a release delay or a
+  delayed packet's due time; pushes and lease frames only ever move it earlier. The driver
+  sleeps until then and calls ``expire()``, which sweeps, ends what is due and sets the next
+  one: one timer, whatever the number of packets and leases.
+* **Delayed pushes** (decision 21) are pushes in every rule (auth first, the memory cap, counted
+  per queue, allowed on any connection) but go to ``Store.push_delayed``, off the hot path.
+  Delayed packets enter their queues when the store files them (on ``expire``, or on a read
+  after their due time); ``expire()`` offers the queues they entered to waiting subscribers,
+  as ``settle()`` offers the queues packets came back to. The timer was set to their due time
+  at the push, so a packet that entered its queue on a read is offered no later than then.
 * **Auth** (decision 12). On a broker with a token, a session starts unauthenticated: its first
   frame must be auth with the right token, answered ``00 00``. Anything else (another frame, a
   wrong token, and later a second auth with a wrong token) makes ``receive`` stop at that frame
@@ -242,6 +248,18 @@ class Broker:
                 self.check_memory()
         return purged
 
+    def move(self, source: bytes, target: bytes, limit: int = 0) -> int:
+        """Move queued packets from ``source`` to ``target`` (decision 22: whole key groups in
+        pop order while fewer than ``limit`` have moved, all for 0; leased and delayed packets
+        stay), and offer them to ``target``'s waiting subscribers as pushes are; the driver
+        writes what that delivers. Returns how many packets moved; ``ValueError`` if the two
+        are one queue. ``bytes_held`` does not change."""
+        moved = self.store.move(source, target, limit)
+        if moved:
+            log.info("moved %d packets from queue %r to queue %r", moved, source, target)
+            self.offer([target])
+        return moved
+
     def take_pushes(self) -> dict[bytes, int]:
         """Pushes per queue since the last call (the admin layer's sampler calls it once a
         second), forgetting them; the first call starts the counting."""
@@ -266,11 +284,14 @@ class Broker:
         return dirty
 
     def expire(self) -> int:
-        """Sweep the packets whose TTL deadline has come (decision 1), end the leases whose
+        """Sweep the packets whose TTL deadline has come (decision 1), let the delayed packets
+        that are due into their queues and offer them (decision 21), end the leases whose
         deadline has come and send back the groups whose release delay ran out (decisions 14,
         15); sets the next ``timer``. Returns how many packets expired."""
-        expired = self.store.expire()
+        store = self.store
+        expired = store.expire()
         self.leases.expire()
+        self.offer(store.take_arrived())
         self.settle()  # may deliver, and so lease, again: the timer comes after
         deadline = self.store.next_deadline()
         leases_due = self.leases.next_deadline()
@@ -288,16 +309,22 @@ class Broker:
         release delay or a returning packet's TTL needs it."""
         leases = self.leases
         if leases.returned:
-            waiting = self.subscriptions.waiting_queues
-            for queue in leases.take_returned():
-                if queue in waiting:
-                    self.subscriptions.offer(queue)
+            self.offer(leases.take_returned())
             deadline = self.store.next_deadline()
             if deadline is not None and deadline < self.timer:
                 self.timer = deadline
         soonest = leases.soonest()
         if soonest < self.timer:
             self.timer = soonest
+
+    def offer(self, queues: list[bytes]) -> None:
+        """Offer queues that got packets other than by a push (back from a lease, due, moved)
+        to their waiting subscribers, as a push would be offered."""
+        if queues:
+            waiting = self.subscriptions.waiting_queues
+            for queue in queues:
+                if queue in waiting:
+                    self.subscriptions.offer(queue)
 
     def check_memory(self) -> None:
         """Enter or leave the full state after usage changed; logs each change once."""
@@ -307,11 +334,13 @@ class Broker:
             log.warning(
                 "memory cap reached: %d bytes held, cap %d; pushes wait until usage falls below "
                 "%d. %d of the held bytes are prio-0 packets, which leave only with a selectable "
-                "packet of their key or by expiring",
+                "packet of their key or by expiring; %d are delayed packets, held until they "
+                "are due (up to 30 days) unless purged",
                 held,
                 self.max_memory,
                 self.low_water,
                 self.store.unselectable_bytes,
+                self.store.delayed_bytes,
             )
         elif self.memory_full and held < self.low_water and not self.disk_full:
             self.memory_full = False
@@ -453,6 +482,9 @@ class Session(Subscriber):
                     popped = native.pop(name) if native is not None else store.pop(name)
                     append_reply(output, popped)
                 else:
+                    if kind is DelayedPush and broker.memory_full:  # waits as a push does
+                        self.blocked = Blocked.MEMORY
+                        return index
                     try:
                         handle = _HANDLERS[kind]
                     except KeyError:
@@ -594,9 +626,19 @@ class Session(Subscriber):
         self.broker.settle()
 
     def _delayed_push(self, frame: DelayedPush) -> None:
-        # Protocol 1.2's delayed packets (decision 21) need a store that holds them; until the
-        # stores do, the frame closes the connection as an opcode this server lacks would.
-        raise _Refused("a push with a delay: this server does not hold delayed packets yet")
+        # A push in every other rule (decision 21): ``receive`` made it wait at the memory cap.
+        broker = self.broker
+        store = broker.store
+        queue, key, payload, ttl_ms, prio, delay_ms = frame
+        try:
+            due = store.push_delayed(queue, key, payload, ttl_ms, prio, delay_ms)
+        except NotImplementedError as missing:  # a store that cannot hold them yet
+            raise _Refused(f"a push with a delay: {missing}") from None
+        if due < broker.timer:
+            broker.timer = due
+        broker.count_pushes(queue, 1)
+        if store.bytes_held >= broker.max_memory:
+            broker.check_memory()
 
     def _leased_subscribe(self, frame: LeasedSubscribe) -> None:
         self._lease_frame(frame)

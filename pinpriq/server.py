@@ -11,9 +11,9 @@ object. It owns only what needs an event loop or a limit:
   pusher's next frame is read. Whatever the kernel does not take at once is left to the
   connection's writer task, so a subscriber that stops reading blocks only its own writer, never
   the pusher or the server.
-* one expiry task that sleeps until ``Broker.timer``, the earliest TTL deadline, lease deadline
-  or end of a release delay; a push or a lease with an earlier one moves the sleep's deadline
-  forward instead of starting a timer of its own.
+* one expiry task that sleeps until ``Broker.timer``, the earliest TTL deadline, lease deadline,
+  end of a release delay or delayed packet's due time; a push or a lease with an earlier one
+  moves the sleep's deadline forward instead of starting a timer of its own.
 * waits the session asks for (a push while the memory cap is reached; output past its bound),
   during which that connection is not read: one connection waits, nothing is dropped.
 * a frame timeout: a connection that has held an incomplete frame for ``frame_timeout`` seconds
@@ -947,8 +947,9 @@ class PinpriqServer:
                 self._all_closed.set()
 
     async def _expire_loop(self) -> None:
-        """Sweep expired packets and end leases at the earliest deadline, and only then
-        (decisions 1 and 15); write the deliveries of packets that came back."""
+        """Sweep expired packets, let delayed packets in and end leases at the earliest
+        deadline, and only then (decisions 1, 15 and 21); write the deliveries of packets that
+        came back or fell due."""
         while True:
             with trio.CancelScope(deadline=self.broker.timer) as self._expiry_scope:
                 await trio.sleep_forever()

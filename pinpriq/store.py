@@ -53,6 +53,23 @@ push order, and gives it an expiry entry again. Entries a packet left behind whe
 are reused (a level's, found by bisection) or harmless (an expiry entry, which then names a live
 packet twice; compaction keeps one). What the leases themselves are (ids, deadlines, attempts)
 is ``leases.py``'s.
+
+Delayed packets (decision 21) are in no queue until they are due. ``push_delayed`` gives one its
+seq at once (its place in push order) and its TTL deadline (due time plus TTL), keeps it under
+its queue's name in ``_delayed`` (a ``_Delayed``: packets by seq, and their bytes, which count in
+``bytes_held`` and ``delayed_bytes``), and files a *due entry* in the expiry heap: an entry
+``(due, seq, queue, key, _DUE)``, one field longer than a TTL entry. Sharing the heap is what
+keeps delays free for everyone else: ``next_deadline`` and the owner's one timer cover due times
+with no change, and a pop, whose test of the heap's top is already there for TTLs, makes
+packets due by now arrive before it selects, at no cost to a pop while none is due. When its
+entry comes out of the heap in ``expire``, a packet still held (no purge took it) is filed into
+its queue as ``restore`` files a packet (by its seq: among its level and its key group, in push
+order), or dropped if its TTL deadline passed too (TTL wins); its queue's name goes to
+``take_arrived``, for the owner to offer to waiting subscribers. A due entry, like a TTL entry,
+goes stale when its packet leaves (a purge) and is skipped or compacted away.
+
+``move`` (decision 22) takes whole key groups out of a queue, in pop order or all of them, and
+files them in another under new seqs, in their old relative order, as pushes made now.
 """
 
 from __future__ import annotations
@@ -118,6 +135,10 @@ _MAX_TIME_NOTES = 4096
 # unboxing it into C locals and boxing a copy for each heap (see QueuedPacket).
 _ExpiryEntry = tuple[float, int, bytes, bytes, *tuple[bytes, ...]]
 
+
+#: The last field of a due entry (a delayed packet's, ``push_delayed``) in the expiry heap, which
+#: tells it from a TTL entry ``(deadline, seq, queue, key)``.
+_DUE: Final = b"due"
 
 #: A packet to ``load``: ``(queue, key, payload, prio, seq)``.
 LoadedPacket = tuple[bytes, bytes, bytes, int, int]
@@ -321,6 +342,17 @@ class _Queue:
         self.stale = None
 
 
+class _Delayed:
+    """The delayed packets of one queue: in no level or key group until they are due."""
+
+    __slots__ = ("bytes", "name", "packets")
+
+    def __init__(self, name: bytes) -> None:
+        self.name = name  # the one name object its due entries refer to
+        self.packets: dict[int, QueuedPacket] = {}  # by seq; a packet leaves when it is due
+        self.bytes = 0  # its share of ``bytes_held`` (and of ``delayed_bytes``)
+
+
 # Compiled by mypyc where a C compiler is present (setup.py); subclassed by interpreted code
 # (the conformance tests' wrong stores, a log-backed store), which mypyc refuses unless told.
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -350,7 +382,13 @@ class QueueStore:
         self.purged = 0
         #: The part of ``bytes_held`` held by packets taken and not yet restored or discarded.
         self.taken_bytes = 0
+        #: The part of ``bytes_held`` held by delayed packets, not yet due.
+        self.delayed_bytes = 0
         self._queues: dict[bytes, _Queue] = {}
+        #: Delayed packets by queue name; a queue is here while it holds one.
+        self._delayed: dict[bytes, _Delayed] = {}
+        #: Queues delayed packets entered since ``take_arrived`` was last called.
+        self._arrived: list[bytes] = []
         self._seq = 0
         #: Packets removed by pops (``take`` included), and put back by ``restore`` (those it
         #: drops at their deadline included, as they count in ``expired``). Packets held are
@@ -358,14 +396,15 @@ class QueueStore:
         #: ``bytes``.
         self._popped = 0
         self._restored = 0
-        #: Seqs that ``load`` skipped: used, before a restart, by packets no longer held.
+        #: Seqs that are no push's: those ``load`` skipped (used, before a restart, by packets
+        #: no longer held) and those ``move`` gave packets anew.
         self._skipped = 0
         self._expiry: list[_ExpiryEntry] = []
         #: ``(seq, time)``: by ``time``, packets up to ``seq`` had been pushed (``note_time``).
         self._time_notes: list[tuple[int, float]] = []
 
     def __len__(self) -> int:
-        """Packets held, in all queues."""
+        """Packets held, in all queues, delayed ones included."""
         return (
             self._seq - self._skipped - self._popped + self._restored - self.expired - self.purged
         )
@@ -377,8 +416,10 @@ class QueueStore:
 
     @property
     def queue_count(self) -> int:
-        """Queues holding at least one packet; empty queues are forgotten (decision 5)."""
-        return len(self._queues)
+        """Queues holding at least one packet, delayed ones included; empty queues are
+        forgotten (decision 5). O(1), plus O(queues holding delayed packets)."""
+        queues = self._queues
+        return len(queues) + sum(name not in queues for name in self._delayed)
 
     def now(self) -> float:
         """The store's clock, which every deadline it takes and returns is on."""
@@ -390,9 +431,16 @@ class QueueStore:
         return q.size if q is not None else 0
 
     def sizes(self) -> Iterator[tuple[bytes, int, int]]:
-        """Every queue holding packets, with its packets and its bytes. O(1) per queue."""
+        """Every queue holding packets, with its packets (as ``QueueInfo.packets``: delayed
+        ones not counted) and its bytes (delayed ones' included); a queue holding only delayed
+        packets too. O(1) per queue."""
+        delayed = self._delayed
         for name, q in self._queues.items():
-            yield name, q.size, q.bytes
+            waiting = delayed.get(name) if delayed else None
+            yield name, q.size, q.bytes if waiting is None else q.bytes + waiting.bytes
+        for name, waiting in delayed.items():
+            if name not in self._queues:
+                yield name, 0, waiting.bytes
 
     def push(self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> float:
         """Queue a packet; returns its deadline on the store's clock (inf for TTL 0)."""
@@ -430,6 +478,35 @@ class QueueStore:
         q.bytes += size
         self.bytes_held += size
         return deadline
+
+    def push_delayed(
+        self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int, delay_ms: int
+    ) -> float:
+        """Hold a packet until ``delay_ms`` from now, when it enters ``queue`` (decision 21);
+        returns that due time on the store's clock. Its place in push order (its seq) is taken
+        now; its TTL deadline is its due time plus ``ttl_ms`` (none for 0). O(log d) for d
+        delayed packets and TTL entries."""
+        self._seq += 1
+        seq = self._seq
+        due = self._clock() + delay_ms / 1000
+        deadline: Any = due + ttl_ms / 1000 if ttl_ms else _NO_DEADLINE
+        packet: QueuedPacket = (key, payload, prio, seq, deadline, 0)
+        waiting = self._delayed.get(queue)
+        if waiting is None:
+            waiting = self._delayed[queue] = _Delayed(queue)
+        waiting.packets[seq] = packet
+        size = len(key) + len(payload) + PACKET_OVERHEAD
+        waiting.bytes += size
+        self.delayed_bytes += size
+        self.bytes_held += size
+        heapq.heappush(self._expiry, (due, seq, waiting.name, key, _DUE))
+        return due
+
+    def take_arrived(self) -> list[bytes]:
+        """The queues delayed packets entered since the last call (a name may repeat), for the
+        owner to offer to waiting subscribers, as a push would be."""
+        arrived, self._arrived = self._arrived, []
+        return arrived
 
     def _file_expiry(self, q: _Queue, entry: _ExpiryEntry) -> None:
         """Enter a packet's expiry entry in the store's heap and its queue's."""
@@ -545,24 +622,37 @@ class QueueStore:
             self.bytes_held -= _held(p for p in packets if p[DEADLINE] <= now)
         if not live:
             return 0
+        self._file_group(queue, live)
+        return len(live)
+
+    def _file_group(
+        self, queue: bytes, packets: Sequence[QueuedPacket], *, newest: bool = False
+    ) -> None:
+        """File packets of one key, whose bytes ``bytes_held`` already counts, into ``queue``
+        by their seqs: in their key group and their level, in push order, with an expiry entry
+        each. ``newest``: their seqs are above every seq in the queue (a move), so keys still
+        arrive in the order of their oldest packets and none is displaced. O(g log g) for a
+        group of g packets with the packets of their key, plus a level's bisection each."""
         q = self._queues.get(queue)
         if q is None:
             q = self._queues[queue] = _Queue(queue)
-        key = live[0][KEY]
+        key = packets[0][KEY]
         group = q.groups.get(key)
-        members = sorted([*live, *_members(group)] if group is not None else live, key=_seq_of)
+        members = sorted(
+            [*packets, *_members(group)] if group is not None else packets, key=_seq_of
+        )
         q.groups[key] = members[0] if len(members) == 1 else {p[SEQ]: p for p in members}
-        q.displace(key)  # the group may now hold the queue's oldest packet
-        for packet in live:
+        if not newest:
+            q.displace(key)  # the group may now hold the queue's oldest packet
+        for packet in packets:
             if packet[PRIO]:
                 q.refile(packet)
             else:
                 self.unselectable_bytes += len(key) + len(packet[PAYLOAD]) + PACKET_OVERHEAD
             if packet[DEADLINE] != _NEVER:
                 self._file_expiry(q, (packet[DEADLINE], packet[SEQ], q.name, key))
-        q.size += len(live)
-        q.bytes += _held(live)
-        return len(live)
+        q.size += len(packets)
+        q.bytes += _held(packets)
 
     def peek_rank(self, queue: bytes) -> tuple[int, int] | None:
         """How good the packet a pop of ``queue`` would select is: ``(prio, -seq)``, smaller is
@@ -590,21 +680,28 @@ class QueueStore:
             heapq.heappop(heap)
 
     def expire(self) -> int:
-        """Remove every packet whose deadline has come; returns how many were removed.
+        """Remove every packet whose deadline has come, and file every delayed packet that is
+        due into its queue (``take_arrived`` names those queues); returns how many packets were
+        removed, delayed ones whose TTL deadline passed before they arrived included.
 
         A packet expires when the clock reaches its deadline: with TTL t it is live for
-        ``now < push_time + t``.
+        ``now < push_time + t``. A delayed packet is due when the clock reaches its due time.
         """
         heap = self._expiry
         if not heap:
             return 0
         now = self._clock()
         removed: list[QueuedPacket] = []
+        late: list[QueuedPacket] = []  # delayed packets dropped as they arrived: in no queue
         while heap and heap[0][0] <= now:
             entry = heapq.heappop(heap)
             packet = self._live(entry)
             if packet is None:
                 self._drop_queue_entries(entry[2])
+                continue
+            if len(entry) > 4:  # a due entry: the packet arrives
+                if self._arrive(entry[2], packet, now):
+                    late.append(packet)
                 continue
             queue = entry[2]
             q = self._queues[queue]
@@ -619,12 +716,32 @@ class QueueStore:
                 if q.entries > 2 * q.size + _STALE_SLACK:
                     q.compact()
             removed.append(packet)
-        self.bytes_held -= _held(removed)
         self.unselectable_bytes -= _unselectable(removed)
+        if late:
+            removed += late
+        self.bytes_held -= _held(removed)
         self.expired += len(removed)
         if removed:
             self._removed_by_expiry(removed)
         return len(removed)
+
+    def _arrive(self, queue: bytes, packet: QueuedPacket, now: float) -> bool:
+        """A delayed packet is due: file it into its queue, or, if its TTL deadline has passed
+        as well, drop it (TTL wins). Whether it was dropped: ``expire`` counts it then."""
+        waiting = self._delayed[queue]
+        del waiting.packets[packet[SEQ]]
+        size = len(packet[KEY]) + len(packet[PAYLOAD]) + PACKET_OVERHEAD
+        waiting.bytes -= size
+        self.delayed_bytes -= size
+        if not waiting.packets:
+            del self._delayed[queue]
+        if packet[DEADLINE] <= now:
+            return True  # expire takes its bytes from bytes_held
+        self._file_group(queue, (packet,))
+        arrived = self._arrived
+        if not arrived or arrived[-1] != queue:
+            arrived.append(queue)
+        return False
 
     def _removed_by_expiry(self, packets: list[QueuedPacket]) -> None:
         """Called by ``expire`` with the packets it removed. A store that records removals
@@ -735,8 +852,12 @@ class QueueStore:
         q.displace(key)
 
     def _live(self, entry: _ExpiryEntry) -> QueuedPacket | None:
-        """The packet an expiry entry stands for, or ``None`` if it has left the store."""
+        """The packet an expiry entry stands for, or ``None`` if it has left the store; for a
+        due entry, the delayed packet, or ``None`` if it was purged."""
         seq, queue, key = entry[1], entry[2], entry[3]
+        if len(entry) > 4:
+            waiting = self._delayed.get(queue)
+            return waiting.packets.get(seq) if waiting is not None else None
         q = self._queues.get(queue)
         if q is None:
             return None
@@ -758,6 +879,8 @@ class QueueStore:
         for q in self._queues.values():
             q.expiry = None
         for entry in self._expiry:
+            if len(entry) > 4:
+                continue  # a due entry: its packet is in no queue yet
             q = self._queues[entry[2]]
             if q.expiry is None:
                 q.expiry = [entry]
@@ -795,24 +918,94 @@ class QueueStore:
         return found
 
     def purge(self, queue: bytes) -> int:
-        """Remove every packet of ``queue``, prio 0 included; returns how many. O(packets
-        removed)."""
+        """Remove every packet of ``queue``, prio 0 and delayed ones included; returns how
+        many. O(packets removed)."""
+        # Its expiry and due entries go stale: they name a queue that is gone, or, once the
+        # name is used again, sequence numbers that are not there.
+        purged = 0
         q = self._queues.pop(queue, None)
+        if q is not None:
+            self.bytes_held -= q.bytes
+            self.unselectable_bytes -= _unselectable(q.packets())
+            purged += q.size
+        waiting = self._delayed.pop(queue, None)
+        if waiting is not None:
+            self.bytes_held -= waiting.bytes
+            self.delayed_bytes -= waiting.bytes
+            purged += len(waiting.packets)
+        self.purged += purged
+        return purged
+
+    def move(self, source: bytes, target: bytes, limit: int = 0) -> int:
+        """Move queued packets from ``source`` to ``target`` (decision 22); returns how many.
+
+        Whole key groups go, in pop order while fewer than ``limit`` packets have moved (the
+        first group moves whole even if larger), or every packet for ``limit`` 0, prio-0 ones
+        whose key has no selectable packet included. They keep key, payload, prio and TTL
+        deadline; their lease counts start again; they enter ``target`` as pushes made now,
+        under new seqs in their old relative order. Delayed (and leased) packets stay. O(m log
+        m) for m packets moved, plus the stale entries passed on the way.
+        """
+        if source == target:
+            raise ValueError("a queue cannot be moved to itself")
+        expiry = self._expiry
+        if expiry and expiry[0][0] <= self._clock():
+            self.expire()
+        q = self._queues.get(source)
         if q is None:
             return 0
-        # Its expiry entries go stale: they name a queue that is gone, or, once the name is
-        # used again, sequence numbers that are not there.
-        self.bytes_held -= q.bytes
-        self.unselectable_bytes -= _unselectable(q.packets())
-        self.purged += q.size
-        return q.size
+        moving = self._take_groups(q, limit) if limit else list(q.packets())
+        if not limit or not q.groups:
+            del self._queues[source]  # its entries go stale, as a purge's do
+        elif q.entries > 2 * q.size + _STALE_SLACK:
+            q.compact()
+        moving.sort(key=_seq_of)
+        by_key: dict[bytes, list[QueuedPacket]] = {}
+        for packet in moving:
+            self._seq += 1
+            key = packet[KEY]
+            renumbered: QueuedPacket = (
+                key,
+                packet[PAYLOAD],
+                packet[PRIO],
+                self._seq,
+                packet[DEADLINE],
+                0,
+            )
+            by_key.setdefault(key, []).append(renumbered)
+        self._skipped += len(moving)  # seqs no push took: ``pushed`` and ``len`` stay
+        if not limit:
+            self.unselectable_bytes -= _unselectable(moving)
+        for packets in by_key.values():
+            self._file_group(target, packets, newest=True)
+        if len(expiry) > _STALE_SLACK and len(expiry) > 2 * len(self) + _STALE_SLACK:
+            self._compact_expiry()
+        return len(moving)
+
+    def _take_groups(self, q: _Queue, limit: int) -> list[QueuedPacket]:
+        """Take whole key groups out of ``q``, in pop order, while fewer than ``limit`` packets
+        were taken. Their bytes stay in ``bytes_held``; they leave ``unselectable_bytes``."""
+        taken: list[QueuedPacket] = []
+        while len(taken) < limit:
+            top = q.top()
+            if top is None:
+                break
+            members = list(_members(q.groups.pop(top[2][KEY])))
+            q.went_stale(members)  # their level entries, the top's included, go stale
+            q.size -= len(members)
+            q.bytes -= _held(members)
+            self.unselectable_bytes -= _unselectable(members)
+            taken += members
+        return taken
 
     def queue_info(self, queue: bytes) -> QueueInfo:
         """What one queue holds (all zero for one that holds nothing). O(levels + displaced
         keys), plus the stale expiry entries it drops."""
+        waiting = self._delayed.get(queue)
+        delayed, delayed_bytes = (len(waiting.packets), waiting.bytes) if waiting else (0, 0)
         q = self._queues.get(queue)
         if q is None:
-            return QueueInfo(0, 0, {}, None, None)
+            return QueueInfo(0, delayed_bytes, {}, None, None, delayed)
         now = self._clock()
         heap = q.expiry
         while heap and self._live(heap[0]) is None:
@@ -820,10 +1013,11 @@ class QueueStore:
         oldest = q.oldest()
         return QueueInfo(
             q.size,
-            q.bytes,
+            q.bytes + delayed_bytes,
             q.by_priority(),
             None if oldest is None else self._age(oldest[SEQ], now),
             max(0.0, heap[0][0] - now) if heap else None,
+            delayed,
         )
 
     def note_time(self) -> None:
@@ -892,9 +1086,20 @@ class QueueStore:
                     assert (packet[DEADLINE], packet[SEQ]) in in_heap, "no entry in its queue"
             heap = q.expiry or []
             assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap))), "not a heap"
-        assert count == len(self), f"count {len(self)} but {count} packets held"
+        delayed = 0
+        due = {entry[1] for entry in self._expiry if len(entry) > 4}
+        for name, waiting in self._delayed.items():
+            assert waiting.packets, f"queue {name!r} has no delayed packet but is remembered"
+            assert waiting.name == name, f"delayed packets of {name!r} filed under {waiting.name!r}"
+            assert waiting.bytes == _held(waiting.packets.values()), "delayed bytes are wrong"
+            assert due >= waiting.packets.keys(), "a delayed packet has no due entry"
+            delayed += len(waiting.packets)
+        assert sum(w.bytes for w in self._delayed.values()) == self.delayed_bytes, "delayed_bytes"
+        assert count + delayed == len(self), f"count {len(self)} but {count + delayed} packets held"
         queued = _held(held)
-        assert queued + self.taken_bytes == self.bytes_held, f"bytes_held {self.bytes_held}"
+        assert queued + self.taken_bytes + self.delayed_bytes == self.bytes_held, (
+            f"bytes_held {self.bytes_held}"
+        )
         assert _unselectable(held) == self.unselectable_bytes, "unselectable_bytes is wrong"
         ttl_entries = {entry[:2] for entry in self._expiry if self._live(entry) is not None}
         for packet in held:

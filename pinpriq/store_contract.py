@@ -73,6 +73,9 @@ class QueueInfo(NamedTuple):
     #: ``None`` when that is unknown (pushed before the first note) or the queue is empty.
     oldest_age: float | None
     next_expiry: float | None  # seconds until its next packet expires; ``None`` if none will
+    #: Delayed packets not yet due (decision 21): not counted in ``packets`` or ``by_priority``;
+    #: their bytes are in ``bytes``.
+    delayed: int = 0
 
 
 class Store(Protocol):
@@ -88,6 +91,16 @@ class Store(Protocol):
       independent of other queues.
     * **Memory.** ``bytes_held`` is what the memory cap compares against; it changes only in
       the calls below.
+    * **Delayed packets** (decision 21) are held but in no queue until they are due: no pop,
+      take, peek or move sees them, and they are in no key group; they count in
+      ``bytes_held`` (``delayed_bytes``), in ``len``, ``queue_count``, a queue's bytes and
+      ``QueueInfo.delayed`` (not in its ``packets``), and a purge removes them. A queue
+      holding only delayed packets is empty for pops and is forgotten (decision 5) as far as
+      pops can tell, yet listed.
+      ``next_deadline`` covers their due times, and ``expire`` files every due packet into its
+      queue in its place in push order (its seq, taken at the push, as ``restore`` files a
+      packet), with its TTL deadline (due time plus TTL), or drops it if that has passed too.
+      A store may make a packet arrive on any read once it is due, as it expires on a read.
     """
 
     #: Estimated bytes held by queued packets; what the server's memory cap compares against.
@@ -102,6 +115,8 @@ class Store(Protocol):
     purged: int
     #: The part of ``bytes_held`` held by packets taken and not yet restored or discarded.
     taken_bytes: int
+    #: The part of ``bytes_held`` held by delayed packets, not yet due (decision 21).
+    delayed_bytes: int
 
     @property
     def pushed(self) -> int:
@@ -109,11 +124,24 @@ class Store(Protocol):
         ...
 
     def __len__(self) -> int:
-        """Packets held, in all queues."""
+        """Packets held, in all queues, delayed ones included."""
         ...
 
     def push(self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> float:
         """Queue a packet; returns its deadline on the store's clock (inf for TTL 0)."""
+        ...
+
+    def push_delayed(
+        self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int, delay_ms: int
+    ) -> float:
+        """Hold a packet until ``now + delay_ms / 1000``, when it enters ``queue`` (decision
+        21); returns that due time on the store's clock. It takes its place in push order (its
+        seq) now; its TTL deadline is its due time plus ``ttl_ms`` (none for 0)."""
+        ...
+
+    def take_arrived(self) -> list[bytes]:
+        """The queues delayed packets entered since the last call (a name may repeat), which
+        the broker offers to waiting subscribers (as ``Leases.take_returned``'s)."""
         ...
 
     def pop(self, queue: bytes) -> Sequence[KeyedPayload]:
@@ -127,11 +155,14 @@ class Store(Protocol):
         ...
 
     def next_deadline(self) -> float | None:
-        """When the earliest live packet expires, on the store's clock; ``None`` if none will."""
+        """When the earliest live packet expires or delayed packet is due, on the store's
+        clock; ``None`` if nothing will happen."""
         ...
 
     def expire(self) -> int:
-        """Remove every packet whose deadline has come; returns how many."""
+        """Remove every packet whose deadline has come, and file every delayed packet that is
+        due into its queue; returns how many were removed (delayed packets whose TTL deadline
+        passed before they arrived included)."""
         ...
 
     # What operators read and do (the admin listener). None of it is on the hot path, and none
@@ -143,7 +174,9 @@ class Store(Protocol):
         ...
 
     def sizes(self) -> Iterator[tuple[bytes, int, int]]:
-        """Every queue holding packets, with its packets and its bytes; O(1) per queue."""
+        """Every queue holding packets, with its packets (as ``QueueInfo.packets``: delayed
+        ones not counted) and its bytes (delayed ones' included); a queue holding only delayed
+        packets too. O(1) per queue."""
         ...
 
     def queue_info(self, queue: bytes) -> QueueInfo:
@@ -156,8 +189,20 @@ class Store(Protocol):
         ...
 
     def purge(self, queue: bytes) -> int:
-        """Remove every packet of ``queue``, prio 0 included; returns how many. The caller (the
-        broker) checks the memory cap afterwards, since ``bytes_held`` fell."""
+        """Remove every packet of ``queue``, prio 0 and delayed ones included; returns how
+        many. The caller (the broker) checks the memory cap afterwards, since ``bytes_held``
+        fell."""
+        ...
+
+    def move(self, source: bytes, target: bytes, limit: int) -> int:
+        """Move queued packets from ``source`` to ``target`` (decision 22); returns how many.
+        Whole key groups move, in pop order while fewer than ``limit`` packets have moved (a
+        first group larger than ``limit`` moves whole), or, for ``limit`` 0, all of them, prio-0
+        packets whose key has no selectable packet included (with a limit those stay). Each
+        keeps key, payload, prio and TTL deadline, its lease count starts again at 0, and they
+        enter ``target`` as pushes made now (newer than everything in it), in their old
+        relative order. Delayed and leased packets stay where they are. ``source == target``
+        raises ``ValueError``. The caller offers ``target`` to waiting subscribers."""
         ...
 
     def note_time(self) -> None:
@@ -218,6 +263,10 @@ class BatchedStore(Store, Protocol):
 
     async def purge_async(self, queue: bytes) -> int:
         """``purge``, likewise."""
+        ...
+
+    async def move_async(self, source: bytes, target: bytes, limit: int) -> int:
+        """``move``, likewise."""
         ...
 
 

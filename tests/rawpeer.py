@@ -19,6 +19,14 @@ def push(queue: bytes, key: bytes, payload: bytes, ttl_ms: int = 0, prio: int = 
     return header + key + payload + queue
 
 
+def push_options(
+    queue: bytes, key: bytes, payload: bytes, *, ttl_ms: int = 0, delay_ms: int = 0, prio: int = 1
+) -> bytes:
+    """A push with options (``71``, decision 21): u32 TTL, u32 delay."""
+    lengths = (len(queue), ttl_ms, delay_ms, prio, len(key), len(payload))
+    return struct.pack(">BHIIBHH", 0x71, *lengths) + key + payload + queue
+
+
 def pop(queue: bytes) -> bytes:
     return b"\x50" + struct.pack(">H", len(queue)) + queue
 

@@ -26,6 +26,7 @@ from tests.rawpeer import (
     lease_reply,
     pop,
     push,
+    push_options,
     release,
     reserve,
     status,
@@ -234,6 +235,7 @@ async def test_stats_tell_each_queues_packets_bytes_priorities_and_times(admin: 
         "by_priority": {},
         "subscribers": 1,
         "leased": 0,
+        "delayed": 0,
         "oldest_age_ms": None,
         "next_expiry_ms": None,
         # Never pushed to, and first asked about now: nothing sampled yet.
@@ -345,16 +347,24 @@ async def test_purge_of_a_queue_that_holds_nothing_purges_nothing(admin: Admin) 
         ("POST", "/stats", 405, "use GET or HEAD"),
         ("DELETE", "/queues/q", 405, "use GET or HEAD"),
         ("GET", "/stats?limit=many", 400, "limit must be a whole number"),
+        ("GET", "/queues/q/move?to=r", 405, "use POST"),
+        ("POST", "/queues/q/move", 400, "a move needs to=QUEUE"),
+        ("POST", "/queues/q/move?n=1", 400, "a move needs to=QUEUE"),
+        ("POST", "/queues/q/move?to=q", 400, "to= names the queue moved from"),
+        ("POST", "/queues/q/move?to=%71", 400, "to= names the queue moved from"),
+        ("POST", "/queues/q/move?to=r&n=0", 400, "n must be a whole number in 1.."),
+        ("POST", "/queues/q/move?to=r&n=all", 400, "n must be a whole number in 1.."),
+        ("POST", "/queues/q/move?to=" + "x" * 65536, 400, "at most 65535 bytes"),
     ],
 )
 async def test_wrong_requests_get_a_status_and_a_reason(
     admin: Admin, method: str, path: str, status: int, error: str
 ) -> None:
-    got, headers, body = await admin.request(method, path)
+    got, headers, body = await admin.request(method, path, ACTION)
     assert got == status
     assert error in json.loads(body)["error"]
     if status == 405:
-        assert headers["allow"] in ("GET, HEAD", "POST, DELETE")
+        assert headers["allow"] in ("GET, HEAD", "POST, DELETE", "POST")
 
 
 @pytest.mark.parametrize(
@@ -364,6 +374,7 @@ async def test_wrong_requests_get_a_status_and_a_reason(
         ("GET", "/queues/a%2"),
         ("GET", "/queues/%/peek"),
         ("POST", "/queues/%ZZ/purge"),
+        ("POST", "/queues/q/move?to=%ZZ"),
     ],
 )
 async def test_a_malformed_percent_escape_is_refused(admin: Admin, method: str, path: str) -> None:
@@ -373,6 +384,7 @@ async def test_a_malformed_percent_escape_is_refused(admin: Admin, method: str, 
     assert status == 400
     assert "malformed percent escape" in json.loads(body)["error"]
     assert admin.live.store.depth(b"%ZZ") == 1
+    assert admin.live.store.queue_count == 1  # nothing moved
     assert (await admin.json("/queues/%25ZZ"))["packets"] == 1  # %25 is how to say %
 
 
@@ -519,6 +531,7 @@ async def test_with_a_token_everything_but_the_probes_and_the_page_needs_it(
         ("GET", "/queues/q"),
         ("GET", "/queues/q/peek"),
         ("POST", "/queues/q/purge"),
+        ("POST", "/queues/q/move?to=r"),
     ]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-token"}):
             status, response_headers, body = await admin.request(method, path, headers)
@@ -528,7 +541,7 @@ async def test_with_a_token_everything_but_the_probes_and_the_page_needs_it(
         authorized = {"Authorization": "Bearer " + TOKEN.decode(), **ACTION}
         assert (await admin.request(method, path, authorized))[0] == 200
         # Each refusal is logged, as the data port logs each: the client, never the token.
-        assert f"refusing {method} {path} from 127.0.0.1:" in caplog.text
+        assert f"refusing {method} {path.partition('?')[0]} from 127.0.0.1:" in caplog.text
     assert "wrong" not in caplog.text
     assert TOKEN.decode() not in caplog.text
 
@@ -653,3 +666,62 @@ async def test_peek_previews_keys_and_payloads_as_escaped_text_cut_with_their_le
     assert whole["payload_text"] == "<b>caf\u00e9</b>\\xff" + "z" * 100
     status, _, _ = await admin.request("GET", "/queues/q/peek?preview=0")
     assert status == 400
+
+
+# -- delayed packets (decision 21) and moves (decision 22) -------------------------------------
+
+HOUR_MS = 3_600_000  # delays no test outlives: those packets stay delayed throughout
+
+
+async def test_stats_and_metrics_count_delayed_packets_per_queue(admin: Admin) -> None:
+    peer = await admin.live.connect()
+    frames = push(b"jobs", b"now", b"v") + push_options(b"jobs", b"later", b"v", delay_ms=HOUR_MS)
+    await applied(peer, frames + push_options(b"only-later", b"k", b"vv", delay_ms=HOUR_MS))
+    size = {b"jobs": len(b"later") + 1 + PACKET_OVERHEAD, b"only-later": 3 + PACKET_OVERHEAD}
+    stats = await admin.json("/stats")
+    queues = {q["name"]: q for q in stats["queues"]}
+    assert (queues["jobs"]["packets"], queues["jobs"]["delayed"]) == (1, 1)
+    assert queues["jobs"]["bytes"] == len(b"now") + 1 + PACKET_OVERHEAD + size[b"jobs"]
+    # A queue holding only delayed packets is listed, with its bytes.
+    assert (queues["only-later"]["packets"], queues["only-later"]["delayed"]) == (0, 1)
+    assert queues["only-later"]["bytes"] == size[b"only-later"]
+    assert stats["queues_total"] == 2
+    assert stats["memory"]["delayed_bytes"] == sum(size.values())
+    assert (await admin.json("/queues/only-later"))["delayed"] == 1
+    samples = await admin.metrics()
+    assert value(samples, "pinpriq_queue_delayed", queue="jobs") == 1
+    assert value(samples, "pinpriq_queue_delayed", queue="only-later") == 1
+    assert value(samples, "pinpriq_queue_packets", queue="only-later") == 0
+    assert value(samples, "pinpriq_memory_delayed_bytes") == sum(size.values())
+    assert value(samples, "pinpriq_packets_pushed_total") == 3
+    assert await peer.request(pop(b"only-later")) == []
+    assert (await admin.json("/queues/jobs/purge", "POST", **ACTION))["purged"] == 2
+
+
+async def test_move_sends_dead_letters_back_and_offers_them_to_a_waiting_subscriber(
+    admin: Admin,
+) -> None:
+    producer, consumer = await admin.live.connect(), await admin.live.connect()
+    await applied(producer, push(b"jobs.dead", b"a", b"1", prio=2) + push(b"jobs.dead", b"b", b"2"))
+    await applied(producer, push_options(b"jobs.dead", b"c", b"later", delay_ms=HOUR_MS))
+    await consumer.send(subscribe(b"jobs") + READY)
+    await consumer.expect_silence()
+    moved = await admin.json("/queues/jobs.dead/move?to=jobs", "POST", **ACTION)
+    assert moved == {"queue": "jobs.dead", "to": "jobs", "moved": 2}
+    assert await consumer.reply() == [(b"b", b"2")]  # delivered by the move, as by a push
+    assert await producer.request(pop(b"jobs")) == [(b"a", b"1")]
+    assert admin.live.store.queue_info(b"jobs.dead").delayed == 1  # delayed packets stay
+
+
+async def test_move_with_n_takes_whole_groups_and_to_is_percent_encoded_bytes(
+    admin: Admin,
+) -> None:
+    peer = await admin.live.connect()
+    group = push(b"q", b"g", b"1", prio=1) + push(b"q", b"g", b"2", prio=0)
+    await applied(peer, group + push(b"q", b"x", b"3", prio=2) + push(b"q", b"y", b"4", prio=3))
+    moved = await admin.json("/queues/q/move?to=a+b%00&n=1", "POST", **ACTION)
+    assert moved == {"queue": "q", "to": "a+b\\x00", "moved": 2}  # the first group, whole
+    assert admin.live.store.depth(b"a+b\x00") == 2  # "+" is a plus sign, not a space
+    assert (await admin.json("/queues/q/move?to=&n=2", "POST", **ACTION))["moved"] == 2
+    assert admin.live.store.depth(b"") == 2  # to= alone: the empty name
+    assert (await admin.json("/queues/q/move?to=r", "POST", **ACTION))["moved"] == 0

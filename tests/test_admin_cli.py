@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
+import struct
 import subprocess
 import time
 from collections.abc import Iterator
@@ -99,6 +101,7 @@ def test_queues_and_stats_are_aligned_tables(server: Server) -> None:
         "QUEUE",
         "PACKETS",
         "LEASED",
+        "DELAYED",
         "BYTES",
         "SUBSCRIBERS",
         "OLDEST",
@@ -108,7 +111,8 @@ def test_queues_and_stats_are_aligned_tables(server: Server) -> None:
         "PRIORITY",
     ]
     row = next(line for line in table if line.startswith("tables "))
-    assert row.split()[:5] == ["tables", "4", "0", f"{3 * (2 + 7 + 256) + (1 + 1 + 256):,}", "0"]
+    bytes_held = f"{3 * (2 + 7 + 256) + (1 + 1 + 256):,}"
+    assert row.split()[:6] == ["tables", "4", "0", "0", bytes_held, "0"]
     assert row.endswith("0: 1, 1: 1, 2: 1, 3: 1")
     # Aligned: every row's PACKETS column ends where the header's does.
     end = header.index("PACKETS") + len("PACKETS")
@@ -142,6 +146,58 @@ def test_queues_and_stats_count_leased_packets(server: Server) -> None:
         one = ok("stats", "leasing", "--admin", server.admin)
         assert re.search(r"^leased\s+1$", one, re.MULTILINE), one
         lease.ack()
+
+
+def push_delayed(server: Server, queue: bytes, key: bytes, delay_ms: int) -> None:
+    """A delayed push (``71``) and a sync, in raw bytes."""
+    frame = struct.pack(">BHIIBHH", 0x71, len(queue), 0, delay_ms, 1, len(key), 0) + key + queue
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as peer:
+        peer.sendall(frame + b"\x21")
+        assert peer.recv(2) == b"\x00\x00"
+
+
+def test_queues_and_stats_count_delayed_packets(server: Server) -> None:
+    push(server, "delaying", "now", "v")
+    push_delayed(server, b"delaying", b"later", 3_600_000)  # outlives the test
+    push_delayed(server, b"only-delayed", b"later", 3_600_000)
+    rows = {
+        line.split()[0]: line.split() for line in ok("queues", "--admin", server.admin).splitlines()
+    }
+    assert rows["delaying"][1:4] == ["1", "0", "1"]  # PACKETS, LEASED, DELAYED
+    assert rows["only-delayed"][1:4] == ["0", "0", "1"]  # listed, though empty for pops
+    one = ok("stats", "delaying", "--admin", server.admin)
+    assert re.search(r"^delayed\s+1$", one, re.MULTILINE), one
+    memory = re.search(
+        r"^memory\s+.* of 1\.0 GiB \((\d+) B delayed\)$",
+        ok("stats", "--admin", server.admin),
+        re.MULTILINE,
+    )
+    assert memory is not None
+    assert int(memory[1]) == 2 * (5 + 256)
+    ok("purge", "delaying", "--admin", server.admin)
+    ok("purge", "only-delayed", "--admin", server.admin)
+
+
+def test_move_sends_dead_letters_back(server: Server) -> None:
+    for key in ("a", "b", "b"):
+        push(server, "work.dead", key, "job", "--prio", "2")
+    assert ok("move", "work.dead", "work", "-n", "1", "--admin", server.admin) == (
+        "moved 2 packets from work.dead to work\n"  # the first group, whole
+    )
+    moved = json.loads(ok("move", "work.dead", "work", "--json", "--admin", server.admin))
+    assert moved == {"queue": "work.dead", "to": "work", "moved": 1}
+    assert "moved 0 packets" in ok("move", "work.dead", "work", "--admin", server.admin)
+    assert [
+        line.split()[1] for line in ok("peek", "work", "--admin", server.admin).splitlines()[1:]
+    ] == ["a", "b", "b"]
+    ok("purge", "work", "--admin", server.admin)
+
+
+def test_a_move_to_itself_is_one_line_and_exit_1(server: Server) -> None:
+    done = pinpriq("move", "same", "same", "--admin", server.admin)
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1
+    assert "said 400: to= names the queue moved from" in done.stderr
 
 
 def test_json_is_the_admin_listeners_json(server: Server) -> None:
@@ -229,7 +285,9 @@ def test_errors_are_one_line_and_exit_1(args: list[str], env: dict[str, str], me
 
 
 def test_bad_arguments_exit_2() -> None:
-    for args in (["peek", "q", "-n", "0"], ["stats", "--admin", "ftp://host"], ["peek"]):
+    wrong = [["peek", "q", "-n", "0"], ["stats", "--admin", "ftp://host"], ["peek"]]
+    wrong += [["move", "q"], ["move", "q", "r", "-n", "0"], ["move", "q", "r", "-n", "x"]]
+    for args in wrong:
         done = pinpriq(*args)
         assert done.returncode == 2, args
         assert done.stderr.count("\n") == 1

@@ -78,11 +78,11 @@ def test_every_frame_of_the_protocol_is_handled(clock: FakeClock) -> None:
     examples = {Push: Push(b"q", b"k", b"v"), Pop: Pop(b"q"), Subscribe: Subscribe(b"q")}
     examples |= {Unsubscribe: Unsubscribe(b"q"), type(READY): READY, type(SYNC): SYNC}
     examples |= {Auth: Auth(b"any token: this broker has none")}
+    examples |= {DelayedPush: DelayedPush(b"q", b"k", b"v", 0, 1, 1000)}
     # Lease frames on a connection of their own: never with a plain subscribe (decision 20).
     lease_examples = {Reserve: Reserve(b"q"), Ack: Ack(1), Release: Release(2), Touch: Touch(3)}
     lease_examples |= {LeasedSubscribe: LeasedSubscribe(b"r")}  # last: the connection is leased
-    # Until the stores hold delayed packets, a delayed push closes the connection (below).
-    assert set(examples) | set(lease_examples) | {DelayedPush} == set(FRAMES.values())
+    assert set(examples) | set(lease_examples) == set(FRAMES.values())
     for frames in (examples, lease_examples):
         session = broker.open_session()
         assert session.receive(list(frames.values())) == len(frames)
@@ -585,3 +585,114 @@ def test_auth_on_a_leased_connection_is_answered_with_eleven_zero_bytes(clock: F
     assert session.receive([Auth(b"wrong")]) == 0  # a wrong one still closes, unanswered
     assert session.blocked is Blocked.REJECTED
     assert take(session) == b""
+
+
+# -- delayed pushes (decision 21) and moves (decision 22) --------------------------------------
+
+
+def delayed(payload: bytes, delay_ms: int, *, queue: bytes = b"q", ttl_ms: int = 0) -> DelayedPush:
+    return DelayedPush(queue, payload, payload, ttl_ms, 1, delay_ms)
+
+
+def test_a_delayed_push_sets_the_timer_and_is_delivered_when_due(clock: FakeClock) -> None:
+    broker = broker_with(clock)
+    pusher, subscriber = broker.open_session(), broker.open_session()
+    subscriber.receive([Subscribe(b"q"), READY])
+    pusher.receive([delayed(b"later", 500), Push(b"q", b"now", b"now", 0, 1), Pop(b"q"), Pop(b"q")])
+    assert take(subscriber) == reply((b"now", b"now"))  # the plain push, delivered at once
+    assert take(pusher) == reply() + reply()  # the delayed packet is in no queue yet
+    assert broker.timer == 1000.5
+    subscriber.receive([READY])
+    clock.now = 1000.5
+    broker.expire()
+    assert broker.take_dirty() == [subscriber]
+    assert take(subscriber) == reply((b"later", b"later"))
+    assert broker.totals() == (2, 0, 2, 0, 0)
+    assert broker.timer == math.inf
+
+
+def test_a_packet_that_arrived_on_a_read_is_offered_when_the_timer_fires(
+    clock: FakeClock,
+) -> None:
+    broker = broker_with(clock)
+    pusher, subscriber = broker.open_session(), broker.open_session()
+    pusher.receive([delayed(b"later", 250)])
+    subscriber.receive([Subscribe(b"q")])  # no credit yet
+    clock.now = 1000.25
+    pusher.receive([Pop(b"other")])  # a read files the due packet before the timer fires
+    subscriber.receive([READY])
+    assert take(subscriber) == reply((b"later", b"later"))  # the credit finds it queued
+    pusher.receive([delayed(b"again", 250, queue=b"q")])
+    subscriber.receive([READY])
+    clock.now = 1000.5
+    pusher.receive([Pop(b"other")])  # filed by a read: nobody offered it yet
+    assert take(subscriber) == b""
+    broker.expire()  # the timer (set to its due time at the push) offers it
+    assert take(subscriber) == reply((b"again", b"again"))
+
+
+def test_delayed_pushes_are_counted_per_queue(clock: FakeClock) -> None:
+    broker = broker_with(clock)
+    broker.take_pushes()  # start counting
+    session = broker.open_session()
+    session.receive(
+        [Push(b"q", b"a", b"", 0, 1), delayed(b"b", 100), delayed(b"c", 100, queue=b"r")]
+    )
+    assert broker.take_pushes() == {b"q": 2, b"r": 1}
+
+
+def test_a_delayed_push_is_a_push_on_any_connection(clock: FakeClock) -> None:
+    # Decision 21: for decisions 18 and 20 a 71 is a push.
+    broker = broker_with(clock)
+    plain, leased = broker.open_session(), broker.open_session()
+    assert plain.receive([Subscribe(b"s"), delayed(b"a", 100)]) == 2
+    assert leased.receive([LeasedSubscribe(b"s"), delayed(b"b", 100)]) == 2
+    assert plain.error is leased.error is None
+    assert broker.store.queue_info(b"q").delayed == 2
+
+
+def test_a_delayed_push_before_auth_is_rejected(clock: FakeClock) -> None:
+    broker = broker_with(clock, token=b"secret")
+    session = broker.open_session()
+    assert session.receive([delayed(b"a", 100)]) == 0
+    assert (session.blocked, session.rejected) == (Blocked.REJECTED, "a delayed push before auth")
+    assert len(broker.store) == 0
+
+
+def test_delayed_pushes_wait_at_the_cap_and_its_log_says_how_much_is_delayed(
+    clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    size = len(b"kNN") * 2 + PACKET_OVERHEAD  # key and payload are the same bytes
+    broker = broker_with(clock, max_memory=4 * size)
+    session = broker.open_session()
+    frames: list[ClientFrame] = [delayed(b"k%02d" % i, 1000) for i in range(6)]
+    with caplog.at_level(logging.WARNING, logger="pinpriq.broker"):
+        assert session.receive(frames) == 4
+    assert session.blocked is Blocked.MEMORY
+    [record] = caplog.records
+    assert f"{4 * size} are delayed packets" in record.getMessage()
+    assert broker.purge(b"q") == 4  # a purge removes delayed packets and makes room
+    assert session.receive(frames, 4) == 6
+
+
+def test_a_store_without_delayed_packets_closes_the_connection(clock: FakeClock) -> None:
+    class Undelayed(QueueStore):
+        def push_delayed(self, *args: object) -> float:
+            raise NotImplementedError("not on this store")
+
+    session = Broker(Undelayed(clock)).open_session()
+    assert session.receive([Push(b"q", b"k", b"v", 0, 1), delayed(b"a", 100), SYNC]) == 1
+    assert session.error == "a push with a delay: not on this store"
+
+
+def test_a_move_offers_the_target_to_its_waiting_subscribers(clock: FakeClock) -> None:
+    broker = broker_with(clock)
+    pusher, subscriber = broker.open_session(), broker.open_session()
+    subscriber.receive([Subscribe(b"jobs"), READY])
+    pusher.receive([Push(b"jobs.dead", b"k", b"v", 0, 1), Push(b"jobs.dead", b"k", b"w", 0, 0)])
+    assert broker.move(b"jobs.dead", b"jobs") == 2
+    assert broker.take_dirty() == [subscriber]
+    assert take(subscriber) == reply((b"k", b"v"), (b"k", b"w"))
+    assert broker.move(b"jobs.dead", b"jobs") == 0
+    with pytest.raises(ValueError, match="itself"):
+        broker.move(b"jobs", b"jobs")

@@ -16,7 +16,17 @@ import trio.testing
 
 from pinpriq.server import serve
 from tests.conftest import LiveServer
-from tests.rawpeer import READY, Peer, pop, push, reply, subscribe, unsubscribe
+from tests.rawpeer import (
+    READY,
+    SYNC,
+    Peer,
+    pop,
+    push,
+    push_options,
+    reply,
+    subscribe,
+    unsubscribe,
+)
 
 # -- pop, priority and grouping (decisions 2-4) -----------------------------------------------
 
@@ -143,6 +153,68 @@ async def test_a_later_earlier_deadline_reschedules_the_sweep(
     await peer.send(push(b"q", b"soon", b"", ttl_ms=10))
     await trio.sleep(0.02)
     assert len(live.store) == 1  # swept at 10 ms, not at 60 s
+
+
+# -- delayed pushes and long TTLs (decision 21), on virtual time ------------------------------
+
+
+async def test_a_delayed_packet_is_popped_only_once_due(
+    live: LiveServer, mock_clock: trio.testing.MockClock
+) -> None:
+    peer = await live.connect()
+    await peer.send(push_options(b"q", b"k", b"later", delay_ms=500) + SYNC + pop(b"q"))
+    assert await peer.reply() == []  # the sync: the push is applied
+    assert await peer.reply() == []  # and the packet is in no queue yet
+    assert live.store.queue_info(b"q").delayed == 1
+    await trio.sleep(0.499)
+    assert await peer.request(pop(b"q")) == []
+    await trio.sleep(0.001)
+    assert await peer.request(pop(b"q")) == [(b"k", b"later")]
+
+
+async def test_a_delayed_packet_is_delivered_to_a_waiting_subscriber_when_due(
+    live: LiveServer, mock_clock: trio.testing.MockClock
+) -> None:
+    pusher, subscriber = await live.connect(), await live.connect()
+    await subscriber.send(subscribe(b"q") + READY)
+    await pusher.send(push_options(b"q", b"k", b"later", delay_ms=60_000))
+    await trio.testing.wait_all_tasks_blocked()
+    await subscriber.expect_silence()
+    await trio.sleep(60)  # the expiry timer lets it in and offers it: no frame is read
+    assert await subscriber.reply() == [(b"k", b"later")]
+
+
+async def test_a_71_with_no_delay_is_a_push_and_its_ttl_may_pass_65535_ms(
+    live: LiveServer, mock_clock: trio.testing.MockClock
+) -> None:
+    peer = await live.connect()
+    await peer.send(push_options(b"q", b"k", b"v", ttl_ms=100_000, delay_ms=0) + pop(b"q"))
+    assert await peer.reply() == [(b"k", b"v")]
+    await peer.send(push_options(b"q", b"k", b"v", ttl_ms=100_000, delay_ms=50_000))
+    await trio.sleep(149.9)  # its TTL counts from its due time, 50 s after the push
+    assert await peer.request(pop(b"q")) == [(b"k", b"v")]
+    await peer.send(push_options(b"q", b"k", b"w", ttl_ms=100_000, delay_ms=50_000))
+    await trio.sleep(150.1)
+    assert await peer.request(pop(b"q")) == []
+
+
+async def test_the_largest_71_frame_is_accepted(live: LiveServer) -> None:
+    peer = await live.connect()
+    big = b"x" * 0xFFFF
+    frame = push_options(big, big, big, ttl_ms=0xFFFF_FFFF, delay_ms=1)
+    assert len(frame) == 196_621
+    await peer.send(frame + SYNC)
+    assert await peer.reply() == []
+    assert live.store.queue_info(big).delayed == 1
+
+
+async def test_a_delay_above_30_days_closes_the_connection(live: LiveServer) -> None:
+    peer = await live.connect()
+    fine = push_options(b"q", b"k", b"30 days", delay_ms=2_592_000_000)
+    await peer.send(fine + pop(b"q") + push_options(b"q", b"k", b"more", delay_ms=2_592_000_001))
+    assert await peer.reply() == []  # the frames before it were applied
+    await peer.expect_closed()
+    assert live.store.queue_info(b"q").delayed == 1
 
 
 # -- queues (decision 5) ----------------------------------------------------------------------

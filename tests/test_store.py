@@ -506,7 +506,7 @@ def test_queue_info_counts_bytes_and_packets_per_priority(store: QueueStore) -> 
     assert info.bytes == 2 * 4 + 6 + 4 * PACKET_OVERHEAD
     assert info.by_priority == {0: 1, 7: 2, 255: 1}
     assert info.next_expiry is None
-    assert store.queue_info(b"none") == (0, 0, {}, None, None)
+    assert store.queue_info(b"none") == (0, 0, {}, None, None, 0)
 
 
 def test_queue_info_by_priority_after_grouped_pops_and_expiry(
@@ -605,12 +605,17 @@ class ModelPacket:
     prio: int
     seq: int
     deadline: float  # inf for TTL 0
+    #: Whether it is in its queue: false while a delayed packet waits for a sweep after its
+    #: due time (decision 21).
+    arrived: bool = True
+    due: float = 0.0
 
 
 @dataclass
 class Model:
-    """Decisions 1-5 as plain list scans. Like the store, it sweeps expired packets on pop,
-    peek and expire, so its counts include due packets until one of those runs."""
+    """Decisions 1-5, 21 and 22 as plain list scans. Like the store, it sweeps expired packets,
+    and lets delayed packets that are due arrive, on pop, peek and expire, so its counts
+    include due packets until one of those runs."""
 
     max_pop: int
     now: float = 0.0
@@ -622,32 +627,44 @@ class Model:
         deadline = self.now + ttl_ms / 1000 if ttl_ms else float("inf")
         self.packets.append(ModelPacket(queue, key, payload, prio, self.seq, deadline))
 
+    def push_delayed(
+        self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int, delay_ms: int
+    ) -> None:
+        self.seq += 1
+        due = self.now + delay_ms / 1000
+        deadline = due + ttl_ms / 1000 if ttl_ms else float("inf")
+        packet = ModelPacket(queue, key, payload, prio, self.seq, deadline, False, due)
+        self.packets.append(packet)
+
     def expire(self) -> int:
         live = [p for p in self.packets if self.now < p.deadline]
         removed = len(self.packets) - len(live)
         self.packets = live
+        for p in live:
+            p.arrived = p.arrived or p.due <= self.now
         return removed
+
+    def queued(self, queue: bytes) -> list[ModelPacket]:
+        return [p for p in self.packets if p.queue == queue and p.arrived]
 
     def best(self, queue: bytes) -> ModelPacket | None:
         self.expire()
-        candidates = [p for p in self.packets if p.queue == queue and p.prio > 0]
+        candidates = [p for p in self.queued(queue) if p.prio > 0]
         return min(candidates, key=lambda p: (p.prio, -p.seq), default=None)
 
     def pop(self, queue: bytes) -> list[ModelPacket]:
         selected = self.best(queue)
         if selected is None:
             return []
-        siblings = [
-            p
-            for p in self.packets
-            if p.queue == queue and p.key == selected.key and p is not selected
-        ][: self.max_pop - 1]
+        siblings = [p for p in self.queued(queue) if p.key == selected.key and p is not selected][
+            : self.max_pop - 1
+        ]
         reply = [selected, *siblings]
         self.packets = [p for p in self.packets if all(p is not r for r in reply)]
         return reply
 
     def depth(self, queue: bytes) -> int:
-        return sum(p.queue == queue for p in self.packets)
+        return len(self.queued(queue))
 
     def peek(self, queue: bytes, count: int) -> list[ModelPacket]:
         self.expire()
@@ -660,22 +677,41 @@ class Model:
 
     def purge(self, queue: bytes) -> int:
         self.expire()
-        gone = self.depth(queue)
+        gone = sum(p.queue == queue for p in self.packets)
         self.packets = [p for p in self.packets if p.queue != queue]
         return gone
 
-    def info(self, queue: bytes) -> tuple[int, int, dict[int, int], float | None]:
-        mine = [p for p in self.packets if p.queue == queue]
+    def info(self, queue: bytes) -> tuple[int, int, dict[int, int], float | None, int]:
+        mine = self.queued(queue)
         by_priority: dict[int, int] = {}
         for p in sorted(mine, key=lambda p: p.prio):
             by_priority[p.prio] = by_priority.get(p.prio, 0) + 1
         deadlines = [p.deadline for p in mine if p.deadline != float("inf")]
         next_expiry = max(0.0, min(deadlines) - self.now) if deadlines else None
-        size = sum(len(p.key) + len(p.payload) + PACKET_OVERHEAD for p in mine)
-        return len(mine), size, by_priority, next_expiry
+        held = [p for p in self.packets if p.queue == queue]
+        size = sum(len(p.key) + len(p.payload) + PACKET_OVERHEAD for p in held)
+        return len(mine), size, by_priority, next_expiry, len(held) - len(mine)
 
     def next_deadline(self) -> float | None:
-        return min((p.deadline for p in self.packets if p.deadline != float("inf")), default=None)
+        """The earliest TTL deadline of a queued packet or due time of a delayed one."""
+        times = [p.deadline if p.arrived else p.due for p in self.packets]
+        return min((t for t in times if t != float("inf")), default=None)
+
+    def move(self, source: bytes, target: bytes, limit: int) -> int:
+        """Decision 22: whole groups in pop order (or all), renumbered as pushes made now."""
+        self.expire()
+        moving: list[ModelPacket] = []
+        if not limit:
+            moving = self.queued(source)
+        while limit and len(moving) < limit and (selected := self.best(source)) is not None:
+            moving += [p for p in self.queued(source) if p.key == selected.key]
+            for p in moving:
+                p.queue = target  # out of the source, so best() looks further
+        for p in sorted(moving, key=lambda p: p.seq):
+            self.seq += 1
+            p.seq, p.queue = self.seq, target
+        self.packets.sort(key=lambda p: p.seq)
+        return len(moving)
 
     def restore(self, queue: bytes, group: list[ModelPacket]) -> int:
         """Taken packets go back where they were in push order, to ``queue``; TTL wins."""
@@ -720,6 +756,28 @@ class StoreVersusModel(RuleBasedStateMachine):
         payload = b"%d" % self.pushes  # names the packet
         self.store.push(queue, key, payload, ttl_ms, prio)
         self.model.push(queue, key, payload, ttl_ms, prio)
+
+    @rule(
+        queue=st.sampled_from(QUEUES),
+        key=st.sampled_from(KEYS),
+        prio=st.sampled_from([0, 1, 2, 255]),
+        ttl_ms=st.sampled_from([0, 125, 500]),
+        delay_ms=st.sampled_from([125, 250, 500]),
+    )
+    def push_delayed(self, queue: bytes, key: bytes, prio: int, ttl_ms: int, delay_ms: int) -> None:
+        self.pushes += 1
+        payload = b"%d" % self.pushes
+        self.store.push_delayed(queue, key, payload, ttl_ms, prio, delay_ms)
+        self.model.push_delayed(queue, key, payload, ttl_ms, prio, delay_ms)
+
+    @rule(
+        source=st.sampled_from(QUEUES),
+        to=st.sampled_from(QUEUES),  # ``target`` is a keyword of ``rule``
+        limit=st.sampled_from([0, 1, 2, 5]),
+    )
+    def move(self, source: bytes, to: bytes, limit: int) -> None:
+        if source != to:
+            assert self.store.move(source, to, limit) == self.model.move(source, to, limit)
 
     @rule(queue=st.sampled_from(QUEUES))
     def pop(self, queue: bytes) -> None:
@@ -796,6 +854,7 @@ class StoreVersusModel(RuleBasedStateMachine):
         )
         assert len(self.store) == len(self.model.packets)
         assert self.store.queue_count == len({p.queue for p in self.model.packets})
+        sizes = {name: (packets, size) for name, packets, size in self.store.sizes()}
         for q in QUEUES:
             assert self.store.depth(q) == self.model.depth(q)
             info = self.store.queue_info(q)
@@ -804,7 +863,14 @@ class StoreVersusModel(RuleBasedStateMachine):
                 info.bytes,
                 info.by_priority,
                 info.next_expiry,
+                info.delayed,
             ) == self.model.info(q)
+            assert sizes.get(q, (0, 0)) == (info.packets, info.bytes)
+        assert self.store.delayed_bytes == sum(
+            len(p.key) + len(p.payload) + PACKET_OVERHEAD
+            for p in self.model.packets
+            if not p.arrived
+        )
 
 
 StoreVersusModel.TestCase.settings = settings(
@@ -1021,3 +1087,230 @@ def test_load_refuses_packets_out_of_push_order(store: QueueStore) -> None:
     assert (len(store), store.pushed) == (1, 1)
     with pytest.raises(ValueError, match="loading seq 7 after seq 7"):
         store.load([(b"q", b"k", b"", 1, 7)], {}, 7)
+
+
+# --- delayed packets (decision 21) ---------------------------------------------------------------
+
+
+def push_delayed(
+    store: QueueStore,
+    payload: bytes,
+    delay_ms: int,
+    *,
+    queue: bytes = b"q",
+    key: bytes | None = None,
+    prio: int = 1,
+    ttl_ms: int = 0,
+) -> float:
+    """``push``, delayed by ``delay_ms``."""
+    key = payload if key is None else key
+    return store.push_delayed(queue, key, payload, ttl_ms, prio, delay_ms)
+
+
+def test_a_delayed_packet_is_in_no_queue_until_due(store: QueueStore, clock: FakeClock) -> None:
+    assert push_delayed(store, b"later", 500) == 1000.5  # its due time
+    assert store.pop(b"q") == store.take(b"q") == []
+    assert store.peek(b"q", 10) == []
+    assert store.peek_rank(b"q") is None
+    assert store.depth(b"q") == 0
+    assert store.next_deadline() == 1000.5
+    clock.advance(0.375)
+    assert store.pop(b"q") == []
+    clock.advance(0.125)  # due from the instant now >= push time + delay
+    assert payloads(store.pop(b"q")) == [b"later"]  # a read makes it arrive, no sweep needed
+    assert store.bytes_held == store.delayed_bytes == 0
+    store.check_invariants()
+
+
+def test_a_due_packet_keeps_its_place_in_push_order(store: QueueStore, clock: FakeClock) -> None:
+    push_delayed(store, b"delayed", 250, prio=2)
+    push(store, b"after", prio=2)
+    clock.advance(0.25)
+    store.expire()
+    store.check_invariants()
+    # Newest first among equal priorities: the packet pushed after it is popped first.
+    assert [payloads(store.pop(b"q")) for _ in range(2)] == [[b"after"], [b"delayed"]]
+
+
+def test_expire_files_due_packets_and_names_their_queues(
+    store: QueueStore, clock: FakeClock
+) -> None:
+    push_delayed(store, b"a", 250, queue=b"x")
+    push_delayed(store, b"b", 250, queue=b"x")
+    push_delayed(store, b"c", 500, queue=b"y")
+    assert store.take_arrived() == []
+    clock.advance(0.25)
+    assert store.expire() == 0  # arrivals are not removals
+    assert store.take_arrived() == [b"x"]
+    assert store.take_arrived() == []
+    assert store.depth(b"x") == 2
+    assert store.next_deadline() == 1000.5
+    clock.advance(0.25)
+    store.expire()
+    assert store.take_arrived() == [b"y"]
+    assert store.next_deadline() is None
+    store.check_invariants()
+
+
+def test_a_delayed_packets_ttl_counts_from_its_due_time(
+    store: QueueStore, clock: FakeClock
+) -> None:
+    push_delayed(store, b"a", 500, ttl_ms=250)
+    clock.advance(0.5)
+    store.expire()
+    assert store.next_deadline() == 1000.75  # due time plus TTL
+    clock.advance(0.125)
+    assert payloads(store.peek(b"q", 1)) == [b"a"]
+    clock.advance(0.125)
+    assert store.expire() == 1
+    assert store.pop(b"q") == []
+    store.check_invariants()
+
+
+def test_a_ttl_longer_than_a_u16_is_kept(store: QueueStore, clock: FakeClock) -> None:
+    push_delayed(store, b"a", 1000, ttl_ms=wire.MAX_TTL_MS)
+    clock.advance(1.0)
+    store.expire()
+    assert store.next_deadline() == 1001.0 + wire.MAX_TTL_MS / 1000
+
+
+def test_a_delayed_packet_whose_ttl_passed_before_it_arrived_is_dropped(
+    store: QueueStore, clock: FakeClock
+) -> None:
+    push_delayed(store, b"a", 250, ttl_ms=125, prio=0)
+    clock.advance(1.0)  # due and past its deadline when the sweep comes: TTL wins
+    assert store.expire() == 1
+    assert store.expired == 1
+    assert store.take_arrived() == []
+    assert len(store) == store.bytes_held == store.unselectable_bytes == store.queue_count == 0
+    store.check_invariants()
+
+
+def test_a_delayed_packet_joins_its_key_group_when_due(store: QueueStore, clock: FakeClock) -> None:
+    push(store, b"first", key=b"k", prio=3)
+    push_delayed(store, b"second", 250, key=b"k", prio=0)
+    push(store, b"third", key=b"k", prio=0)
+    taken = store.take(b"q")
+    assert payloads(taken) == [b"first", b"third"]  # not in the group while delayed
+    store.discard(taken)
+    push(store, b"fourth", key=b"k", prio=5)
+    clock.advance(0.25)
+    assert payloads(store.pop(b"q")) == [b"fourth", b"second"]  # in it, in push order
+    store.check_invariants()
+
+
+def test_delayed_packets_count_as_held_and_delayed_but_not_queued(store: QueueStore) -> None:
+    push_delayed(store, b"abc", 250, key=b"k", queue=b"only-delayed")
+    push(store, b"de", queue=b"both")
+    push_delayed(store, b"f", 250, queue=b"both")
+    size = {b"abc": 3 + 1 + PACKET_OVERHEAD, b"f": 2 + PACKET_OVERHEAD}
+    assert store.delayed_bytes == size[b"abc"] + size[b"f"]
+    assert store.bytes_held == store.delayed_bytes + 4 + PACKET_OVERHEAD
+    assert len(store) == 3
+    assert store.pushed == 3
+    assert store.queue_count == 2
+    assert sorted(store.sizes()) == [
+        (b"both", 1, 4 + PACKET_OVERHEAD + size[b"f"]),
+        (b"only-delayed", 0, size[b"abc"]),
+    ]
+    assert store.queue_info(b"only-delayed") == (0, size[b"abc"], {}, None, None, 1)
+    info = store.queue_info(b"both")
+    assert (info.packets, info.delayed, info.by_priority) == (1, 1, {1: 1})
+    store.check_invariants()
+
+
+def test_purge_removes_delayed_packets_too(store: QueueStore, clock: FakeClock) -> None:
+    push(store, b"a")
+    push_delayed(store, b"b", 250, ttl_ms=125)
+    push_delayed(store, b"c", 250, queue=b"other")
+    assert store.purge(b"q") == 2
+    assert store.purged == 2
+    assert store.bytes_held == store.delayed_bytes == 2 + PACKET_OVERHEAD  # "c" only
+    push_delayed(store, b"d", 500)  # the name again: the purged packet's entry stays stale
+    clock.advance(0.25)
+    store.expire()
+    assert store.take_arrived() == [b"other"]
+    assert store.pop(b"q") == []
+    store.check_invariants()
+    assert store.next_deadline() == 1000.5
+
+
+# --- move (decision 22) --------------------------------------------------------------------------
+
+
+def test_move_all_keeps_relative_order_and_makes_the_packets_newest(
+    store: QueueStore, clock: FakeClock
+) -> None:
+    push(store, b"old", queue=b"jobs.dead", prio=2)
+    push(store, b"alone", queue=b"jobs.dead", prio=0)  # prio 0, no selectable sibling
+    push(store, b"new", queue=b"jobs.dead", prio=2)
+    push(store, b"there", queue=b"jobs", prio=2)
+    assert store.move(b"jobs.dead", b"jobs", 0) == 3
+    assert store.queue_count == 1
+    store.check_invariants()
+    # Pushes made now, in their old relative order: newer than "there", "new" newer than "old".
+    assert [payloads(store.pop(b"jobs")) for _ in range(4)] == [[b"new"], [b"old"], [b"there"], []]
+    assert store.depth(b"jobs") == 1  # "alone" moved too
+    assert (store.pushed, len(store)) == (4, 1)  # a move is no push
+
+
+def test_move_keeps_ttl_deadlines_and_resets_attempts(store: QueueStore, clock: FakeClock) -> None:
+    push(store, b"a", ttl_ms=1000)
+    store.restore(b"q", [(*p[:LEASES], 7) for p in store.take(b"q")])  # leased 7 times
+    clock.advance(0.5)
+    assert store.move(b"q", b"r", 0) == 1
+    (packet,) = store.peek(b"r", 1)
+    assert (packet[DEADLINE], packet[LEASES]) == (1001.0, 0)
+    clock.advance(0.5)
+    assert store.expire() == 1
+    store.check_invariants()
+
+
+def test_move_with_a_limit_takes_whole_groups_in_pop_order(store: QueueStore) -> None:
+    push(store, b"g1", key=b"g", prio=3)
+    push(store, b"g2", key=b"g", prio=0)
+    push(store, b"g3", key=b"g", prio=3)
+    push(store, b"best", prio=1)
+    push(store, b"next", prio=2)
+    push(store, b"lone0", prio=0)
+    push(store, b"last", prio=4)
+    assert store.move(b"q", b"r", 2) == 2  # "best" and "next", as pops would take them
+    assert store.move(b"q", b"r", 1) == 3  # a first group larger than the limit moves whole
+    assert store.move(b"q", b"r", 2) == 1  # "last": fewer than 2 moved, nothing else to
+    assert store.move(b"q", b"r", 5) == 0  # a prio-0 packet without a selectable sibling stays
+    assert payloads(store.peek(b"q", 5)) == []
+    assert store.depth(b"q") == 1
+    store.check_invariants()
+    assert payloads(store.peek(b"r", 10)) == [b"best", b"next", b"g3", b"g1", b"g2", b"last"]
+    assert store.move(b"q", b"r", 0) == 1  # without a limit, it goes
+    store.check_invariants()
+
+
+def test_move_leaves_delayed_and_leased_packets(store: QueueStore, clock: FakeClock) -> None:
+    push(store, b"leased")
+    taken = store.take(b"q")
+    push_delayed(store, b"delayed", 250)
+    push(store, b"queued")
+    assert store.move(b"q", b"r", 0) == 1
+    assert store.queue_info(b"q").delayed == 1
+    clock.advance(0.25)
+    store.restore(b"q", taken)
+    assert payloads(store.pop(b"q")) == [b"delayed"]
+    assert payloads(store.pop(b"q")) == [b"leased"]
+    assert payloads(store.pop(b"r")) == [b"queued"]
+    store.check_invariants()
+
+
+def test_move_of_a_missing_queue_or_to_itself(store: QueueStore) -> None:
+    assert store.move(b"none", b"q", 0) == 0
+    push(store, b"a")
+    with pytest.raises(ValueError, match="itself"):
+        store.move(b"q", b"q", 0)
+    assert store.depth(b"q") == 1
+
+
+def test_move_does_not_move_expired_packets(store: QueueStore, clock: FakeClock) -> None:
+    push(store, b"a", ttl_ms=125)
+    clock.advance(0.125)
+    assert store.move(b"q", b"r", 0) == 0
+    assert store.expired == 1

@@ -11,8 +11,12 @@
     GET  /queues/NAME/peek?n=N  the next N packets pops would return, none removed (JSON);
                                 with &preview=B, keys and payloads as text cut after B bytes
     POST /queues/NAME/purge     remove every packet of the queue; DELETE is the same (JSON)
+    POST /queues/NAME/move?to=OTHER[&n=N]
+                                move its queued packets to OTHER: all, or whole key groups
+                                in pop order while fewer than N have moved (decision 22);
+                                answers how many moved (JSON)
 
-NAME is the queue's bytes, percent-encoded. When the server has a token, every path but
+NAME (and OTHER) is the queue's bytes, percent-encoded. When the server has a token, every path but
 ``/healthz``, ``/readyz`` and the dashboard page needs ``Authorization: Bearer TOKEN``; the
 page holds no data and asks for the token itself, so a browser can open it. A request that
 changes something (POST, DELETE) must carry ``X-Pinpriq-Action`` (any value) or
@@ -48,13 +52,23 @@ from pinpriq.persistence.journal import Journal
 from pinpriq.store_contract import BatchedStore, PeekedPacket
 from pinpriq.wire import MAX_FIELD
 
-__all__ = ["ACTION_HEADER", "DEFAULT_PEEK", "MAX_PEEK", "PROBES", "AdminApp", "Observed"]
+__all__ = [
+    "ACTION_HEADER",
+    "DEFAULT_PEEK",
+    "MAX_MOVE",
+    "MAX_PEEK",
+    "PROBES",
+    "AdminApp",
+    "Observed",
+]
 
 log = logging.getLogger("pinpriq.admin")
 
 #: Packets ``peek`` shows unless told otherwise, and at most.
 DEFAULT_PEEK = 10
 MAX_PEEK = 1000
+#: The largest ``n`` a move takes: more than any store holds, in a signed 64-bit integer.
+MAX_MOVE = 2**63 - 1
 #: Health probes: answered even while the listener's connection slots are full.
 PROBES = frozenset({b"/healthz", b"/readyz"})
 #: Paths anyone may read: probes carry no secrets, and the page fetches its data with the token.
@@ -92,6 +106,9 @@ class Observed(Protocol):
     async def log_stored(self) -> None:
         """Return once the store's changes so far are logged as the fsync policy promises."""
 
+    def after_batch(self) -> None:
+        """Write what the broker delivered meanwhile (a move offers packets as a push does)."""
+
 
 class HTTPError(Exception):
     """An answer other than success: its status and a message for the client."""
@@ -125,7 +142,7 @@ class AdminApp:
         path, _, query = request.target.partition(b"?")
         try:
             segments = [_unquote(part) for part in path.split(b"/")[1:]]
-            route = self._route(request.method, path, segments)
+            route = self._route(request.method, path, segments, query)
             if path not in PUBLIC:
                 self._authorize(request)
             if request.method in CHANGING:
@@ -145,9 +162,10 @@ class AdminApp:
             return Response(response.status, response.body, headers=error.headers)
 
     def _route(
-        self, method: str, path: bytes, segments: list[bytes]
+        self, method: str, path: bytes, segments: list[bytes], query: bytes
     ) -> Callable[[dict[str, list[str]]], Response]:
-        """The handler of a path and method; raises 404 or 405."""
+        """The handler of a path and method; raises 404 or 405. ``query`` is the target's,
+        still percent-encoded (a move's ``to`` is bytes, read from it)."""
         routes: dict[bytes, Callable[[dict[str, list[str]]], Response]] = {
             b"/": lambda _: Response(200, self.dashboard, HTML),
             b"/healthz": lambda _: _json({"status": "serving"}),
@@ -156,7 +174,7 @@ class AdminApp:
             b"/stats": self._stats,
             b"/connections": lambda _: _json(connection_stats(self.server.peers())),
         }
-        allowed = ("GET", "HEAD")
+        allowed: tuple[str, ...] = ("GET", "HEAD")
         if path in routes:
             handler = routes[path]
         elif len(segments) == 2 and segments[0] == b"queues":
@@ -165,6 +183,8 @@ class AdminApp:
             handler = self._peek(segments[1])
         elif len(segments) == 3 and segments[0] == b"queues" and segments[2] == b"purge":
             handler, allowed = self._purge(segments[1]), ("POST", "DELETE")
+        elif len(segments) == 3 and segments[0] == b"queues" and segments[2] == b"move":
+            handler, allowed = self._move(segments[1], query), ("POST",)
         else:
             raise HTTPError(404, f"no such path: {path.decode('latin-1')} (see GET /)")
         if method not in allowed:
@@ -249,6 +269,40 @@ class AdminApp:
         await self.server.log_stored()
         return purged
 
+    def _move(self, queue: bytes, query: bytes) -> Callable[[dict[str, list[str]]], Response]:
+        _check_name(queue)
+
+        def answer(moved: int, target: bytes) -> Response:
+            self.sampler.moved(queue, target, moved)
+            return _json({"queue": escape(queue), "to": escape(target), "moved": moved})
+
+        def move(parsed: dict[str, list[str]]) -> Response:
+            target = _move_target(query, queue)  # after the token is checked, as n is
+            limit = _number(parsed, "n", 0, 1, MAX_MOVE)
+            done = partial(answer, target=target)
+            store = self.broker.store
+            if isinstance(store, BatchedStore):
+                return _later(lambda: _supported(store.move_async(queue, target, limit)), done)
+            if self.server.journal is not None:  # answered once the move is in the log
+                return _later(lambda: self._move_logged(queue, target, limit), done)
+            return done(self._moved(queue, target, limit))
+
+        return move
+
+    def _moved(self, queue: bytes, target: bytes, limit: int) -> int:
+        """Move, and write what the packets' offer to ``target``'s subscribers delivered."""
+        try:
+            moved = self.broker.move(queue, target, limit)
+        except NotImplementedError as missing:
+            raise HTTPError(501, f"this server cannot move packets: {missing}") from None
+        self.server.after_batch()
+        return moved
+
+    async def _move_logged(self, queue: bytes, target: bytes, limit: int) -> int:
+        moved = self._moved(queue, target, limit)
+        await self.server.log_stored()
+        return moved
+
 
 _T = TypeVar("_T")
 
@@ -257,9 +311,34 @@ def _later(work: Callable[[], Awaitable[_T]], answer: Callable[[_T], Response]) 
     """A response the listener sends once ``work`` is done: ``answer`` of its result."""
 
     async def run() -> Response:
-        return answer(await work())
+        try:
+            return answer(await work())
+        except HTTPError as error:
+            return _json({"error": str(error)}, error.status)
 
     return Response(200, later=run)
+
+
+async def _supported(work: Awaitable[_T]) -> _T:
+    """``work``'s result; 501 if the store does not do it (yet)."""
+    try:
+        return await work
+    except NotImplementedError as missing:
+        raise HTTPError(501, f"this server cannot do that: {missing}") from None
+
+
+def _move_target(query: bytes, source: bytes) -> bytes:
+    """A move's ``to``: percent-encoded bytes as a path's name is (``+`` is a plus sign, and
+    ``to=`` alone the empty name); the last one given. 400 if there is none, it is malformed,
+    or it names ``source`` itself (decision 22)."""
+    given = [part[3:] for part in query.split(b"&") if part == b"to" or part.startswith(b"to=")]
+    if not given:
+        raise HTTPError(400, "a move needs to=QUEUE: the queue to move the packets to")
+    target = _unquote(given[-1])
+    _check_name(target)
+    if target == source:
+        raise HTTPError(400, f"to= names the queue moved from, {escape(source)}: nothing to move")
+    return target
 
 
 def _preview(key: bytes, payload: bytes, prio: int, size: int) -> dict[str, Any]:

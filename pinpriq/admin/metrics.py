@@ -96,7 +96,11 @@ class BrokerCollector(Collector):
                 "Connections with at least one subscription",
                 broker.subscriptions.subscriber_count,
             ),
-            ("pinpriq_packets", "Packets queued, in all queues", len(store)),
+            (
+                "pinpriq_packets",
+                "Packets held, in all queues, delayed ones included (leased ones not)",
+                len(store),
+            ),
             (
                 "pinpriq_packets_leased",
                 "Packets on a lease or waiting out a release delay, in no queue",
@@ -117,6 +121,11 @@ class BrokerCollector(Collector):
                 "pinpriq_memory_prio_0_bytes",
                 "Of the held memory, what prio-0 packets hold",
                 store.unselectable_bytes,
+            ),
+            (
+                "pinpriq_memory_delayed_bytes",
+                "Of the held memory, what delayed packets hold until they are due",
+                store.delayed_bytes,
             ),
             ("pinpriq_memory_full", "1 while pushes wait for room", int(broker.memory_full)),
         )
@@ -140,14 +149,21 @@ class BrokerCollector(Collector):
         leased = GaugeMetricFamily(
             "pinpriq_queue_leased", "Packets of a queue on a lease, in no queue", labels=["queue"]
         )
+        delayed = GaugeMetricFamily(
+            "pinpriq_queue_delayed",
+            "Delayed packets of a queue, not yet due, in no queue",
+            labels=["queue"],
+        )
         counts, leases = self.broker.subscriptions.subscribers, self.broker.leases
+        info = self.broker.store.queue_info
         for queue, queue_packets, queue_bytes in listed_queues(self.broker, self.max_queues):
             label = [escape(queue)]
             packets.add_metric(label, queue_packets)
             size.add_metric(label, queue_bytes)
             subscribers.add_metric(label, counts.get(queue, 0))
             leased.add_metric(label, leases.leased(queue))
-        yield from (packets, size, subscribers, leased)
+            delayed.add_metric(label, info(queue).delayed)
+        yield from (packets, size, subscribers, leased, delayed)
 
 
 def _log_metrics(log: JournalStats) -> Iterator[Metric]:

@@ -34,6 +34,7 @@ from pinpriq import __version__
 from pinpriq.broker import Broker, Session, Totals
 from pinpriq.display import escape
 from pinpriq.persistence.journal import Journal
+from pinpriq.store_contract import QueueInfo
 
 __all__ = [
     "DEFAULT_MAX_QUEUES",
@@ -134,6 +135,13 @@ class Sampler:
         if count:
             self.purges[queue] = self.purges.get(queue, 0) + count
 
+    def moved(self, source: bytes, target: bytes, count: int) -> None:
+        """Note a move (decision 22): packets that left ``source`` as a purge's do, and came to
+        ``target`` other than by a push (a purge of minus ``count``), so neither queue's
+        rates take them for pops."""
+        self.purged(source, count)
+        self.purged(target, -count)
+
     def _sample_queues(self, now: float) -> None:
         every_push = self.broker.take_pushes()
         purged, self.purges = self.purges, {}
@@ -141,7 +149,7 @@ class Sampler:
         for queue in [q for q, seen in watched.items() if now - seen > QUEUE_RATE_WINDOW]:
             del watched[queue]
         info = self.broker.store.queue_info
-        depths = {queue: info(queue).packets for queue in watched}
+        depths = {queue: _depth(info(queue)) for queue in watched}
         # Only the watched queues' counts are kept: pushes to a million names in a second
         # must not be a million entries.
         pushed = {queue: every_push[queue] for queue in watched if queue in every_push}
@@ -221,6 +229,12 @@ def listed_queues(broker: Broker, limit: int) -> list[tuple[bytes, int, int]]:
     return listed
 
 
+def _depth(info: QueueInfo) -> int:
+    """A queue's depth for its rates: its packets, delayed ones included, since a delayed push
+    is a push to it."""
+    return info.packets + info.delayed
+
+
 def queue_stats(broker: Broker, queue: bytes, sampler: Sampler) -> dict[str, Any]:
     """One queue's figures. O(priority levels + a minute's samples)."""
     info = broker.store.queue_info(queue)
@@ -233,6 +247,7 @@ def queue_stats(broker: Broker, queue: bytes, sampler: Sampler) -> dict[str, Any
         "by_priority": info.by_priority,  # JSON makes the keys strings
         "subscribers": broker.subscriptions.subscribers.get(queue, 0),
         "leased": broker.leases.leased(queue),  # on a lease: in no queue, not in "packets"
+        "delayed": info.delayed,  # not yet due: in no queue, not in "packets"
         "oldest_age_ms": _ms(info.oldest_age),
         "next_expiry_ms": _ms(info.next_expiry),
         "rates": sampler.queue_rates(queue),
@@ -291,6 +306,7 @@ def server_stats(
             "cap_bytes": None if math.isinf(cap := memory_cap(broker)) else int(cap),
             "full": broker.memory_full,
             "prio_0_bytes": store.unselectable_bytes,
+            "delayed_bytes": store.delayed_bytes,
         },
         "packets": now.packets,
         "queues_total": store.queue_count,

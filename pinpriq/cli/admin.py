@@ -1,14 +1,14 @@
-"""``pinpriq stats``, ``queues``, ``peek``, ``purge`` and ``health``: the admin listener from
-the shell.
+"""``pinpriq stats``, ``queues``, ``peek``, ``purge``, ``move`` and ``health``: the admin
+listener from the shell.
 
 They speak HTTP to the server's admin listener (``--admin URL``, else ``PINPRIQ_ADMIN_URL``,
 else http://127.0.0.1:7001; https:// for a server with TLS, trusting ``--tls-ca``), with the
 standard library's ``urllib``: a handful of small JSON requests needs no other client. The
 token, if the server has one, comes from ``PINPRIQ_URL`` (``pinpriq://:TOKEN@HOST``, as for the
 data port's commands), else ``PINPRIQ_AUTH_TOKEN`` (never from the command line, which ``ps``
-shows) and goes as ``Authorization: Bearer``. A purge carries ``X-Pinpriq-Action``, which the
-listener requires of every change. Output is aligned tables for people, JSON with ``--json``;
-errors are one line and exit 1.
+shows) and goes as ``Authorization: Bearer``. A purge or a move carries ``X-Pinpriq-Action``,
+which the listener requires of every change. Output is aligned tables for people, JSON with
+``--json``; errors are one line and exit 1.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, TextIO
 from urllib.parse import quote_from_bytes, urlsplit
 
 from pinpriq._client_core import DEFAULT_TIMEOUT
-from pinpriq.admin.app import ACTION_HEADER, DEFAULT_PEEK, MAX_PEEK
+from pinpriq.admin.app import ACTION_HEADER, DEFAULT_PEEK, MAX_MOVE, MAX_PEEK
 from pinpriq.auth import TOKEN_VARIABLE
 from pinpriq.cli.args import int_in
 from pinpriq.display import escape, unescape
@@ -35,7 +35,7 @@ __all__ = ["ADMIN_COMMANDS", "ADMIN_URL_VARIABLE", "AdminError", "add_admin_comm
 
 ADMIN_URL_VARIABLE = "PINPRIQ_ADMIN_URL"
 DEFAULT_ADMIN_URL = "http://127.0.0.1:7001"
-ADMIN_COMMANDS = frozenset({"stats", "queues", "peek", "purge", "health"})
+ADMIN_COMMANDS = frozenset({"stats", "queues", "peek", "purge", "move", "health"})
 
 
 class AdminError(Exception):
@@ -58,7 +58,7 @@ def add_admin_commands(
     the ``common`` options are."""
     options = argparse.ArgumentParser(add_help=False)
     for holder in (parser, options):
-        holder.add_argument_group("admin listener (stats, queues, peek, purge)").add_argument(
+        holder.add_argument_group("admin listener (stats, queues, peek, purge, move)").add_argument(
             "--admin",
             type=admin_url,
             default=argparse.SUPPRESS,
@@ -72,8 +72,8 @@ def add_admin_commands(
     escaped.add_argument(
         "--escaped",
         action="store_true",
-        help="QUEUE is written as `queues` shows names: \\\\, \\t, \\n, \\r and \\xNN "
-        "stand for bytes",
+        help="QUEUE (and OTHER) is written as `queues` shows names: \\\\, \\t, \\n, \\r "
+        "and \\xNN stand for bytes",
     )
     stats = commands.add_parser(
         "stats",
@@ -99,6 +99,22 @@ def add_admin_commands(
         "purge", parents=[*parents, escaped], help="remove every packet of a queue, prio 0 included"
     )
     purge.add_argument("queue", metavar="QUEUE")
+    move = commands.add_parser(
+        "move",
+        parents=[*parents, escaped],
+        help="move a queue's packets to another queue, as pushes made now (leased and delayed "
+        "ones stay): how dead letters go back, `pinpriq move jobs.dead jobs`",
+    )
+    move.add_argument("queue", metavar="QUEUE")
+    move.add_argument("to", metavar="OTHER", help="the queue to move them to")
+    move.add_argument(
+        "-n",
+        type=int_in(1, MAX_MOVE),
+        default=None,
+        metavar="N",
+        help="move whole key groups, in the order pops would take them, while fewer than N "
+        "packets have moved (default: every packet, prio 0 included)",
+    )
     health = commands.add_parser(
         "health",
         parents=parents,
@@ -131,7 +147,8 @@ def run_admin(
         token = os.fsencode(variable)
     client = _Client(base, getattr(args, "timeout", DEFAULT_TIMEOUT), tls, token)
     as_json = getattr(args, "json", False)
-    queue = None if getattr(args, "queue", None) is None else quote_from_bytes(_name(args), safe="")
+    given = getattr(args, "queue", None)
+    queue = None if given is None else quote_from_bytes(_name(args, given), safe="")
     if args.command == "stats" and queue is not None:
         _print_queue(client.get(f"/queues/{queue}"), as_json, out)
     elif args.command == "stats":
@@ -140,6 +157,14 @@ def run_admin(
         _print_queues(client.get("/stats")["queues"], as_json, out)
     elif args.command == "peek":
         _print_peek(client.get(f"/queues/{queue}/peek?n={args.n}"), as_json, out)
+    elif args.command == "move":
+        target = quote_from_bytes(_name(args, args.to), safe="")
+        limit = "" if args.n is None else f"&n={args.n}"
+        moved = client.request("POST", f"/queues/{queue}/move?to={target}{limit}")
+        if as_json:
+            out.write(json.dumps(moved, ensure_ascii=False) + "\n")
+        else:
+            out.write(f"moved {moved['moved']:,} packets from {moved['queue']} to {moved['to']}\n")
     elif args.command == "health":
         path = "/readyz" if args.ready else "/healthz"
         answer = client.get(path)  # anything but 200 raises: the exit status says it
@@ -152,9 +177,9 @@ def run_admin(
             out.write(f"purged {purged['purged']:,} packets from {purged['queue']}\n")
 
 
-def _name(args: argparse.Namespace) -> bytes:
-    """QUEUE's bytes: as the shell passed them, or read back from the escaped form."""
-    return unescape(args.queue) if args.escaped else os.fsencode(args.queue)
+def _name(args: argparse.Namespace, given: str) -> bytes:
+    """A queue name's bytes: as the shell passed them, or read back from the escaped form."""
+    return unescape(given) if args.escaped else os.fsencode(given)
 
 
 class _Client:
@@ -266,6 +291,7 @@ def _print_queues(queues: list[dict[str, Any]], as_json: bool, out: TextIO) -> N
         "QUEUE",
         "PACKETS",
         "LEASED",
+        "DELAYED",
         "BYTES",
         "SUBSCRIBERS",
         "OLDEST",
@@ -277,6 +303,7 @@ def _print_queues(queues: list[dict[str, Any]], as_json: bool, out: TextIO) -> N
             q["name"],
             f"{q['packets']:,}",
             _count(q.get("leased")),
+            _count(q.get("delayed")),
             f"{q['bytes']:,}",
             f"{q['subscribers']:,}",
             _duration(q["oldest_age_ms"]),
@@ -286,7 +313,7 @@ def _print_queues(queues: list[dict[str, Any]], as_json: bool, out: TextIO) -> N
         for q in queues
     ]
     if rows:
-        out.write(_table([header, *rows], numbers=(1, 2, 3, 4, 5, 6)))
+        out.write(_table([header, *rows], numbers=(1, 2, 3, 4, 5, 6, 7)))
     else:
         out.write("no queue holds packets or has subscribers\n")
 
@@ -299,6 +326,7 @@ def _print_queue(queue: dict[str, Any], as_json: bool, out: TextIO) -> None:
         ("queue", queue["name"]),
         ("packets", f"{queue['packets']:,}"),
         ("leased", _count(queue.get("leased"))),
+        ("delayed", _count(queue.get("delayed"))),
         ("bytes", f"{queue['bytes']:,}"),
         ("by priority", _priorities(queue["by_priority"])),
         ("subscribers", f"{queue['subscribers']:,}"),
@@ -314,6 +342,8 @@ def _print_server(stats: dict[str, Any], as_json: bool, out: TextIO) -> None:
         return
     memory, rates, totals = stats["memory"], stats["rates_per_s"], stats["totals"]
     held = f"{_size(memory['held_bytes'])} of {_size(memory['cap_bytes'])}"
+    if memory.get("delayed_bytes"):
+        held += f" ({_size(memory['delayed_bytes'])} delayed)"
     if memory["full"]:
         held += ": FULL, pushes wait"
     rows = [

@@ -129,6 +129,7 @@ class RedisStore:
     #: never blocks on it. These stay 0.
     unselectable_bytes = 0
     taken_bytes = 0
+    delayed_bytes = 0
     leases_unsupported: str | None = None
 
     def __init__(self, client: Any, *, cluster: bool, max_pop: int = DEFAULT_MAX_POP) -> None:
@@ -186,6 +187,15 @@ class RedisStore:
         self._pushed += 1
         return math.inf
 
+    def push_delayed(
+        self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int, delay_ms: int
+    ) -> float:
+        """Not yet (decision 21 on Redis): the broker closes the connection instead."""
+        raise NotImplementedError("the Redis store does not hold delayed packets yet")
+
+    def take_arrived(self) -> list[bytes]:
+        return []
+
     def pop(self, queue: bytes) -> list[KeyedPayload]:
         """The next result ``run`` got, in frame order."""
         packets = self.current.popleft()
@@ -225,6 +235,9 @@ class RedisStore:
 
     def purge(self, queue: bytes) -> int:
         raise NotImplementedError("the Redis store purges asynchronously: use purge_async")
+
+    def move(self, source: bytes, target: bytes, limit: int) -> int:
+        raise NotImplementedError("the Redis store moves asynchronously: use move_async")
 
     def note_time(self) -> None:
         """Nothing to note: ages are not kept."""
@@ -406,6 +419,10 @@ class RedisStore:
         self.note_size(queue, 0)
         self.purged += int(reply)
         return int(reply)
+
+    async def move_async(self, source: bytes, target: bytes, limit: int) -> int:
+        """Not yet (decision 22 on Redis)."""
+        raise NotImplementedError("the Redis store does not move packets yet")
 
     # -- leases (decisions 13-19) ---------------------------------------------------------
 
