@@ -28,7 +28,7 @@ from pinpriq.server import PinpriqServer
 from tests.conftest import LiveServer
 from tests.logtools import FakeClock, commit, open_store
 from tests.rawpeer import READY, Peer, pop, push, subscribe
-from tests.test_admin import Admin
+from tests.test_admin import ACTION, Admin
 
 SYNC = b"\x21"
 
@@ -251,6 +251,46 @@ async def test_a_full_disk_stops_pushes_and_keeps_pops_going(
         assert await producer.reply() == []
     assert not running.server.broker.disk_full
     assert await consumer.request(pop(b"q")) == [(b"waits", b"")]
+
+
+async def test_a_move_answers_503_while_the_disk_is_full(
+    running: Running, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decision 22: a move logs its packets again, as pushes, which wait for disk space; the
+    operator gets a 503 at once instead, and nothing moves. Once there is space, it moves."""
+    full = threading.Event()
+    real_create = keeper_module.create_segment
+
+    def create(path: Path, size: int) -> int:
+        if full.is_set():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_create(path, size)
+
+    monkeypatch.setattr(keeper_module, "create_segment", create)
+    await running.start(segment_size=MIN_SEGMENT_SIZE)
+    (listener,) = await nursery.start(partial(serve_admin, running.server, 0))
+    admin = Admin(cast(LiveServer, None), listener.socket.getsockname()[1])
+    producer = await running.connect()
+    await eventually(lambda: running.journal.spare is not None)
+    await producer.send(push(b"jobs.dead", b"dead", b"") + SYNC)
+    assert await producer.reply() == []
+    full.set()
+    with trio.fail_after(5):
+        while len(running.journal.segments) < 2:  # rotate into the spare, and make no other
+            await producer.send(push(b"q", b"%d" % len(running.server.broker.store), bytes(4000)))
+            assert await producer.request(SYNC) == []
+    await eventually(lambda: running.server.broker.disk_full)
+    move = "/queues/jobs.dead/move?to=jobs"
+    status, _, body = await admin.request("POST", move, ACTION)
+    assert (status, b"disk is full" in body) == (503, True)
+    assert running.server.broker.store.queue_info(b"jobs.dead").packets == 1
+    full.clear()
+    await eventually(lambda: not running.server.broker.disk_full)
+    assert await admin.json(move, "POST", **ACTION) == {
+        "queue": "jobs.dead",
+        "to": "jobs",
+        "moved": 1,
+    }
 
 
 async def test_when_even_the_reserve_is_full_pops_wait_too(

@@ -79,6 +79,7 @@ class CompactedLog(Protocol):
         queue: bytes,
         key: bytes,
         payload: bytes,
+        due_ms: int = 0,
     ) -> None: ...
 
 
@@ -174,21 +175,30 @@ class Compactor:
         if block is None:
             raise LogFormatError(f"{segment.path}: no block where one was written")
         entries = decode_entries(data, block, old_copies=segment.version == 1)
-        deadlines = dict(entries.push_deadlines)
+        deadlines, dues = dict(entries.push_deadlines), dict(entries.push_dues)
         for packet in entries.pushes:
-            self._copy(segment, packet, deadlines.get(packet[4], 0), block.base_ms)
-        for packet, deadline_ms, pushed_ms in zip(
-            entries.copies, entries.copy_deadlines, entries.copy_times, strict=True
+            seq = packet[4]
+            self._copy(segment, packet, deadlines.get(seq, 0), block.base_ms, dues.get(seq, 0))
+        for packet, deadline_ms, pushed_ms, due_ms in zip(
+            entries.copies,
+            entries.copy_deadlines,
+            entries.copy_times,
+            entries.copy_dues,
+            strict=True,
         ):
-            self._copy(segment, packet, deadline_ms, pushed_ms)
+            self._copy(segment, packet, deadline_ms, pushed_ms, due_ms)
 
-    def _copy(self, segment: Segment, packet: Packet, deadline_ms: int, pushed_ms: int) -> None:
-        """Copy a packet forward if its latest entry is in ``segment`` and it is live."""
+    def _copy(
+        self, segment: Segment, packet: Packet, deadline_ms: int, pushed_ms: int, due_ms: int
+    ) -> None:
+        """Copy a packet forward if its latest entry is in ``segment`` and it is live. One
+        pushed with a delay is copied with its due time, as a delayed copy: whether it has
+        arrived since or not (a due time that has passed is due at once when read back)."""
         journal = self._journal
         queue, key, payload, prio, seq = packet
         if journal.where(seq) is not segment:
             return  # copied forward already, or removed
         current = self._locate(queue, key, seq)
         if current is not None:
-            journal.add_copy(seq, deadline_ms, pushed_ms, prio, current, key, payload)
+            journal.add_copy(seq, deadline_ms, pushed_ms, prio, current, key, payload, due_ms)
             self.copied += 1

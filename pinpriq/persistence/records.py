@@ -29,6 +29,20 @@ Entries, each starting with its kind byte:
   written) had no ``pushed_ms``: ``decode_entries(..., old_copies=True)``.
 * remove ``72`` · u64 seq: the packet left for good (pop, delivery, expiry, purge, ack).
 
+Protocol 1.2 (decisions 21-22) added three kinds to format 2 (before any release wrote it):
+
+* push with options ``71`` · u32 ttl_ms · u32 delay_ms · u8 prio · u16 queue_len · u16
+  key_len · u16 payload_len · queue · key · payload: a push (the block's next seq) whose TTL
+  does not fit a u16 or which is delayed. Its due time is ``base_ms + delay_ms`` (delay 0: not
+  delayed) and its deadline its due time (or ``base_ms``) plus its TTL (0: never).
+* moved ``6d`` · u64 deadline_ms (0: never) · u8 prio · u16 queue_len · u16 key_len · u16
+  payload_len · queue · key · payload: a push (the block's next seq) made by a move (decision
+  22), which files a packet anew, as a push made now, keeping its TTL deadline; the block
+  removes its old seq too.
+* delayed copy ``64`` · u64 seq · u64 due_ms · u64 deadline_ms · u64 pushed_ms · u8 prio · u16
+  queue_len · u16 key_len · u16 payload_len · queue · key · payload: a copy of a packet pushed
+  with a delay (compaction's): held until ``due_ms`` if that is still to come.
+
 Replaying entries in log order rebuilds the live packets: a push or copy files the packet
 under its seq (the latest entry wins), a remove forgets it. Within a block the writer puts
 pushes and copies before removes; that order gives the same result as the order of the
@@ -50,6 +64,9 @@ __all__ = [
     "BODY_HEADER",
     "COPY_HEADER",
     "COPY_HEADER_1",
+    "DELAYED_COPY_HEADER",
+    "MOVED_HEADER",
+    "OPTIONS_HEADER",
     "PUSH_HEADER",
     "REMOVE",
     "Block",
@@ -60,6 +77,8 @@ __all__ = [
     "decode_entries",
     "encode_block",
     "encode_copy",
+    "encode_moved",
+    "encode_options",
     "encode_push",
     "encode_remove",
     "read_block",
@@ -71,6 +90,9 @@ class Kind(enum.IntEnum):
     PUSH = 0x70  # "p"
     COPY = 0x63  # "c"
     REMOVE = 0x72  # "r"
+    PUSH_OPTIONS = 0x71  # "q", as the wire's push with options
+    MOVED = 0x6D  # "m"
+    DELAYED_COPY = 0x64  # "d"
 
 
 #: The first four bytes of every block: lets a reader tell a block from zeros or garbage, and
@@ -84,11 +106,19 @@ COPY_HEADER = struct.Struct(">BQQQBHHH")
 #: The copy entry of log format 1: no pushed_ms.
 COPY_HEADER_1 = struct.Struct(">BQQBHHH")
 REMOVE = struct.Struct(">BQ")  # kind, seq
+#: kind, ttl_ms, delay_ms, prio, queue/key/payload lens
+OPTIONS_HEADER = struct.Struct(">BIIBHHH")
+MOVED_HEADER = struct.Struct(">BQBHHH")  # kind, deadline_ms, prio, queue/key/payload lens
+#: kind, seq, due_ms, deadline_ms, pushed_ms, prio, queue/key/payload lens
+DELAYED_COPY_HEADER = struct.Struct(">BQQQQBHHH")
 _LENGTH = struct.Struct(">I")
 _PUSH_SIZE: Final = PUSH_HEADER.size
 _COPY_SIZE: Final = COPY_HEADER.size
 _COPY_1_SIZE: Final = COPY_HEADER_1.size
 _REMOVE_SIZE: Final = REMOVE.size
+_OPTIONS_SIZE: Final = OPTIONS_HEADER.size
+_MOVED_SIZE: Final = MOVED_HEADER.size
+_DELAYED_COPY_SIZE: Final = DELAYED_COPY_HEADER.size
 
 
 class LogFormatError(ValueError):
@@ -116,15 +146,20 @@ class Entries:
     copies, removes) is replaying the block; an entry names its packet by seq alone."""
 
     def __init__(self) -> None:
-        #: Push entries: packets ``seq_base + 1``, ``seq_base + 2``, ..., in order.
+        #: Push entries (with options and moved ones too): packets ``seq_base + 1``,
+        #: ``seq_base + 2``, ..., in order.
         self.pushes: list[Packet] = []
         #: ``(seq, deadline_ms)`` of the pushes with a TTL (a push's deadline is its block's
-        #: ``base_ms`` plus its TTL; its push time is ``base_ms``).
+        #: ``base_ms``, or its due time, plus its TTL; its push time is ``base_ms``).
         self.push_deadlines: list[tuple[int, int]] = []
-        #: Copy entries, and beside each its deadline (0: none) and push time (0: unknown).
+        #: ``(seq, due_ms)`` of the pushes with a delay.
+        self.push_dues: list[tuple[int, int]] = []
+        #: Copy entries (delayed ones too), and beside each its deadline (0: none), push time
+        #: (0: unknown) and due time (0: not delayed).
         self.copies: list[Packet] = []
         self.copy_deadlines: list[int] = []
         self.copy_times: list[int] = []
+        self.copy_dues: list[int] = []
         #: Seqs of the remove entries.
         self.removed: list[int] = []
 
@@ -135,6 +170,9 @@ class Entries:
 _PUSH: Final = int(Kind.PUSH)
 _COPY: Final = int(Kind.COPY)
 _REMOVE: Final = int(Kind.REMOVE)
+_OPTIONS: Final = int(Kind.PUSH_OPTIONS)
+_MOVED: Final = int(Kind.MOVED)
+_DELAYED_COPY: Final = int(Kind.DELAYED_COPY)
 
 
 def encode_push(queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> bytes:
@@ -151,10 +189,41 @@ def encode_copy(
     queue: bytes,
     key: bytes,
     payload: bytes,
+    due_ms: int = 0,
 ) -> bytes:
-    header = COPY_HEADER.pack(
-        Kind.COPY, seq, deadline_ms, pushed_ms, prio, len(queue), len(key), len(payload)
+    """A copy entry; a delayed copy if ``due_ms`` (wall-clock) is not 0."""
+    if due_ms:
+        header = DELAYED_COPY_HEADER.pack(
+            Kind.DELAYED_COPY,
+            seq,
+            due_ms,
+            deadline_ms,
+            pushed_ms,
+            prio,
+            len(queue),
+            len(key),
+            len(payload),
+        )
+    else:
+        header = COPY_HEADER.pack(
+            Kind.COPY, seq, deadline_ms, pushed_ms, prio, len(queue), len(key), len(payload)
+        )
+    return b"".join((header, queue, key, payload))
+
+
+def encode_options(
+    queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int, delay_ms: int
+) -> bytes:
+    """A push-with-options entry: a delayed push, or one whose TTL does not fit a u16."""
+    header = OPTIONS_HEADER.pack(
+        Kind.PUSH_OPTIONS, ttl_ms, delay_ms, prio, len(queue), len(key), len(payload)
     )
+    return b"".join((header, queue, key, payload))
+
+
+def encode_moved(queue: bytes, key: bytes, payload: bytes, deadline_ms: int, prio: int) -> bytes:
+    """A moved entry: a push made by a move, with its wall-clock TTL deadline (0: none)."""
+    header = MOVED_HEADER.pack(Kind.MOVED, deadline_ms, prio, len(queue), len(key), len(payload))
     return b"".join((header, queue, key, payload))
 
 
@@ -243,18 +312,20 @@ def decode_entries(data: bytes, block: Block, *, old_copies: bool = False) -> En
             pos += _REMOVE_SIZE
             continue
         if kind == _PUSH:
-            if end - pos < _PUSH_SIZE:
-                raise LogFormatError("a push entry cut short")
-            ttl_ms = data[pos + 1] << 8 | data[pos + 2]
-            lengths = pos + 4
             size = _PUSH_SIZE
         elif kind == _COPY:
-            if end - pos < copy_size:
-                raise LogFormatError("a copy entry cut short")
-            lengths = pos + copy_size - 6  # prio before them, pushed_ms before it (format 2)
             size = copy_size
+        elif kind == _OPTIONS:
+            size = _OPTIONS_SIZE
+        elif kind == _MOVED:
+            size = _MOVED_SIZE
+        elif kind == _DELAYED_COPY and not old_copies:
+            size = _DELAYED_COPY_SIZE
         else:
             raise LogFormatError(f"unknown entry kind 0x{kind:02x}")
+        if end - pos < size:
+            raise LogFormatError(f"a {Kind(kind).name.lower()} entry cut short")
+        lengths = pos + size - 6  # every header ends with prio and the three lengths
         prio = data[lengths - 1]
         key_at = pos + size + (data[lengths] << 8 | data[lengths + 1])
         payload_at = key_at + (data[lengths + 2] << 8 | data[lengths + 3])
@@ -262,18 +333,44 @@ def decode_entries(data: bytes, block: Block, *, old_copies: bool = False) -> En
         if stop > end:
             raise LogFormatError("a packet entry cut short")
         queue = data[pos + size : key_at]
-        if kind == _PUSH:
+        if kind in (_PUSH, _OPTIONS, _MOVED):
             seq += 1
             pushes.append((queue, data[key_at:payload_at], data[payload_at:stop], prio, seq))
-            if ttl_ms:
-                entries.push_deadlines.append((seq, base_ms + ttl_ms))
+            if kind == _PUSH:
+                ttl_ms = data[pos + 1] << 8 | data[pos + 2]
+                if ttl_ms:
+                    entries.push_deadlines.append((seq, base_ms + ttl_ms))
+            elif kind == _OPTIONS:
+                _options(entries, seq, base_ms, _u32(data, pos + 1), _u32(data, pos + 5))
+            else:
+                deadline_ms = _u64(data, pos + 1)
+                if deadline_ms:
+                    entries.push_deadlines.append((seq, deadline_ms))
         else:
             copied = _u64(data, pos + 1)
             copies.append((queue, data[key_at:payload_at], data[payload_at:stop], prio, copied))
-            entries.copy_deadlines.append(_u64(data, pos + 9))
-            entries.copy_times.append(0 if old_copies else _u64(data, pos + 17))
+            delayed = kind == _DELAYED_COPY
+            fields = pos + 17 if delayed else pos + 9  # deadline_ms, then pushed_ms
+            entries.copy_dues.append(_u64(data, pos + 9) if delayed else 0)
+            entries.copy_deadlines.append(_u64(data, fields))
+            entries.copy_times.append(0 if old_copies else _u64(data, fields + 8))
         pos = stop
     return entries
+
+
+def _options(entries: Entries, seq: int, base_ms: int, ttl_ms: int, delay_ms: int) -> None:
+    """File a push-with-options entry's due time and deadline, both counted from ``base_ms``."""
+    start = base_ms
+    if delay_ms:
+        start += delay_ms
+        entries.push_dues.append((seq, start))
+    if ttl_ms:
+        entries.push_deadlines.append((seq, start + ttl_ms))
+
+
+def _u32(data: bytes, at: int) -> int:
+    """The big-endian u32 at ``at`` (the caller checked that its 4 bytes are there)."""
+    return data[at] << 24 | data[at + 1] << 16 | data[at + 2] << 8 | data[at + 3]
 
 
 def _u64(data: bytes, at: int) -> int:

@@ -97,6 +97,9 @@ class Scan:
         self.expired: list[int] = []
         #: The deadlines (wall-clock ms) of the live packets that have one, by seq.
         self.deadlines: dict[int, int] = {}
+        #: The due times (wall-clock ms) of packets pushed with a delay, by seq; once the scan
+        #: is finished, only of those still delayed at ``now_ms`` (the others are due at once).
+        self.dues: dict[int, int] = {}
         #: ``(seq, ms)``: by wall-clock time ``ms``, packets up to ``seq`` had been pushed,
         #: and the later ones were pushed at or after it; in seq order, about one a second of
         #: the log's history (from the blocks' ``base_ms`` and the copies' ``pushed_ms``), so
@@ -202,15 +205,20 @@ class _Replay:
             # Each push's seq is its place: file them all in one C-level update.
             packets.update(zip(range(seq_base + 1, seq_base + count + 1), pushes, strict=True))
             deadlines.update(entries.push_deadlines)
+            if entries.push_dues:
+                result.dues.update(entries.push_dues)
         if entries.copies:
             self._apply_copies(segment.number, entries)
         removed = entries.removed
         if removed:
             copied = result.copied
+            dues = result.dues
             for seq in removed:
                 packets.pop(seq, None)
                 copied.pop(seq, None)
                 deadlines.pop(seq, None)
+                if dues:
+                    dues.pop(seq, None)
         seq = seq_base + count
         segment.entries += count + len(entries.copies)
         segment.entry_bytes += block.end - block.start - len(removed) * REMOVE.size
@@ -222,8 +230,13 @@ class _Replay:
         """File a block's copy entries: the latest entry of a packet wins, queue included."""
         result = self.result
         packets, copied, deadlines = result.packets, result.copied, result.deadlines
-        for packet, deadline_ms, pushed_ms in zip(
-            entries.copies, entries.copy_deadlines, entries.copy_times, strict=True
+        dues = result.dues
+        for packet, deadline_ms, pushed_ms, due_ms in zip(
+            entries.copies,
+            entries.copy_deadlines,
+            entries.copy_times,
+            entries.copy_dues,
+            strict=True,
         ):
             seq = packet[4]
             if seq not in packets:
@@ -234,6 +247,10 @@ class _Replay:
                 deadlines[seq] = deadline_ms
             else:
                 deadlines.pop(seq, None)
+            if due_ms:
+                dues[seq] = due_ms
+            elif dues:
+                dues.pop(seq, None)
             if pushed_ms and abs(pushed_ms - self._copy_noted_ms) >= TIME_NOTE_MS:
                 result.times.append((seq - 1, pushed_ms))
                 self._copy_noted_ms = pushed_ms
@@ -260,11 +277,15 @@ class _Replay:
             if pushed_in >= 0:  # else its push went with a deleted segment: not counted
                 segments[pushed_in].live -= 1
             by_number[number].live += 1
-        deadlines = result.deadlines
+        deadlines, dues = result.deadlines, result.dues
+        # TTL wins: a delayed packet whose deadline passed is dropped, due or not.
         result.expired = [seq for seq, deadline_ms in deadlines.items() if deadline_ms <= now_ms]
         for seq in result.expired:
             del packets[seq]
             del deadlines[seq]
+            dues.pop(seq, None)
+        # Due while the server was down: queued at once, in its place in push order.
+        result.dues = {seq: due_ms for seq, due_ms in dues.items() if due_ms > now_ms}
 
 
 def _file_spare(result: Scan, number: int, path: Path, data: bytes, *, last: bool) -> None:
