@@ -30,6 +30,7 @@ COMPILED = (
     "pinpriq.subscriptions",
     "pinpriq.broker",
     "pinpriq.persistence.records",
+    "pinpriq.persistence.store",
 )
 #: Set to anything but "" or "0": run the plain-Python modules even where compiled ones exist.
 #: Read by setup.py too, which then compiles nothing.
