@@ -25,6 +25,7 @@ COMPILED = [
     "pinpriq/subscriptions.py",
     "pinpriq/broker.py",
     "pinpriq/persistence/records.py",
+    "pinpriq/persistence/store.py",
 ]
 PURE_VARIABLE = "PINPRIQ_PURE_PYTHON"
 

@@ -6,13 +6,14 @@ moves least: it counts the time Redis spent running a command, not the time the 
 generator or a front end took. Starts a fresh ``redis-server`` (noeviction, no persistence) on
 a free loopback port. Prints medians over ``--rounds`` rounds.
 
-    python benchmarks/redis_script_costs.py [--rounds 5] [--calls] [--scripts]
+    python benchmarks/redis_script_costs.py [--rounds 5] [--calls] [--scripts] [--delayed]
 
 ``--calls``: one EVAL loops 100,000 times over one ``redis.call`` on a queue of 1,000 packets;
 Redis's CPU time for it less an empty loop's, per iteration, is that call's cost. ``--scripts``:
 redis-benchmark (pipeline 64, 4 connections) sends the push and pop scripts with one packet a
 call (P1) and with 64 a call (P64: one push of 64 packets, one call of 64 pops), and plain
-ZADD / ZPOPMIN; usec per call over packets per call is the cost per packet.
+ZADD / ZPOPMIN; usec per call over packets per call is the cost per packet. ``--delayed``:
+protocol 1.2's functions (``delayed_costs``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,10 +56,92 @@ def push_call(packets: list[tuple[str, str, int, int]]) -> list[str]:
 
 def pop_call(pops: int) -> list[str]:
     """An FCALL of the pop function, ``pops`` pops (as a front end's call for a batch)."""
-    keys = [*KEYS[:5], *optional("results"), *optional("key_index")]
+    keys = [*KEYS[:5], *optional("results"), *timed_keys(), *optional("key_index")]
     call_id = ["bench:1", "0"] if optional("results") else []
     args = ["65535", str(pops), "0", *call_id]
     return ["FCALL", lua.function_name("pop"), str(len(keys)), *keys, *args]
+
+
+def timed_keys(queue: bytes = QUEUE) -> list[str]:
+    """The delayed packets' keys a pop or sweep takes, in a layout that has them (3 on)."""
+    k = queue_keys(queue)
+    if not hasattr(k, "delayed"):
+        return []
+    return [k.delayed.decode(), k.due.decode(), k.waiting.decode()]  # type: ignore[attr-defined]
+
+
+def keys_of(queue: bytes, *fields: str) -> list[str]:
+    k = queue_keys(queue)
+    return [getattr(k, field).decode() for field in fields]
+
+
+_D5 = ("data", "selectable", "groups", "expiry", "seq")
+
+
+def fcall(port: int, operation: str, keys: list[str], args: list[object]) -> str:
+    return redis_cli(port, "FCALL", lua.function_name(operation), str(len(keys)), *keys,
+                     *(str(a) for a in args))  # fmt: skip
+
+
+def fcalls(port: int, calls: list[list[str]]) -> None:
+    """One FCALL each (function, then keys, then arguments), over one connection, in turn."""
+    keys = {"sweep": 9, "push": 7, "push_delayed": 4}
+    lines = []
+    for call in calls:
+        count = keys[call[0].removeprefix(lua.LIBRARY_NAME + "_")]
+        lines.append(" ".join(["FCALL", call[0], str(count), *call[1:]]))
+    subprocess.run(["redis-cli", "-p", str(port)], input="\n".join(lines) + "\n",
+                   capture_output=True, text=True, check=True)  # fmt: skip
+
+
+def delayed_costs(port: int, queues: int) -> dict[str, float]:
+    """Redis's usec per packet (``INFO commandstats``) of the delayed packets' functions and of
+    a move (layout 3 on): ``push_delayed`` at 1 and 64 packets a call; the sweep that promotes
+    them when due, one queue a call, with 1 and 64 due packets; a sweep finding nothing due
+    (a second front end racing the first); and ``move`` of 64 and of 64,000 packets a call."""
+    result: dict[str, float] = {}
+    packet = ["k__rand_int__", "p" * 16, 0, 7, 5]  # a 5 ms delay: due by the time it is swept
+    load(port)
+    for per_call in (1, 64):
+        redis_cli(port, "FLUSHALL")
+        command = ["FCALL", lua.function_name("push_delayed"), "4",
+                   *keys_of(QUEUE, "seq", "delayed", "due", "waiting"),
+                   *(str(f) for f in packet * per_call)]  # fmt: skip
+        measure(port, result, f"push_delayed P{per_call}", per_call, 64_000 // per_call, command)
+        # The same per call on ``queues`` queues, then a sweep of each once they are due.
+        redis_cli(port, "FLUSHALL")
+        names = [b"d%d" % i for i in range(queues)]
+        sweeps = [[lua.function_name("sweep"), *keys_of(name, *_D5), *timed_keys(name),
+                   *keys_of(name, "key_index")] for name in names]  # fmt: skip
+        pushes = [[lua.function_name("push"), *keys_of(name, *_D5, "waiting", "key_index"),
+                   "c", *(str(f) for f in packet[:4])] for name in names]  # fmt: skip
+        fields = [str(f) for f in packet * per_call]
+        delayed = [[lua.function_name("push_delayed"),
+                    *keys_of(name, "seq", "delayed", "due", "waiting"), *fields]
+                   for name in names]  # fmt: skip
+        fcalls(port, delayed)
+        time.sleep(0.05)
+        for label, calls, per in ((f"promote P{per_call}", sweeps, per_call),
+                                  ("sweep, nothing due", sweeps, 1),
+                                  ("push P1, the same way", pushes, 1)):  # fmt: skip
+            redis_cli(port, "CONFIG", "RESETSTAT")
+            fcalls(port, calls)
+            result[f"{label} (commandstats)"] = commandstats(port)["fcall"][1] / per
+    source, target = queue_keys(QUEUE), queue_keys(b"other")
+    move_keys = [*keys_of(QUEUE, *_D5, "results"), *timed_keys(), *keys_of(QUEUE, "key_index",
+                 "attempts"), *keys_of(b"other", *_D5, "waiting", "key_index")]  # fmt: skip
+    for per_call, label in ((64, "move n=64"), (0, "move all of 64,000")):
+        redis_cli(port, "FLUSHALL")
+        for start in range(0, 64_000, 8_000):  # an argument list the shell takes
+            fill(port, 8_000, start)
+        redis_cli(port, "CONFIG", "RESETSTAT")
+        calls = 20 if per_call else 1
+        for _ in range(calls):
+            fcall(port, "move", move_keys, [per_call])
+        moved = 64 * calls if per_call else 64_000
+        result[f"{label} (commandstats)"] = commandstats(port)["fcall"][1] * calls / moved
+    del source, target
+    return result
 
 
 def optional(field: str) -> list[str]:
@@ -77,10 +162,11 @@ def commandstats(port: int) -> dict[str, tuple[int, float]]:
     return stats
 
 
-def fill(port: int, packets: int) -> None:
+def fill(port: int, packets: int, first: int = 0) -> None:
     """``packets`` packets in the bench queue, unique keys, prio 1..255, no TTL."""
     load(port)
-    redis_cli(port, *push_call([(f"k{i}", "p" * 16, 0, 1 + i % 255) for i in range(packets)]))
+    numbers = range(first, first + packets)
+    redis_cli(port, *push_call([(f"k{i}", "p" * 16, 0, 1 + i % 255) for i in numbers]))
 
 
 #: One ``redis.call`` each, as the scripts make them (KEYS[1] the queue's hash, KEYS[2] its
@@ -163,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", type=int, default=64_000, help="packets a script measurement")
     parser.add_argument("--calls", action="store_true", help="only the per-call costs")
     parser.add_argument("--scripts", action="store_true", help="only the per-script costs")
+    parser.add_argument("--delayed", action="store_true",
+                        help="only the delayed packets' and move's costs")  # fmt: skip
     args = parser.parse_args(argv)
-    both = not (args.calls or args.scripts)
+    both = not (args.calls or args.scripts or args.delayed)
     rounds: list[dict[str, float]] = []
     for _ in range(args.rounds):
         with redis_server() as port:
@@ -174,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                 figures.update(call_costs(port))
             if args.scripts or both:
                 figures.update(script_costs(port, args.n))
+            if args.delayed or both:
+                figures.update(delayed_costs(port, 300))
             rounds.append(figures)
     print(f"Redis's own usec, medians of {args.rounds} rounds:")
     for name in rounds[0]:

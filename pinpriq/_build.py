@@ -38,6 +38,7 @@ COMPILED = (
     "pinpriq.subscriptions",
     "pinpriq.broker",
     "pinpriq.persistence.records",
+    "pinpriq.persistence.store",
 )
 #: The packed store's C core (``pinpriq/_packed.c``), built beside the mypyc modules; with
 #: ``PURE_VARIABLE`` set it is not loaded (``pinpriq/packed.py``), and the server uses

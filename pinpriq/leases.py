@@ -152,11 +152,8 @@ class Leases:
             return None
         holder.last_id += 1
         lease = Lease(holder.last_id, holder, queue, packets, self._due(lease_ms))
-        holder.leases[lease.lease_id] = lease
+        self._file(lease)
         self._schedule(lease)
-        self._pending += 1
-        self._leased += len(packets)
-        self._by_queue[queue] = self._by_queue.get(queue, 0) + len(packets)
         return lease
 
     def ack(self, holder: Holder, lease_id: int) -> bool:
@@ -266,6 +263,15 @@ class Leases:
         if lease is None:
             self._unknown += 1
         return lease
+
+    def _file(self, lease: Lease) -> None:
+        """File a new lease under its holder's id and in the counts (``_close`` undoes it)."""
+        assert lease.holder is not None
+        lease.holder.leases[lease.lease_id] = lease
+        count = len(lease.packets)
+        self._pending += 1
+        self._leased += count
+        self._by_queue[lease.queue] = self._by_queue.get(lease.queue, 0) + count
 
     def _close(self, lease: Lease) -> None:
         """Take a lease out of its holder and the counts: it is over."""

@@ -70,6 +70,7 @@ from pinpriq.tls import describe_tls_error
 from pinpriq.wire import (
     Ack,
     ClientFrame,
+    DelayedPush,
     FrameDecoder,
     KeyedPayload,
     LeasedSubscribe,
@@ -542,8 +543,8 @@ def _segment_end(
             # Credits in a row deliver what they would one by one: one segment, one serve.
             if index + 1 == len(frames) or frames[index + 1].__class__ is not Ready:
                 return index + 1
-        elif kind is not Pop and kind is not Sync:
-            return index + 1
+        elif kind is not Pop and kind is not Sync and kind is not DelayedPush:
+            return index + 1  # a delayed packet delivers nothing now: it is not a cut
     return len(frames)
 
 

@@ -510,16 +510,28 @@ class QueueStore:
         due = self._clock() + delay_ms / 1000
         deadline: Any = due + ttl_ms / 1000 if ttl_ms else _NO_DEADLINE
         packet: QueuedPacket = (key, payload, prio, seq, deadline, 0)
+        heapq.heappush(self._expiry, self._hold(queue, packet, due))
+        self.bytes_held += len(key) + len(payload) + PACKET_OVERHEAD
+        return due
+
+    def _hold(self, queue: bytes, packet: QueuedPacket, due: float) -> _ExpiryEntry:
+        """Keep a delayed packet under ``queue`` until ``due`` (its bytes counted in
+        ``delayed_bytes``; the caller counts them in ``bytes_held``); returns its due entry,
+        for the caller to put in the expiry heap."""
         waiting = self._delayed.get(queue)
         if waiting is None:
             waiting = self._delayed[queue] = _Delayed(queue)
-        waiting.packets[seq] = packet
-        size = len(key) + len(payload) + PACKET_OVERHEAD
+        waiting.packets[packet[SEQ]] = packet
+        size = len(packet[KEY]) + len(packet[PAYLOAD]) + PACKET_OVERHEAD
         waiting.bytes += size
         self.delayed_bytes += size
-        self.bytes_held += size
-        heapq.heappush(self._expiry, (due, seq, waiting.name, key, _DUE))
-        return due
+        return (due, packet[SEQ], waiting.name, packet[KEY], _DUE)
+
+    def delayed_packets(self, queue: bytes) -> list[QueuedPacket]:
+        """The delayed packets of ``queue`` not yet due, in no particular order (a log-backed
+        store records their removal when a purge takes them). O(their number)."""
+        waiting = self._delayed.get(queue)
+        return list(waiting.packets.values()) if waiting is not None else []
 
     def take_arrived(self) -> list[bytes]:
         """The queues delayed packets entered since the last call (a name may repeat), for the
@@ -773,10 +785,12 @@ class QueueStore:
         last_seq: int,
         *,
         times: Sequence[tuple[int, float]] = (),
+        delayed: Mapping[int, float] | None = None,
     ) -> None:
         """Put back packets queued before a restart, each ``(queue, key, payload, prio, seq)``
         with its own seq, in increasing seq, into a store no push has touched; ``deadlines``
-        maps the seqs of those with a TTL to their deadline on this store's clock. Pushes then
+        maps the seqs of those with a TTL to their deadline on this store's clock, and
+        ``delayed`` the seqs of those still delayed to their due time on it. Pushes then
         go on after ``last_seq``, the last seq the log used. Levels and key groups are in push
         order, so this rebuilds exactly the order pops had. (Not ``restore``, which puts back
         packets a lease took.)
@@ -798,6 +812,13 @@ class QueueStore:
             if seq <= last:
                 raise ValueError(f"loading seq {seq} after seq {last}: not in push order")
             last = seq
+            due = delayed.get(seq) if delayed else None
+            if due is not None:  # held until it is due, in no queue, as push_delayed holds it
+                held_until: Any = deadlines.get(seq, _NO_DEADLINE) if deadlines else _NO_DEADLINE
+                expiry.append(self._hold(queue, (key, payload, prio, seq, held_until, 0), due))
+                count += 1
+                held += len(key) + len(payload)
+                continue
             if queue != name:
                 q = queues.get(queue) or queues.setdefault(queue, _Queue(queue))
                 name = queue
@@ -854,8 +875,12 @@ class QueueStore:
             notes[:half] = notes[:half:2]
 
     def holds(self, queue: bytes, key: bytes, seq: int) -> bool:
-        """Whether packet ``seq``, pushed to ``queue`` with ``key``, is still queued. O(1)."""
-        return self._live((0.0, seq, queue, key)) is not None
+        """Whether packet ``seq``, pushed to ``queue`` with ``key``, is still queued, or
+        delayed for ``queue``. O(1)."""
+        if self._live((0.0, seq, queue, key)) is not None:
+            return True
+        waiting = self._delayed.get(queue) if self._delayed else None
+        return waiting is not None and seq in waiting.packets
 
     @staticmethod
     def _ungroup(q: _Queue, packet: QueuedPacket) -> None:
@@ -986,6 +1011,7 @@ class QueueStore:
             q.compact()
         moving.sort(key=_seq_of)
         by_key: dict[bytes, list[QueuedPacket]] = {}
+        renumbered_all: list[QueuedPacket] = []
         for packet in moving:
             self._seq += 1
             key = packet[KEY]
@@ -998,14 +1024,22 @@ class QueueStore:
                 0,
             )
             by_key.setdefault(key, []).append(renumbered)
+            renumbered_all.append(renumbered)
         self._skipped += len(moving)  # seqs no push took: ``pushed`` and ``len`` stay
         if not limit:
             self.unselectable_bytes -= _unselectable(moving)
         for packets in by_key.values():
             self._file_group(target, packets, newest=True)
+        if moving:
+            self._moved(target, moving, renumbered_all)
         if len(expiry) > _STALE_SLACK and len(expiry) > 2 * len(self) + _STALE_SLACK:
             self._compact_expiry()
         return len(moving)
+
+    def _moved(self, target: bytes, old: list[QueuedPacket], new: list[QueuedPacket]) -> None:
+        """Called by ``move`` with the packets it took out (in seq order) and the same packets
+        as filed into ``target`` under their new seqs (in the same order). A store that records
+        changes (the log-backed store) overrides it; here there is nothing to do."""
 
     def _take_groups(self, q: _Queue, limit: int) -> list[QueuedPacket]:
         """Take whole key groups out of ``q``, in pop order, while fewer than ``limit`` packets

@@ -164,6 +164,14 @@ class Subscriptions:
             sub.credits -= 1
             served = True
             sub.deliver(packets)
+        self._file(sub, served)
+        return served
+
+    def _file(self, sub: Subscriber, served: bool) -> None:
+        """File ``sub`` as waiting or not: it waits while it has credit, queues and is not
+        paused, stamped by when it began to wait; one just ``served`` waits anew, last in line
+        (first come, first served). A store whose deliveries come later (Redis) files the same
+        way after each of them."""
         waiting = bool(sub.credits and sub.queues and not sub.paused)
         if sub.stamp and (served or not waiting):
             for q in sub.queues:
@@ -174,7 +182,6 @@ class Subscriptions:
             sub.stamp = self._stamp
             for q in sub.queues:
                 self._waiters(q)[sub.stamp] = sub
-        return served
 
     def _best_queue(self, queues: set[bytes]) -> bytes | None:
         """The queue whose next pop is best (lowest prio, then newest); ``None`` if none."""

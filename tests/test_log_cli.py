@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from pinpriq.blocking import BlockingPinpriqClient
 from pinpriq.errors import PinpriqTimeoutError
 from pinpriq.persistence.records import read_block
 from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE
+from pinpriq.wire import DelayedPush, Sync, encode
 
 SERVER = str(Path(sys.executable).parent / "pinpriq-server")
 LISTENING = re.compile(r"pinpriq listening on \S+ port (\d+)")
@@ -347,6 +349,70 @@ def test_an_admin_purge_is_in_the_log_before_its_answer(tmp_path: Path, policy: 
     with server.client() as client:
         assert drain(client, "doomed") == []
         assert drain(client, "kept") == [[(b"k", b"v")]]
+    server.stop()
+
+
+def admin_url(server: Server) -> str:
+    match = ADMIN.search(server.text())
+    assert match is not None, server.text()
+    return f"http://{match.group(1)}"
+
+
+def admin_json(url: str, method: str = "GET") -> dict[str, object]:
+    request = urllib.request.Request(url, method=method, headers={"X-Pinpriq-Action": "1"})
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        result: dict[str, object] = json.load(answer)
+        return result
+
+
+def delayed_of(server: Server, queue: str) -> object:
+    return admin_json(f"{admin_url(server)}/queues/{queue}")["delayed"]
+
+
+@pytest.mark.parametrize("policy", ["always", "everysec"])
+def test_delayed_packets_survive_a_kill_still_delayed(tmp_path: Path, policy: str) -> None:
+    """Decision 21 across a kill -9: a delayed push confirmed by a sync is logged with its due
+    time and TTL deadline on the wall clock; one due while the server was down arrives at
+    once, and one whose TTL deadline passed too is gone (TTL wins)."""
+    data = str(tmp_path / "data")
+    server = Server("--data-dir", data, "--fsync", policy)
+    frames = [
+        DelayedPush(b"q", b"later", b"1", 0, 1, 3_600_000),  # still an hour to wait
+        DelayedPush(b"q", b"soon", b"2", 60_000, 1, 100),  # due while the server is down
+        DelayedPush(b"q", b"gone", b"3", 100, 1, 100),  # and dead at +200 ms, while down
+    ]
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as peer:
+        peer.sendall(b"".join(map(encode, [*frames, Sync()])))
+        assert peer.recv(2, socket.MSG_WAITALL) == b"\x00\x00"  # confirmed: in the log
+    server.process.kill()
+    server.process.wait(timeout=30)
+    server.log.unlink()
+    time.sleep(0.3)  # the server stays down past "soon"'s due time and "gone"'s deadline
+    server = Server("--data-dir", data, "--http-port", "0")
+    assert delayed_of(server, "q") == 1
+    with server.client() as client:
+        assert drain(client, "q") == [[(b"soon", b"2")]]
+    server.stop()
+
+
+def test_an_admin_move_is_in_the_log_before_its_answer(tmp_path: Path) -> None:
+    """Decision 22 across a kill -9 right after the move's 200: the packets are in the target
+    queue, as pushes made then (newer than what it held), and not in the source."""
+    data = str(tmp_path / "data")
+    server = Server("--data-dir", data, "--fsync", "always", "--http-port", "0")
+    with server.client() as client:
+        client.push("jobs.dead", "a", "1")
+        client.push("jobs.dead", "b", "2")
+        client.push("jobs", "old", "0", confirm=True)
+    answer = admin_json(f"{admin_url(server)}/queues/jobs.dead/move?to=jobs", method="POST")
+    assert answer == {"queue": "jobs.dead", "to": "jobs", "moved": 2}
+    server.process.kill()
+    server.process.wait(timeout=30)
+    server.log.unlink()
+    server = Server("--data-dir", data)
+    with server.client() as client:
+        assert drain(client, "jobs.dead") == []
+        assert drain(client, "jobs") == [[(b"b", b"2")], [(b"a", b"1")], [(b"old", b"0")]]
     server.stop()
 
 

@@ -12,21 +12,43 @@ from hypothesis import strategies as st
 
 from pinpriq.persistence.records import (
     Block,
+    Entries,
     Kind,
     LogFormatError,
     decode_entries,
     encode_block,
     encode_copy,
+    encode_moved,
+    encode_options,
     encode_push,
     encode_remove,
     read_block,
+    zeros_from,
 )
 
 
-def entries(data: bytes, offset: int = 0) -> list[tuple[object, ...]]:
+def entries(data: bytes, offset: int = 0, *, old_copies: bool = False) -> list[tuple[object, ...]]:
     block = read_block(data, offset)
     assert block is not None
-    return decode_entries(data, block)
+    return flat(decode_entries(data, block, old_copies=old_copies), block.base_ms)
+
+
+def flat(decoded: Entries, base_ms: int) -> list[tuple[object, ...]]:
+    """A block's entries as one list, in the order replay applies them (pushes, copies,
+    removes): ``(kind, seq, deadline_ms, prio, queue, key, payload, pushed_ms)`` or
+    ``(REMOVE, seq)``; a push's push time is its block's ``base_ms``."""
+    deadlines = dict(decoded.push_deadlines)
+    found: list[tuple[object, ...]] = [
+        (Kind.PUSH, seq, deadlines.get(seq, 0), prio, queue, key, payload, base_ms)
+        for queue, key, payload, prio, seq in decoded.pushes
+    ]
+    found += [
+        (Kind.COPY, seq, deadline_ms, prio, queue, key, payload, pushed_ms)
+        for (queue, key, payload, prio, seq), deadline_ms, pushed_ms in zip(
+            decoded.copies, decoded.copy_deadlines, decoded.copy_times, strict=True
+        )
+    ]
+    return found + [(Kind.REMOVE, seq) for seq in decoded.removed]
 
 
 def test_a_block_byte_by_byte() -> None:
@@ -70,10 +92,7 @@ def test_a_copy_entry_byte_by_byte_in_both_formats() -> None:
     )
     assert entries(encode_block(20, 0, copy)) == [(Kind.COPY, 9, 7_000, 4, b"q", b"k", b"v", 6_000)]
     old = bytes.fromhex("63 0000000000000009 0000000000001b58 04 0001 0001 0001") + b"qkv"
-    data = encode_block(20, 0, old)
-    block = read_block(data, 0)
-    assert block is not None
-    assert decode_entries(data, block, old_copies=True) == [
+    assert entries(encode_block(20, 0, old), old_copies=True) == [
         (Kind.COPY, 9, 7_000, 4, b"q", b"k", b"v", 0)  # push time unknown
     ]
     for cut in range(1, len(old)):
@@ -82,6 +101,51 @@ def test_a_copy_entry_byte_by_byte_in_both_formats() -> None:
         assert cut_block is not None
         with pytest.raises(LogFormatError, match="cut short"):
             decode_entries(cut_data, cut_block, old_copies=True)
+
+
+def test_protocol_1_2_entries_byte_by_byte() -> None:
+    """Format 2's kinds for decisions 21-22: a push with options (u32 TTL, u32 delay, both
+    counted from the block's base_ms, the TTL from the due time), a moved push (an absolute
+    deadline) and a delayed copy (its due time beside its deadline)."""
+    options = encode_options(b"q", b"k", b"v", 100_000, 3, 2_000)
+    assert options == bytes.fromhex("71 000186a0 000007d0 03 0001 0001 0001") + b"qkv"
+    moved = encode_moved(b"r", b"m", b"", 9_999, 2)
+    assert moved == bytes.fromhex("6d 000000000000270f 02 0001 0001 0000") + b"rm"
+    delayed_copy = encode_copy(7, 8_000, 6_000, 1, b"q", b"d", b"", due_ms=7_500)
+    assert delayed_copy == (
+        bytes.fromhex(
+            "64 0000000000000007 0000000000001d4c 0000000000001f40 0000000000001770 01"
+            " 0001 0001 0000"
+        )
+        + b"qd"
+    )
+    long_ttl = encode_options(b"q", b"t", b"", 70_000, 1, 0)
+    data = encode_block(40, 5_000, options, moved, long_ttl, delayed_copy, encode_remove(7))
+    block = read_block(data, 0)
+    assert block is not None
+    decoded = decode_entries(data, block)
+    assert decoded.pushes == [
+        (b"q", b"k", b"v", 3, 41),
+        (b"r", b"m", b"", 2, 42),
+        (b"q", b"t", b"", 1, 43),
+    ]
+    # Due at base + delay, dead at due + TTL; the moved push's deadline as logged; the long
+    # TTL with no delay counts from base_ms.
+    assert decoded.push_dues == [(41, 7_000)]
+    assert decoded.push_deadlines == [(41, 107_000), (42, 9_999), (43, 75_000)]
+    assert decoded.copies == [(b"q", b"d", b"", 1, 7)]
+    assert (decoded.copy_dues, decoded.copy_deadlines, decoded.copy_times) == (
+        [7_500],
+        [8_000],
+        [6_000],
+    )
+    assert decoded.removed == [7]
+    for entry in (options, moved, delayed_copy):
+        for cut in range(1, len(entry)):
+            with pytest.raises(LogFormatError, match="cut short"):
+                entries(encode_block(0, 0, entry[:cut]))
+    with pytest.raises(LogFormatError, match="unknown entry kind 0x64"):  # format 1 had none
+        entries(encode_block(0, 0, delayed_copy), old_copies=True)
 
 
 def test_largest_fields_round_trip() -> None:
@@ -103,6 +167,17 @@ def test_blocks_follow_each_other_and_zeros_end_the_data() -> None:
     assert block.end == len(first) + len(second)
     assert read_block(data, block.end) is None  # the unused, zeroed rest of a segment
     assert read_block(data, len(data)) is None
+
+
+@pytest.mark.parametrize("at", [0, 1, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, (3 << 20) - 1])
+def test_zeros_from_finds_one_non_zero_byte_anywhere(at: int) -> None:
+    """Compared a megabyte at a time: a byte in any chunk, or on a chunk's edge, counts."""
+    data = bytearray(3 << 20)
+    assert zeros_from(bytes(data), 0)
+    data[at] = 1
+    assert not zeros_from(bytes(data), 0)
+    assert not zeros_from(bytes(data), at)
+    assert zeros_from(bytes(data), at + 1)
 
 
 @pytest.mark.parametrize("cut", range(1, 40))
@@ -166,7 +241,7 @@ def _read_all(data: bytes) -> list[object]:
     offset = 0
     while (block := read_block(data, offset)) is not None:
         assert isinstance(block, Block)
-        found.extend(decode_entries(data, block))
+        found.extend(flat(decode_entries(data, block), block.base_ms))
         offset = block.end
     return found
 

@@ -21,14 +21,14 @@ from pinpriq.persistence import keeper as keeper_module
 from pinpriq.persistence.compaction import Compactor
 from pinpriq.persistence.journal import MIN_SEGMENT_SIZE, FsyncPolicy, Hold, Journal
 from pinpriq.persistence.keeper import Keeper, LogFailure
-from pinpriq.persistence.records import Kind, decode_entries, read_block
+from pinpriq.persistence.records import decode_entries, read_block
 from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, DataDir, Segment
 from pinpriq.persistence.store import LoggedStore
 from pinpriq.server import PinpriqServer
 from tests.conftest import LiveServer
 from tests.logtools import FakeClock, commit, open_store
 from tests.rawpeer import READY, Peer, pop, push, subscribe
-from tests.test_admin import Admin
+from tests.test_admin import ACTION, Admin
 
 SYNC = b"\x21"
 
@@ -45,12 +45,15 @@ class Running:
         self._done = trio.Event()
 
     async def start(
-        self, policy: FsyncPolicy = FsyncPolicy.EVERYSEC, segment_size: int = MIN_SEGMENT_SIZE
+        self,
+        policy: FsyncPolicy = FsyncPolicy.EVERYSEC,
+        segment_size: int = MIN_SEGMENT_SIZE,
+        store_class: type[LoggedStore] = LoggedStore,
     ) -> None:
         journal = Journal(
             DataDir.open(self.path, write=True), policy=policy, segment_size=segment_size
         )
-        self.server = PinpriqServer(LoggedStore(trio.current_time, journal))
+        self.server = PinpriqServer(store_class(trio.current_time, journal))
         self._done = trio.Event()
         done = self._done
 
@@ -127,7 +130,7 @@ def logged_removals(path: Path) -> list[int]:
         data = segment.read_bytes()
         offset = SEGMENT_HEADER_SIZE
         while (block := read_block(data, offset)) is not None:
-            seqs += [entry[1] for entry in decode_entries(data, block) if entry[0] == Kind.REMOVE]
+            seqs += decode_entries(data, block).removed
             offset = block.end
     return seqs
 
@@ -250,6 +253,46 @@ async def test_a_full_disk_stops_pushes_and_keeps_pops_going(
     assert await consumer.request(pop(b"q")) == [(b"waits", b"")]
 
 
+async def test_a_move_answers_503_while_the_disk_is_full(
+    running: Running, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decision 22: a move logs its packets again, as pushes, which wait for disk space; the
+    operator gets a 503 at once instead, and nothing moves. Once there is space, it moves."""
+    full = threading.Event()
+    real_create = keeper_module.create_segment
+
+    def create(path: Path, size: int) -> int:
+        if full.is_set():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_create(path, size)
+
+    monkeypatch.setattr(keeper_module, "create_segment", create)
+    await running.start(segment_size=MIN_SEGMENT_SIZE)
+    (listener,) = await nursery.start(partial(serve_admin, running.server, 0))
+    admin = Admin(cast(LiveServer, None), listener.socket.getsockname()[1])
+    producer = await running.connect()
+    await eventually(lambda: running.journal.spare is not None)
+    await producer.send(push(b"jobs.dead", b"dead", b"") + SYNC)
+    assert await producer.reply() == []
+    full.set()
+    with trio.fail_after(5):
+        while len(running.journal.segments) < 2:  # rotate into the spare, and make no other
+            await producer.send(push(b"q", b"%d" % len(running.server.broker.store), bytes(4000)))
+            assert await producer.request(SYNC) == []
+    await eventually(lambda: running.server.broker.disk_full)
+    move = "/queues/jobs.dead/move?to=jobs"
+    status, _, body = await admin.request("POST", move, ACTION)
+    assert (status, b"disk is full" in body) == (503, True)
+    assert running.server.broker.store.queue_info(b"jobs.dead").packets == 1
+    full.clear()
+    await eventually(lambda: not running.server.broker.disk_full)
+    assert await admin.json(move, "POST", **ACTION) == {
+        "queue": "jobs.dead",
+        "to": "jobs",
+        "moved": 1,
+    }
+
+
 async def test_when_even_the_reserve_is_full_pops_wait_too(
     running: Running, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -282,21 +325,18 @@ async def test_when_even_the_reserve_is_full_pops_wait_too(
     assert await peer.request(pop(b"q")) == []
 
 
-async def test_recovering_is_visible_while_the_log_is_read(
-    running: Running, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_recovering_is_visible_while_the_log_is_read(running: Running) -> None:
     reading = threading.Event()
     proceed = threading.Event()
-    real_recover = LoggedStore.recover
 
-    def recover(self: LoggedStore, now: float, now_ms: int) -> None:
-        reading.set()
-        proceed.wait(10)
-        real_recover(self, now, now_ms)
+    class SlowRecovery(LoggedStore):
+        def recover(self, now: float, now_ms: int) -> None:
+            reading.set()
+            proceed.wait(10)
+            super().recover(now, now_ms)
 
-    monkeypatch.setattr(LoggedStore, "recover", recover)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(running.start)
+        nursery.start_soon(partial(running.start, store_class=SlowRecovery))
         await eventually(reading.is_set)
         assert running.server.recovering  # the event loop runs: an admin listener could say so
         proceed.set()
@@ -348,7 +388,7 @@ async def test_a_failed_write_stops_the_server(
 
 
 async def test_the_admin_listener_says_recovering_then_shows_the_log(
-    tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, nursery: trio.Nursery
 ) -> None:
     """/readyz and every data path answer 503 while the log is read back (the store is being
     filled in a worker thread); then /stats and /metrics show the log's figures."""
@@ -360,15 +400,14 @@ async def test_the_admin_listener_says_recovering_then_shows_the_log(
     await first.stop()
 
     proceed = threading.Event()
-    real_recover = LoggedStore.recover
 
-    def recover(self: LoggedStore, now: float, now_ms: int) -> None:
-        proceed.wait(10)
-        real_recover(self, now, now_ms)
+    class SlowRecovery(LoggedStore):
+        def recover(self, now: float, now_ms: int) -> None:
+            proceed.wait(10)
+            super().recover(now, now_ms)
 
-    monkeypatch.setattr(LoggedStore, "recover", recover)
     journal = Journal(DataDir.open(tmp_path / "data", write=True), policy=FsyncPolicy.EVERYSEC)
-    server = PinpriqServer(LoggedStore(trio.current_time, journal))
+    server = PinpriqServer(SlowRecovery(trio.current_time, journal))
     (listener,) = await nursery.start(partial(serve_admin, server, 0))
     admin = Admin(cast(LiveServer, None), listener.socket.getsockname()[1])
     assert (await admin.request("GET", "/readyz"))[0] == 503
@@ -514,19 +553,16 @@ async def test_always_fsyncs_inline_on_a_fast_disk_and_in_a_thread_after_a_slow_
     )
 
 
-async def test_the_garbage_collector_pauses_while_the_log_is_read(
-    running: Running, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_the_garbage_collector_pauses_while_the_log_is_read(running: Running) -> None:
     """Recovery's millions of long-lived objects are no work for the cyclic collector: it is
     paused while the log is read, and runs again after (the recovered packets frozen)."""
     collecting: list[bool] = []
-    real_recover = LoggedStore.recover
 
-    def recover(self: LoggedStore, now: float, now_ms: int) -> None:
-        collecting.append(gc.isenabled())
-        real_recover(self, now, now_ms)
+    class WatchedRecovery(LoggedStore):
+        def recover(self, now: float, now_ms: int) -> None:
+            collecting.append(gc.isenabled())
+            super().recover(now, now_ms)
 
-    monkeypatch.setattr(LoggedStore, "recover", recover)
-    await running.start()
+    await running.start(store_class=WatchedRecovery)
     assert collecting == [False]
     assert gc.isenabled()

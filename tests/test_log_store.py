@@ -60,6 +60,31 @@ class LogMachine(RuleBasedStateMachine):
         self.store.push(queue, key, payload, ttl_ms, prio)
         self.batch += 1
 
+    @rule(
+        queue=st.sampled_from(QUEUES),
+        key=st.sampled_from(KEYS),
+        ttl_ms=st.sampled_from([0, 500, 5500, 100_000]),
+        delay_ms=st.sampled_from([500, 2500, 5500]),
+        prio=st.integers(0, 3),
+    )
+    def push_delayed(self, queue: bytes, key: bytes, ttl_ms: int, delay_ms: int, prio: int) -> None:
+        """Decision 21: held until due, logged with its due time; a restart keeps it delayed."""
+        payload = bytes([self.model.pushed % 256]) * 100
+        self.model.push_delayed(queue, key, payload, ttl_ms, prio, delay_ms)
+        self.store.push_delayed(queue, key, payload, ttl_ms, prio, delay_ms)
+        self.batch += 1
+
+    @rule(
+        source=st.sampled_from([*QUEUES, b"a.dead"]),
+        into=st.sampled_from(QUEUES),
+        limit=st.sampled_from([0, 1, 3]),
+    )
+    def move(self, source: bytes, into: bytes, limit: int) -> None:
+        """Decision 22: logged as the old seqs' removals and pushes made now."""
+        if source != into:
+            assert self.store.move(source, into, limit) == self.model.move(source, into, limit)
+            self.batch += 1
+
     @rule(count=st.integers(1, 40))
     def churn(self, count: int) -> None:
         """Packets pushed and popped at once: dead bytes, which make compaction due."""
@@ -539,4 +564,147 @@ def test_packets_keep_their_ages_through_compaction(tmp_path: Path, clock: FakeC
     age = store.queue_info(b"keep").oldest_age
     assert age is not None
     assert 40 <= age < 41
+    store.close()
+
+
+# Protocol 1.2 in the log (decisions 21-22): delayed packets, long TTLs and moves.
+
+
+def test_a_delayed_packet_survives_a_restart_still_delayed(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    store = open_store(tmp_path, clock)
+    store.push(b"q", b"now", b"", 0, 1)
+    store.push_delayed(b"q", b"later", b"x", 0, 9, 10_000)
+    commit(store)
+    store.close()
+    clock.now += 4.0  # down for 4 s: 6 s of its delay are left
+    store = open_store(tmp_path, clock)
+    assert len(store) == 2
+    assert store.queue_info(b"q").delayed == 1
+    assert drain(store, b"q") == [[(b"now", b"")]]  # the delayed one is in no queue yet
+    assert store.next_deadline() == pytest.approx(clock.now + 6.0, abs=0.002)
+    clock.now += 5.9
+    store.expire()
+    assert store.pop(b"q") == []
+    clock.now += 0.1
+    store.expire()
+    assert store.take_arrived() == [b"q"]
+    assert drain(store, b"q") == [[(b"later", b"x")]]
+    commit(store)
+    store.check_invariants()
+    store.close()
+
+
+def test_a_packet_due_while_down_arrives_at_once_in_its_place_in_push_order(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    store = open_store(tmp_path, clock)
+    store.push_delayed(b"q", b"first", b"", 0, 1, 2_000)
+    store.push(b"q", b"second", b"", 0, 1)
+    store.push(b"q", b"third", b"", 0, 1)
+    commit(store)
+    store.close()
+    clock.now += 10.0
+    store = open_store(tmp_path, clock)
+    assert store.queue_info(b"q").delayed == 0
+    # Newest first among equal priorities: the delayed push, read first, comes out last.
+    assert drain(store, b"q") == [[(b"third", b"")], [(b"second", b"")], [(b"first", b"")]]
+    store.close()
+
+
+def test_a_delayed_packet_whose_ttl_passed_while_down_is_dropped_for_good(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    store = open_store(tmp_path, clock)
+    store.push_delayed(b"q", b"k", b"", 3_000, 1, 2_000)  # due at +2 s, gone at +5 s
+    store.push_delayed(b"q", b"kept", b"", 60_000, 1, 2_000)
+    commit(store)
+    store.close()
+    clock.now += 6.0
+    store = open_store(tmp_path, clock)  # TTL wins: dropped, and its removal logged
+    assert drain(store, b"q") == [[(b"kept", b"")]]
+    commit(store)
+    store.close()
+    clock.now -= 5.0  # a wall clock set back does not bring it back
+    store = open_store(tmp_path, clock)
+    assert len(store) == 0
+    store.close()
+
+
+def test_a_ttl_above_65535_ms_is_logged_whole(tmp_path: Path, clock: FakeClock) -> None:
+    store = open_store(tmp_path, clock)
+    store.push(b"q", b"k", b"", 7_200_000, 1)  # 2 h: a u32 TTL (protocol 1.2)
+    store.push_delayed(b"q", b"d", b"", 4_000_000_000, 1, 2_592_000_000)  # the largest
+    commit(store)
+    store.close()
+    clock.now += 3600.0
+    store = open_store(tmp_path, clock)
+    assert store.next_deadline() == pytest.approx(clock.now + 3600.0, abs=0.002)
+    clock.now += 3599.9
+    assert drain(store, b"q") == [[(b"k", b"")]]
+    assert store.queue_info(b"q").delayed == 1
+    store.close()
+
+
+def test_a_purge_logs_the_removal_of_delayed_packets(tmp_path: Path, clock: FakeClock) -> None:
+    store = open_store(tmp_path, clock)
+    store.push(b"q", b"a", b"", 0, 1)
+    store.push_delayed(b"q", b"b", b"", 0, 1, 5_000)
+    commit(store)
+    assert store.purge(b"q") == 2
+    commit(store)
+    assert store.journal.stats().live_packets == 0
+    store.close()
+    store = open_store(tmp_path, clock)
+    assert len(store) == 0
+    store.close()
+
+
+def test_a_move_is_logged_and_comes_back_in_its_new_order(tmp_path: Path, clock: FakeClock) -> None:
+    """Decision 22: moved packets are pushes made now (newer than what the target held),
+    keeping prio and TTL deadline; delayed packets stay."""
+    store = open_store(tmp_path, clock)
+    store.push(b"jobs.dead", b"a", b"1", 0, 1)
+    store.push(b"jobs.dead", b"b", b"2", 30_000, 1)
+    store.push_delayed(b"jobs.dead", b"c", b"3", 0, 1, 60_000)
+    store.push(b"jobs", b"old", b"", 0, 1)
+    commit(store)
+    assert store.move(b"jobs.dead", b"jobs", 0) == 2
+    commit(store)
+    store.check_invariants()
+    store.close()
+    clock.now += 10.0
+    store = open_store(tmp_path, clock)
+    assert store.queue_info(b"jobs").next_expiry == pytest.approx(20.0, abs=0.002)
+    assert drain(store, b"jobs") == [[(b"b", b"2")], [(b"a", b"1")], [(b"old", b"")]]
+    assert store.queue_info(b"jobs.dead").delayed == 1
+    assert store.pop(b"jobs.dead") == []
+    commit(store)
+    store.check_invariants()
+    store.close()
+
+
+def test_compaction_keeps_delayed_packets(tmp_path: Path, clock: FakeClock) -> None:
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    store.push_delayed(b"keep", b"waiting", b"x" * 100, 0, 1, 3_600_000)
+    store.push_delayed(b"keep", b"arrived", b"y" * 100, 0, 1, 1_000)
+    commit(store)
+    clock.now += 2.0
+    store.expire()
+    for _ in range(30):  # segments of churn: compaction copies both forward
+        for i in range(30):
+            store.push(b"q", b"%d" % i, bytes(2000), 0, 1)
+        commit(store)
+        assert len(drain(store, b"q")) == 30
+        commit(store)
+        store.check_invariants()
+    assert store.journal.stats().segments_deleted > 20
+    store.close()
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
+    assert store.queue_info(b"keep").delayed == 1
+    assert drain(store, b"keep") == [[(b"arrived", b"y" * 100)]]
+    clock.now += 3600.0
+    store.expire()
+    assert drain(store, b"keep") == [[(b"waiting", b"x" * 100)]]
     store.close()

@@ -18,6 +18,7 @@ from pinpriq.admin.stats import Sampler, queue_stats, server_stats
 from pinpriq.redis import lua
 from pinpriq.redis.spec import StoreError, parse_store
 from pinpriq.redis.store import RedisStore
+from pinpriq.wire import DelayedPush, encode
 from tests.rawpeer import pop, push
 from tests.redis_servers import RedisServer, free_port, need_redis
 from tests.test_redis_store import SYNC, connect, front_end
@@ -124,6 +125,14 @@ async def test_the_admin_listener_reads_and_purges_a_redis_store(redis_url: str)
 
         peeked = await ask("GET", b"/queues/q/peek?n=3")
         assert [p["payload"] for p in peeked["packets"]] == ["new", "old", "rider"]
+        # Protocol 1.2: a delayed packet is listed and counted, not moved; a move answers how
+        # many moved (decision 22); a purge removes delayed packets too.
+        await pusher.send(encode(DelayedPush(b"q", b"d", b"later", 0, 1, 60_000)) + SYNC)
+        assert await pusher.reply() == []
+        assert queue_stats(server.broker, b"q", sampler)["delayed"] == 1
+        moved = await ask("POST", b"/queues/q/move?to=q2&n=1")
+        assert moved == {"queue": "q", "to": "q2", "moved": 1}  # new: its group is one packet
+        assert await pusher.request(pop(b"q2")) == [(b"n", b"new")]
         assert (await ask("POST", b"/queues/q/purge"))["purged"] == 3
         assert await pusher.request(pop(b"q")) == []
 

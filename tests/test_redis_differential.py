@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -22,8 +22,10 @@ import pytest
 import trio
 
 from pinpriq.redis.keys import queue_keys
+from pinpriq.redis.store import RedisStore
 from pinpriq.server import PinpriqServer
 from pinpriq.store import QueueStore
+from pinpriq.wire import DelayedPush, encode
 from tests.rawpeer import (
     Peer,
     ack,
@@ -286,3 +288,107 @@ async def test_a_batch_of_pops_answers_as_the_built_in_store(
     # Groups outgrew a reply (the limit was reached), and the queue ran dry before the end.
     assert any(len(reply) == SMALL_MAX_POP for reply in expected)
     assert expected[-1] == []
+
+
+# -- protocol 1.2: delayed pushes and moves (decisions 21-22) --------------------------------
+
+
+def later(queue: bytes, key: bytes, payload: bytes, delay_ms: int, ttl_ms: int, prio: int) -> bytes:
+    """A ``71`` push with a delay."""
+    return encode(DelayedPush(queue, key, payload, ttl_ms, prio, delay_ms))
+
+
+def jobs_conversation(seed: int, steps: int = 120) -> list[tuple[str, object]]:
+    """As ``conversation``, with delayed pushes and moves. A delayed packet is due after 5 ms
+    and a 150 ms wait follows it (both stores have let it in, whatever their clocks: its
+    delivery, if any, is made during the wait, which leaves room for the Redis store's timer,
+    promotion and pop on a loaded machine), or after a minute (it stays invisible to the end);
+    some carry a TTL counted from their due time. A move (``("move", (source, target, n))``)
+    is followed by a wait too: the Redis store offers what it moved to waiting subscribers from
+    its dispatcher, not before the move returns."""
+    rng = random.Random(seed)
+    out: list[tuple[str, object]] = []
+    for _ in range(steps):
+        roll = rng.random()
+        queue = rng.choice(QUEUES)
+        key, prio = rng.choice(KEYS), rng.randrange(4)
+        if roll < 0.35:
+            out.append(("main", push(queue, key, b"%d" % len(out), rng.choice([0, 60_000]), prio)))
+        elif roll < 0.5:
+            delay = rng.choice([5, 5, 60_000])
+            ttl = rng.choice([0, 0, 60_000])
+            out.append(("main", later(queue, key, b"d%d" % len(out), delay, ttl, prio)))
+            if delay == 5:
+                out.append(("wait", 0.15))
+        elif roll < 0.7:
+            out.append(("main", pop(queue)))
+        elif roll < 0.78:
+            target = rng.choice([q for q in QUEUES if q != queue])
+            out.append(("move", (queue, target, rng.choice([0, 1, 2, 5]))))
+            out.append(("wait", 0.15))
+        elif roll < 0.86:
+            out.append(("sub", subscribe(rng.choice(SUBSCRIBED))))
+        elif roll < 0.9:
+            out.append(("sub", unsubscribe(rng.choice(SUBSCRIBED))))
+        else:
+            out.append(("sub", READY))
+    return out
+
+
+Mover = Callable[[bytes, bytes, int], Awaitable[int]]
+
+
+async def jobs_transcript(
+    port: int, steps: list[tuple[str, object]], move: Mover
+) -> list[tuple[str, object]]:
+    peers = {
+        "main": Peer(await trio.open_tcp_stream(HOST, port)),
+        "sub": Peer(await trio.open_tcp_stream(HOST, port)),
+    }
+    seen: list[tuple[str, object]] = []
+    try:
+        for name, data in steps:
+            if name == "wait":
+                await trio.sleep(data)  # type: ignore[arg-type]
+                continue
+            if name == "move":
+                seen.append(("moved", await move(*data)))  # type: ignore[misc]
+                continue
+            assert isinstance(data, bytes)
+            await peers[name].send(data)
+            if data[0] == 0x50:
+                seen.append(("pop", await peers[name].reply()))
+            for who, peer in peers.items():
+                await peer.send(SYNC)
+                while reply := await peer.reply():
+                    seen.append((who, reply))
+        for queue in QUEUES:
+            while reply := await peers["main"].request(pop(queue)):
+                seen.append(("left", reply))
+    finally:
+        for peer in peers.values():
+            await peer.aclose()
+    return seen
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_delayed_pushes_and_moves_answer_as_the_built_in_store(
+    redis_url: str, seed: int
+) -> None:
+    steps = jobs_conversation(seed)
+    async with memory_server() as (memory, port):
+
+        async def move_in_memory(source: bytes, target: bytes, limit: int) -> int:
+            moved = memory.broker.move(source, target, limit)  # as the admin listener does
+            memory.after_batch()
+            return moved
+
+        expected = await jobs_transcript(port, steps, move_in_memory)
+    async with front_end(redis_url) as (server, port):
+        store = server.broker.store
+        assert isinstance(store, RedisStore)
+        got = await jobs_transcript(port, steps, store.move_async)
+    assert got == expected
+    # It exercised what it is for: delayed packets popped and delivered, and moves that moved.
+    assert any(who == "pop" and any(p.startswith(b"d") for _, p in r) for who, r in expected)  # type: ignore[attr-defined]
+    assert any(who == "moved" and n for who, n in expected)

@@ -299,6 +299,11 @@ class AdminApp:
         return moved
 
     async def _move_logged(self, queue: bytes, target: bytes, limit: int) -> int:
+        journal = self.server.journal
+        if journal is not None and journal.disk_full:
+            # A move logs its packets again, as pushes, and pushes wait for disk space: an
+            # operator's request cannot wait that long, so it is refused, moving nothing.
+            raise HTTPError(503, "the log's disk is full: nothing moved; try again later")
         moved = self._moved(queue, target, limit)
         await self.server.log_stored()
         return moved

@@ -30,8 +30,8 @@ from typing import Protocol
 
 from pinpriq.persistence.records import (
     BLOCK_HEADER,
-    Kind,
     LogFormatError,
+    Packet,
     decode_entries,
     read_block,
 )
@@ -50,8 +50,6 @@ MIN_STEP = 64 * 1024
 #: Bytes read per byte sealed, while compaction is due: above 2, so that reading the old
 #: segments outpaces writing new ones even when the copies are as large as the reads.
 STEP_FACTOR = 4
-
-_PUSH, _COPY = int(Kind.PUSH), int(Kind.COPY)
 
 
 class CompactedLog(Protocol):
@@ -81,6 +79,7 @@ class CompactedLog(Protocol):
         queue: bytes,
         key: bytes,
         payload: bytes,
+        due_ms: int = 0,
     ) -> None: ...
 
 
@@ -175,15 +174,31 @@ class Compactor:
         block = read_block(data, 0)
         if block is None:
             raise LogFormatError(f"{segment.path}: no block where one was written")
-        journal, locate = self._journal, self._locate
-        for entry in decode_entries(data, block, old_copies=segment.version == 1):
-            kind = entry[0]
-            if kind != _PUSH and kind != _COPY:
-                continue
-            _, seq, deadline_ms, prio, queue, key, payload, pushed_ms = entry
-            if journal.where(seq) is not segment:
-                continue  # copied forward already, or removed
-            current = locate(queue, key, seq)
-            if current is not None:
-                journal.add_copy(seq, deadline_ms, pushed_ms, prio, current, key, payload)
-                self.copied += 1
+        entries = decode_entries(data, block, old_copies=segment.version == 1)
+        deadlines, dues = dict(entries.push_deadlines), dict(entries.push_dues)
+        for packet in entries.pushes:
+            seq = packet[4]
+            self._copy(segment, packet, deadlines.get(seq, 0), block.base_ms, dues.get(seq, 0))
+        for packet, deadline_ms, pushed_ms, due_ms in zip(
+            entries.copies,
+            entries.copy_deadlines,
+            entries.copy_times,
+            entries.copy_dues,
+            strict=True,
+        ):
+            self._copy(segment, packet, deadline_ms, pushed_ms, due_ms)
+
+    def _copy(
+        self, segment: Segment, packet: Packet, deadline_ms: int, pushed_ms: int, due_ms: int
+    ) -> None:
+        """Copy a packet forward if its latest entry is in ``segment`` and it is live. One
+        pushed with a delay is copied with its due time, as a delayed copy: whether it has
+        arrived since or not (a due time that has passed is due at once when read back)."""
+        journal = self._journal
+        queue, key, payload, prio, seq = packet
+        if journal.where(seq) is not segment:
+            return  # copied forward already, or removed
+        current = self._locate(queue, key, seq)
+        if current is not None:
+            journal.add_copy(seq, deadline_ms, pushed_ms, prio, current, key, payload, due_ms)
+            self.copied += 1

@@ -285,12 +285,14 @@ class Journal:
         queue: bytes,
         key: bytes,
         payload: bytes,
+        due_ms: int = 0,
     ) -> None:
         """Write a live packet again into the open block, whole, with the queue it lives in
         now and the wall-clock time of its push (0: unknown): compaction's copies, and moves
         to another queue (its seq, so its place in push order, kept). Its latest entry is then
-        in the active segment."""
-        self._copies += encode_copy(seq, deadline_ms, pushed_ms, prio, queue, key, payload)
+        in the active segment. ``due_ms``: the wall-clock due time of a packet pushed with a
+        delay (a delayed copy), 0 for others."""
+        self._copies += encode_copy(seq, deadline_ms, pushed_ms, prio, queue, key, payload, due_ms)
         self._copied.append(seq)
 
     def seal(self, seq: int, base_ms: int) -> None:

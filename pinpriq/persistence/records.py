@@ -29,6 +29,20 @@ Entries, each starting with its kind byte:
   written) had no ``pushed_ms``: ``decode_entries(..., old_copies=True)``.
 * remove ``72`` · u64 seq: the packet left for good (pop, delivery, expiry, purge, ack).
 
+Protocol 1.2 (decisions 21-22) added three kinds to format 2 (before any release wrote it):
+
+* push with options ``71`` · u32 ttl_ms · u32 delay_ms · u8 prio · u16 queue_len · u16
+  key_len · u16 payload_len · queue · key · payload: a push (the block's next seq) whose TTL
+  does not fit a u16 or which is delayed. Its due time is ``base_ms + delay_ms`` (delay 0: not
+  delayed) and its deadline its due time (or ``base_ms``) plus its TTL (0: never).
+* moved ``6d`` · u64 deadline_ms (0: never) · u8 prio · u16 queue_len · u16 key_len · u16
+  payload_len · queue · key · payload: a push (the block's next seq) made by a move (decision
+  22), which files a packet anew, as a push made now, keeping its TTL deadline; the block
+  removes its old seq too.
+* delayed copy ``64`` · u64 seq · u64 due_ms · u64 deadline_ms · u64 pushed_ms · u8 prio · u16
+  queue_len · u16 key_len · u16 payload_len · queue · key · payload: a copy of a packet pushed
+  with a delay (compaction's): held until ``due_ms`` if that is still to come.
+
 Replaying entries in log order rebuilds the live packets: a push or copy files the packet
 under its seq (the latest entry wins), a remove forgets it. Within a block the writer puts
 pushes and copies before removes; that order gives the same result as the order of the
@@ -42,7 +56,7 @@ from __future__ import annotations
 import enum
 import struct
 import zlib
-from typing import Any, Final, NamedTuple
+from typing import Final, NamedTuple
 
 __all__ = [
     "BLOCK_HEADER",
@@ -50,15 +64,21 @@ __all__ = [
     "BODY_HEADER",
     "COPY_HEADER",
     "COPY_HEADER_1",
+    "DELAYED_COPY_HEADER",
+    "MOVED_HEADER",
+    "OPTIONS_HEADER",
     "PUSH_HEADER",
     "REMOVE",
     "Block",
-    "Entry",
+    "Entries",
     "Kind",
     "LogFormatError",
+    "Packet",
     "decode_entries",
     "encode_block",
     "encode_copy",
+    "encode_moved",
+    "encode_options",
     "encode_push",
     "encode_remove",
     "read_block",
@@ -70,6 +90,9 @@ class Kind(enum.IntEnum):
     PUSH = 0x70  # "p"
     COPY = 0x63  # "c"
     REMOVE = 0x72  # "r"
+    PUSH_OPTIONS = 0x71  # "q", as the wire's push with options
+    MOVED = 0x6D  # "m"
+    DELAYED_COPY = 0x64  # "d"
 
 
 #: The first four bytes of every block: lets a reader tell a block from zeros or garbage, and
@@ -83,11 +106,19 @@ COPY_HEADER = struct.Struct(">BQQQBHHH")
 #: The copy entry of log format 1: no pushed_ms.
 COPY_HEADER_1 = struct.Struct(">BQQBHHH")
 REMOVE = struct.Struct(">BQ")  # kind, seq
+#: kind, ttl_ms, delay_ms, prio, queue/key/payload lens
+OPTIONS_HEADER = struct.Struct(">BIIBHHH")
+MOVED_HEADER = struct.Struct(">BQBHHH")  # kind, deadline_ms, prio, queue/key/payload lens
+#: kind, seq, due_ms, deadline_ms, pushed_ms, prio, queue/key/payload lens
+DELAYED_COPY_HEADER = struct.Struct(">BQQQQBHHH")
 _LENGTH = struct.Struct(">I")
 _PUSH_SIZE: Final = PUSH_HEADER.size
 _COPY_SIZE: Final = COPY_HEADER.size
 _COPY_1_SIZE: Final = COPY_HEADER_1.size
 _REMOVE_SIZE: Final = REMOVE.size
+_OPTIONS_SIZE: Final = OPTIONS_HEADER.size
+_MOVED_SIZE: Final = MOVED_HEADER.size
+_DELAYED_COPY_SIZE: Final = DELAYED_COPY_HEADER.size
 
 
 class LogFormatError(ValueError):
@@ -103,14 +134,45 @@ class Block(NamedTuple):
     base_ms: int
 
 
-#: A decoded entry, one plain tuple per kind (the replay loop reads millions of them):
-#: ``(PUSH or COPY, seq, deadline_ms, prio, queue, key, payload, pushed_ms)`` or
-#: ``(REMOVE, seq)``. A push's deadline is already made absolute (0 means never), and its
-#: ``pushed_ms`` is its block's ``base_ms``; a copy's is its own (0: unknown).
-Entry = tuple[Any, ...]
+#: A push or copy entry's packet, as recovery files it: ``(queue, key, payload, prio, seq)``,
+#: the order ``QueueStore.load`` takes (recovery hands these tuples to it as they are: one
+#: object per packet, made once, since there are millions).
+Packet = tuple[bytes, bytes, bytes, int, int]
 
-# The kinds as plain ints, for the loops that compare every entry's first byte.
-_PUSH, _COPY, _REMOVE = int(Kind.PUSH), int(Kind.COPY), int(Kind.REMOVE)
+
+class Entries:
+    """The entries of one block, by kind, each in log order. The writer puts a block's pushes
+    first, then its copies, then its removes, so replaying them in that order (pushes,
+    copies, removes) is replaying the block; an entry names its packet by seq alone."""
+
+    def __init__(self) -> None:
+        #: Push entries (with options and moved ones too): packets ``seq_base + 1``,
+        #: ``seq_base + 2``, ..., in order.
+        self.pushes: list[Packet] = []
+        #: ``(seq, deadline_ms)`` of the pushes with a TTL (a push's deadline is its block's
+        #: ``base_ms``, or its due time, plus its TTL; its push time is ``base_ms``).
+        self.push_deadlines: list[tuple[int, int]] = []
+        #: ``(seq, due_ms)`` of the pushes with a delay.
+        self.push_dues: list[tuple[int, int]] = []
+        #: Copy entries (delayed ones too), and beside each its deadline (0: none), push time
+        #: (0: unknown) and due time (0: not delayed).
+        self.copies: list[Packet] = []
+        self.copy_deadlines: list[int] = []
+        self.copy_times: list[int] = []
+        self.copy_dues: list[int] = []
+        #: Seqs of the remove entries.
+        self.removed: list[int] = []
+
+
+# The kinds as plain ints, for the loops that compare every entry's first byte: each ``Final``
+# on its own line, which mypyc keeps in a C variable (a tuple assignment left them names to
+# look up in the module's dict, three lookups per entry).
+_PUSH: Final = int(Kind.PUSH)
+_COPY: Final = int(Kind.COPY)
+_REMOVE: Final = int(Kind.REMOVE)
+_OPTIONS: Final = int(Kind.PUSH_OPTIONS)
+_MOVED: Final = int(Kind.MOVED)
+_DELAYED_COPY: Final = int(Kind.DELAYED_COPY)
 
 
 def encode_push(queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> bytes:
@@ -127,10 +189,41 @@ def encode_copy(
     queue: bytes,
     key: bytes,
     payload: bytes,
+    due_ms: int = 0,
 ) -> bytes:
-    header = COPY_HEADER.pack(
-        Kind.COPY, seq, deadline_ms, pushed_ms, prio, len(queue), len(key), len(payload)
+    """A copy entry; a delayed copy if ``due_ms`` (wall-clock) is not 0."""
+    if due_ms:
+        header = DELAYED_COPY_HEADER.pack(
+            Kind.DELAYED_COPY,
+            seq,
+            due_ms,
+            deadline_ms,
+            pushed_ms,
+            prio,
+            len(queue),
+            len(key),
+            len(payload),
+        )
+    else:
+        header = COPY_HEADER.pack(
+            Kind.COPY, seq, deadline_ms, pushed_ms, prio, len(queue), len(key), len(payload)
+        )
+    return b"".join((header, queue, key, payload))
+
+
+def encode_options(
+    queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int, delay_ms: int
+) -> bytes:
+    """A push-with-options entry: a delayed push, or one whose TTL does not fit a u16."""
+    header = OPTIONS_HEADER.pack(
+        Kind.PUSH_OPTIONS, ttl_ms, delay_ms, prio, len(queue), len(key), len(payload)
     )
+    return b"".join((header, queue, key, payload))
+
+
+def encode_moved(queue: bytes, key: bytes, payload: bytes, deadline_ms: int, prio: int) -> bytes:
+    """A moved entry: a push made by a move, with its wall-clock TTL deadline (0: none)."""
+    header = MOVED_HEADER.pack(Kind.MOVED, deadline_ms, prio, len(queue), len(key), len(payload))
     return b"".join((header, queue, key, payload))
 
 
@@ -178,88 +271,106 @@ _ZEROS = bytes(1 << 20)
 
 
 def zeros_from(data: bytes, offset: int) -> bool:
-    """Whether every byte from ``offset`` on is zero, compared a megabyte at a time (the
-    fastest way CPython has: a segment is megabytes of zeros until written)."""
+    """Whether every byte from ``offset`` on is zero, compared a megabyte at a time with
+    ``startswith``, which compares in place (a slice would copy each megabyte first: a
+    preallocated segment is megabytes of zeros until written, and recovery checks the unused
+    rest of each segment)."""
     step = len(_ZEROS)
     for start in range(offset, len(data), step):
-        chunk = data[start : start + step]
-        if chunk != _ZEROS[: len(chunk)]:
+        size = min(step, len(data) - start)
+        if not data.startswith(_ZEROS if size == step else _ZEROS[:size], start):
             return False
     return True
 
 
-def decode_entries(data: bytes, block: Block, *, old_copies: bool = False) -> list[Entry]:
-    """The entries of a block of ``data``, in order, each as an ``Entry`` tuple (copies laid
-    out as log format 1 wrote them with ``old_copies``). Raises ``LogFormatError`` at an entry
-    that is cut short or of an unknown kind (only a writer bug or a newer format makes one: the
-    block's checksum was right).
+def decode_entries(data: bytes, block: Block, *, old_copies: bool = False) -> Entries:
+    """The entries of a block of ``data``, by kind (copies laid out as log format 1 wrote them
+    with ``old_copies``). Raises ``LogFormatError`` at an entry that is cut short or of an
+    unknown kind (only a writer bug or a newer format makes one: the block's checksum was
+    right).
 
     One tight loop over the bytes, since recovery decodes every entry of the log. The fields
     are read byte by byte rather than with ``struct``: this module is compiled (mypyc), where
     indexing ``bytes`` and native integer arithmetic are C, while a ``struct`` call and the
-    tuple it returns cost more than the rest of the entry (recovery of a million packets spent
-    half its time here)."""
-    entries: list[Entry] = []
-    append = entries.append
+    tuple it returns cost more than the rest of the entry. Each packet becomes one tuple, in
+    the order the store loads it, and nothing else per packet unless it has a TTL or is a
+    copy (recovery of a million packets spent most of its time making, reordering and
+    freeing objects per packet)."""
+    entries = Entries()
+    pushes, copies, removed = entries.pushes, entries.copies, entries.removed
     pos: int = block.start
     end: int = block.end
     seq: int = block.seq_base
     base_ms: int = block.base_ms
+    copy_size = _COPY_1_SIZE if old_copies else _COPY_SIZE
     while pos < end:
         kind = data[pos]
-        if kind == _PUSH:
-            if end - pos < _PUSH_SIZE:
-                raise LogFormatError("a push entry cut short")
-            ttl_ms = data[pos + 1] << 8 | data[pos + 2]
-            prio = data[pos + 3]
-            queue_len = data[pos + 4] << 8 | data[pos + 5]
-            key_len = data[pos + 6] << 8 | data[pos + 7]
-            payload_len = data[pos + 8] << 8 | data[pos + 9]
-            pos += _PUSH_SIZE
-            seq += 1
-            number = seq
-            deadline_ms = base_ms + ttl_ms if ttl_ms else 0
-            pushed_ms = base_ms
-        elif kind == _COPY:
-            size = _COPY_1_SIZE if old_copies else _COPY_SIZE
-            if end - pos < size:
-                raise LogFormatError("a copy entry cut short")
-            number = _u64(data, pos + 1)
-            deadline_ms = _u64(data, pos + 9)
-            lengths = pos + size - 6  # prio before them, pushed_ms before it (format 2)
-            pushed_ms = 0 if old_copies else _u64(data, pos + 17)
-            prio = data[lengths - 1]
-            queue_len = data[lengths] << 8 | data[lengths + 1]
-            key_len = data[lengths + 2] << 8 | data[lengths + 3]
-            payload_len = data[lengths + 4] << 8 | data[lengths + 5]
-            pos += size
-        elif kind == _REMOVE:
+        if kind == _REMOVE:
             if end - pos < _REMOVE_SIZE:
                 raise LogFormatError("a remove entry cut short")
-            append((_REMOVE, _u64(data, pos + 1)))
+            removed.append(_u64(data, pos + 1))
             pos += _REMOVE_SIZE
             continue
+        if kind == _PUSH:
+            size = _PUSH_SIZE
+        elif kind == _COPY:
+            size = copy_size
+        elif kind == _OPTIONS:
+            size = _OPTIONS_SIZE
+        elif kind == _MOVED:
+            size = _MOVED_SIZE
+        elif kind == _DELAYED_COPY and not old_copies:
+            size = _DELAYED_COPY_SIZE
         else:
             raise LogFormatError(f"unknown entry kind 0x{kind:02x}")
-        key_at = pos + queue_len
-        payload_at = key_at + key_len
-        stop = payload_at + payload_len
+        if end - pos < size:
+            raise LogFormatError(f"a {Kind(kind).name.lower()} entry cut short")
+        lengths = pos + size - 6  # every header ends with prio and the three lengths
+        prio = data[lengths - 1]
+        key_at = pos + size + (data[lengths] << 8 | data[lengths + 1])
+        payload_at = key_at + (data[lengths + 2] << 8 | data[lengths + 3])
+        stop = payload_at + (data[lengths + 4] << 8 | data[lengths + 5])
         if stop > end:
             raise LogFormatError("a packet entry cut short")
-        append(
-            (
-                kind,
-                number,
-                deadline_ms,
-                prio,
-                data[pos:key_at],
-                data[key_at:payload_at],
-                data[payload_at:stop],
-                pushed_ms,
-            )
-        )
+        queue = data[pos + size : key_at]
+        if kind in (_PUSH, _OPTIONS, _MOVED):
+            seq += 1
+            pushes.append((queue, data[key_at:payload_at], data[payload_at:stop], prio, seq))
+            if kind == _PUSH:
+                ttl_ms = data[pos + 1] << 8 | data[pos + 2]
+                if ttl_ms:
+                    entries.push_deadlines.append((seq, base_ms + ttl_ms))
+            elif kind == _OPTIONS:
+                _options(entries, seq, base_ms, _u32(data, pos + 1), _u32(data, pos + 5))
+            else:
+                deadline_ms = _u64(data, pos + 1)
+                if deadline_ms:
+                    entries.push_deadlines.append((seq, deadline_ms))
+        else:
+            copied = _u64(data, pos + 1)
+            copies.append((queue, data[key_at:payload_at], data[payload_at:stop], prio, copied))
+            delayed = kind == _DELAYED_COPY
+            fields = pos + 17 if delayed else pos + 9  # deadline_ms, then pushed_ms
+            entries.copy_dues.append(_u64(data, pos + 9) if delayed else 0)
+            entries.copy_deadlines.append(_u64(data, fields))
+            entries.copy_times.append(0 if old_copies else _u64(data, fields + 8))
         pos = stop
     return entries
+
+
+def _options(entries: Entries, seq: int, base_ms: int, ttl_ms: int, delay_ms: int) -> None:
+    """File a push-with-options entry's due time and deadline, both counted from ``base_ms``."""
+    start = base_ms
+    if delay_ms:
+        start += delay_ms
+        entries.push_dues.append((seq, start))
+    if ttl_ms:
+        entries.push_deadlines.append((seq, start + ttl_ms))
+
+
+def _u32(data: bytes, at: int) -> int:
+    """The big-endian u32 at ``at`` (the caller checked that its 4 bytes are there)."""
+    return data[at] << 24 | data[at + 1] << 16 | data[at + 2] << 8 | data[at + 3]
 
 
 def _u64(data: bytes, at: int) -> int:

@@ -25,15 +25,16 @@ import bisect
 import logging
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from pinpriq.persistence.records import (
     BLOCK_HEADER,
     BLOCK_MAGIC,
     REMOVE,
     Block,
-    Kind,
+    Entries,
     LogFormatError,
+    Packet,
     decode_entries,
     read_block,
     zeros_from,
@@ -51,7 +52,6 @@ __all__ = ["Cut", "Scan", "apply", "report", "scan"]
 
 log = logging.getLogger("pinpriq.persistence")
 
-_PUSH, _COPY = int(Kind.PUSH), int(Kind.COPY)
 BLOCK_HEADER_SIZE = BLOCK_HEADER.size
 #: Ages are kept to within this (ms), as the running store notes the time about once a second.
 TIME_NOTE_MS = 1000
@@ -87,9 +87,9 @@ class Scan:
         self.spares: list[Segment] = []
         #: Leftovers of a segment whose creation was cut short: no valid header, all zeros.
         self.unfinished: list[Path] = []
-        #: Live packets by seq: ``(kind, seq, deadline_ms, prio, queue, key, payload)`` entries,
-        #: in seq order.
-        self.packets: dict[int, tuple[Any, ...]] = {}
+        #: Live packets by seq, in seq order: ``(queue, key, payload, prio, seq)``, as
+        #: ``QueueStore.load`` takes them.
+        self.packets: dict[int, Packet] = {}
         #: Packets whose latest entry is a copy, and the segment (by number) holding it (the
         #: expired ones included, until their removal is logged).
         self.copied: dict[int, int] = {}
@@ -97,6 +97,9 @@ class Scan:
         self.expired: list[int] = []
         #: The deadlines (wall-clock ms) of the live packets that have one, by seq.
         self.deadlines: dict[int, int] = {}
+        #: The due times (wall-clock ms) of packets pushed with a delay, by seq; once the scan
+        #: is finished, only of those still delayed at ``now_ms`` (the others are due at once).
+        self.dues: dict[int, int] = {}
         #: ``(seq, ms)``: by wall-clock time ``ms``, packets up to ``seq`` had been pushed,
         #: and the later ones were pushed at or after it; in seq order, about one a second of
         #: the log's history (from the blocks' ``base_ms`` and the copies' ``pushed_ms``), so
@@ -187,58 +190,70 @@ class _Replay:
             self._apply(segment, block, entries)
             offset = block.end
 
-    def _apply(self, segment: Segment, block: Block, entries: list[tuple[Any, ...]]) -> None:
-        seq_base, base_ms, body_bytes = block.seq_base, block.base_ms, block.end - block.start
+    def _apply(self, segment: Segment, block: Block, entries: Entries) -> None:
+        seq_base, base_ms = block.seq_base, block.base_ms
         result = self.result
+        packets, deadlines = result.packets, result.deadlines
         if segment.first_seq is None:
             segment.first_seq = seq_base + 1
-        if entries and entries[0][0] == _PUSH and base_ms >= self._noted_ms + TIME_NOTE_MS:
-            result.times.append((seq_base, base_ms))  # its pushes are at or after base_ms
-            self._noted_ms = base_ms
-        count = len(entries)
-        last = entries[-1] if entries else None
-        if last is not None and last[0] == _PUSH and last[1] == seq_base + count:
-            # Pushes only (the common block): each push's seq is its place, so file them all
-            # in one C-level update.
-            seqs = range(seq_base + 1, seq_base + count + 1)
-            result.packets.update(zip(seqs, entries, strict=True))
-            seq, copies, removal_bytes = seq_base + count, 0, 0
-        else:
-            seq, copies, removal_bytes = self._apply_each(segment.number, seq_base, entries)
-        segment.entries += seq - seq_base + copies
-        segment.entry_bytes += body_bytes - removal_bytes
+        pushes = entries.pushes
+        count = len(pushes)
+        if count:
+            if base_ms >= self._noted_ms + TIME_NOTE_MS:
+                result.times.append((seq_base, base_ms))  # its pushes are at or after base_ms
+                self._noted_ms = base_ms
+            # Each push's seq is its place: file them all in one C-level update.
+            packets.update(zip(range(seq_base + 1, seq_base + count + 1), pushes, strict=True))
+            deadlines.update(entries.push_deadlines)
+            if entries.push_dues:
+                result.dues.update(entries.push_dues)
+        if entries.copies:
+            self._apply_copies(segment.number, entries)
+        removed = entries.removed
+        if removed:
+            copied = result.copied
+            dues = result.dues
+            for seq in removed:
+                packets.pop(seq, None)
+                copied.pop(seq, None)
+                deadlines.pop(seq, None)
+                if dues:
+                    dues.pop(seq, None)
+        seq = seq_base + count
+        segment.entries += count + len(entries.copies)
+        segment.entry_bytes += block.end - block.start - len(removed) * REMOVE.size
         self.next_seq = seq
         result.last_seq = max(result.last_seq, seq)
         result.blocks += 1
 
-    def _apply_each(
-        self, number: int, seq_base: int, entries: list[tuple[Any, ...]]
-    ) -> tuple[int, int, int]:
-        """Replay entries one by one; returns the last push's seq, the copies, and the bytes
-        of remove entries."""
-        packets, copied = self.result.packets, self.result.copied
-        seq, copies, removal_bytes = seq_base, 0, 0
-        for entry in entries:
-            kind = entry[0]
-            if kind == _PUSH:
-                seq = entry[1]
-                packets[seq] = entry
-            elif kind == _COPY:
-                copied_seq = entry[1]
-                if copied_seq not in packets:
-                    self.unsorted = True  # its first entry went with a deleted segment
-                packets[copied_seq] = entry
-                copied[copied_seq] = number
-                copies += 1
-                pushed_ms = entry[7]
-                if pushed_ms and abs(pushed_ms - self._copy_noted_ms) >= TIME_NOTE_MS:
-                    self.result.times.append((copied_seq - 1, pushed_ms))
-                    self._copy_noted_ms = pushed_ms
+    def _apply_copies(self, number: int, entries: Entries) -> None:
+        """File a block's copy entries: the latest entry of a packet wins, queue included."""
+        result = self.result
+        packets, copied, deadlines = result.packets, result.copied, result.deadlines
+        dues = result.dues
+        for packet, deadline_ms, pushed_ms, due_ms in zip(
+            entries.copies,
+            entries.copy_deadlines,
+            entries.copy_times,
+            entries.copy_dues,
+            strict=True,
+        ):
+            seq = packet[4]
+            if seq not in packets:
+                self.unsorted = True  # its first entry went with a deleted segment
+            packets[seq] = packet
+            copied[seq] = number
+            if deadline_ms:
+                deadlines[seq] = deadline_ms
             else:
-                packets.pop(entry[1], None)
-                copied.pop(entry[1], None)
-                removal_bytes += REMOVE.size
-        return seq, copies, removal_bytes
+                deadlines.pop(seq, None)
+            if due_ms:
+                dues[seq] = due_ms
+            elif dues:
+                dues.pop(seq, None)
+            if pushed_ms and abs(pushed_ms - self._copy_noted_ms) >= TIME_NOTE_MS:
+                result.times.append((seq - 1, pushed_ms))
+                self._copy_noted_ms = pushed_ms
 
     def finish(self, now_ms: int) -> None:
         """Count the live packets per segment, then drop the expired ones (still counted: the
@@ -262,12 +277,15 @@ class _Replay:
             if pushed_in >= 0:  # else its push went with a deleted segment: not counted
                 segments[pushed_in].live -= 1
             by_number[number].live += 1
-        deadlines = {seq: entry[2] for seq, entry in packets.items() if entry[2]}
+        deadlines, dues = result.deadlines, result.dues
+        # TTL wins: a delayed packet whose deadline passed is dropped, due or not.
         result.expired = [seq for seq, deadline_ms in deadlines.items() if deadline_ms <= now_ms]
         for seq in result.expired:
             del packets[seq]
             del deadlines[seq]
-        result.deadlines = deadlines
+            dues.pop(seq, None)
+        # Due while the server was down: queued at once, in its place in push order.
+        result.dues = {seq: due_ms for seq, due_ms in dues.items() if due_ms > now_ms}
 
 
 def _file_spare(result: Scan, number: int, path: Path, data: bytes, *, last: bool) -> None:
@@ -443,7 +461,7 @@ def report(data_dir: DataDir, result: Scan, refusal: str | None = None) -> tuple
         lines.append(f"  {spare.path.name}: unused (a spare segment)")
     for path in result.unfinished:
         lines.append(f"  {path.name}: an unfinished segment file; a start deletes it")
-    queues = {entry[4] for entry in result.packets.values()}
+    queues = {packet[0] for packet in result.packets.values()}
     lines.append(
         f"{result.blocks} blocks; a start recovers {len(result.packets)} packets in "
         f"{len(queues)} queues, next seq {result.last_seq + 1}"

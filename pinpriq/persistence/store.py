@@ -28,11 +28,13 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from operator import itemgetter
+from typing import Final
+
+from mypy_extensions import mypyc_attr
 
 from pinpriq.persistence.compaction import Compactor
 from pinpriq.persistence.journal import Journal
-from pinpriq.persistence.records import PUSH_HEADER, REMOVE, Kind
+from pinpriq.persistence.records import MOVED_HEADER, OPTIONS_HEADER, PUSH_HEADER, REMOVE, Kind
 from pinpriq.persistence.recovery import apply, scan
 from pinpriq.persistence.segments import DataDirError
 from pinpriq.store import (
@@ -51,16 +53,26 @@ __all__ = ["LoggedStore"]
 
 log = logging.getLogger("pinpriq.persistence")
 
-_pack_push = PUSH_HEADER.pack
-_pack_remove = REMOVE.pack
-_PUSH, _REMOVE = int(Kind.PUSH), int(Kind.REMOVE)
-#: A log entry ``(kind, seq, deadline_ms, prio, queue, key, payload)`` as ``QueueStore.load``
-#: takes a packet, ``(queue, key, payload, prio, seq)``: picked in C, since there are millions.
-_LOADED = itemgetter(4, 5, 6, 3, 1)
+# Final: mypyc keeps each in a C variable (the hot path reads them per packet).
+_pack_push: Final = PUSH_HEADER.pack
+_pack_options: Final = OPTIONS_HEADER.pack
+_pack_moved: Final = MOVED_HEADER.pack
+_pack_remove: Final = REMOVE.pack
+_PUSH: Final = int(Kind.PUSH)
+_REMOVE: Final = int(Kind.REMOVE)
+_OPTIONS: Final = int(Kind.PUSH_OPTIONS)
+_MOVED: Final = int(Kind.MOVED)
+#: The largest TTL a push entry (``70``) holds; a longer one is logged with options (``71``).
+_MAX_PUSH_TTL: Final = 0xFFFF
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LoggedStore(QueueStore):
-    """Queues whose every push and removal is logged to ``journal`` before anyone sees it."""
+    """Queues whose every push and removal is logged to ``journal`` before anyone sees it.
+
+    Compiled with the store (mypyc, ``pinpriq/_build.py``): the broker's calls into ``push``
+    and ``pop`` then run no interpreted frame, which was most of what logging added to a
+    push's instructions. Tests may subclass it (to slow ``recover`` down, say)."""
 
     def __init__(
         self,
@@ -94,23 +106,50 @@ class LoggedStore(QueueStore):
         pushes = self._pushes
         if not pushes:
             self._block_time = self._clock()
-        pushes += _pack_push(_PUSH, ttl_ms, prio, len(queue), len(key), len(payload))
+        if ttl_ms <= _MAX_PUSH_TTL:
+            pushes += _pack_push(_PUSH, ttl_ms, prio, len(queue), len(key), len(payload))
+        else:  # protocol 1.2's u32 TTL
+            pushes += _pack_options(_OPTIONS, ttl_ms, 0, prio, len(queue), len(key), len(payload))
         pushes += queue
         pushes += key
         pushes += payload
         return QueueStore.push(self, queue, key, payload, ttl_ms, prio)
 
-    # Delayed packets and moves (decisions 21-22) are not logged yet: refused here rather than
-    # taken and lost at a restart. The broker closes a connection that sends a delayed push on
-    # this store, and the admin listener answers a move 501.
-
     def push_delayed(
         self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int, delay_ms: int
     ) -> float:
-        raise NotImplementedError("the log does not record delayed packets yet")
+        """Log, then hold a packet until it is due (decision 21): a push-with-options entry,
+        whose due time and TTL deadline count from its block's ``base_ms``, on the wall clock,
+        so it survives a restart still delayed. Returns its due time on the store's clock."""
+        pushes = self._pushes
+        if not pushes:
+            self._block_time = self._clock()
+        pushes += _pack_options(
+            _OPTIONS, ttl_ms, delay_ms, prio, len(queue), len(key), len(payload)
+        )
+        pushes += queue
+        pushes += key
+        pushes += payload
+        return QueueStore.push_delayed(self, queue, key, payload, ttl_ms, prio, delay_ms)
 
-    def move(self, source: bytes, target: bytes, limit: int = 0) -> int:
-        raise NotImplementedError("the log does not record moves yet")
+    def _moved(self, target: bytes, old: list[QueuedPacket], new: list[QueuedPacket]) -> None:
+        """A move (decision 22): the old seqs are removed, and each packet is logged anew, in
+        its new seq's order, as a moved entry (a push made now, keeping its wall-clock TTL
+        deadline). ``QueueStore.move`` calls it once its packets are filed."""
+        self.record_removed(old)
+        pushes = self._pushes
+        if not pushes:
+            self._block_time = self._clock()
+        to_wall = self._wall_clock() - self._clock()
+        for packet in new:
+            key, payload = packet[KEY], packet[PAYLOAD]
+            deadline_ms = _wall_ms(packet[DEADLINE], to_wall)
+            pushes += _pack_moved(
+                _MOVED, deadline_ms, packet[PRIO], len(target), len(key), len(payload)
+            )
+            pushes += target
+            pushes += key
+            pushes += payload
 
     def pop(self, queue: bytes) -> list[QueuedPacket]:
         """Pop as ``QueueStore.pop`` does, logging a removal for each packet returned."""
@@ -167,9 +206,10 @@ class LoggedStore(QueueStore):
         return queue
 
     def purge(self, queue: bytes) -> int:
-        """Remove every packet of ``queue``, and log each removal."""
+        """Remove every packet of ``queue``, delayed ones too, and log each removal."""
         q = self._queues.get(queue)
         packets = list(q.packets()) if q is not None else []
+        packets += self.delayed_packets(queue)
         purged = QueueStore.purge(self, queue)
         self.record_removed(packets)
         return purged
@@ -191,18 +231,17 @@ class LoggedStore(QueueStore):
         in the same batch as the move, before ``flush``."""
         now = self._clock()
         to_wall = self._wall_clock() - now  # seconds from the store's clock to the wall clock
-        deadline_ms = 0
-        if deadline != math.inf:
-            deadline_ms = int((deadline + to_wall) * 1000)
         key, payload, prio, seq = packet[KEY], packet[PAYLOAD], packet[PRIO], packet[SEQ]
         age = self._age(seq, now)  # at most: from the store's time notes
-        pushed_ms = 0 if age is None else int((now - age + to_wall) * 1000)  # 0: unknown
+        pushed_ms = 0 if age is None else _wall_ms(now - age, to_wall)  # 0: unknown
+        deadline_ms = _wall_ms(deadline, to_wall)
         self.journal.add_copy(seq, deadline_ms, pushed_ms, prio, queue, key, payload)
 
     def locate(self, queue: bytes, key: bytes, seq: int) -> bytes | None:
         """The queue live packet ``seq`` is in now, ``None`` if it is gone (compaction asks
-        before copying it forward). A leased packet is live: the queue it was taken from."""
-        if self.holds(queue, key, seq):
+        before copying it forward). A leased packet is live: the queue it was taken from; a
+        delayed one, the queue it waits for."""
+        if self.holds(queue, key, seq):  # queued, or delayed
             return queue
         return self._taken.get(seq)  # leased: it comes back after a restart, so it is kept
 
@@ -229,6 +268,9 @@ class LoggedStore(QueueStore):
                     counted[id(journal.where(packet[SEQ]))] += 1
         for seq in self._taken:  # leased packets are live in the log
             counted[id(journal.where(seq))] += 1
+        for name, _, _ in list(self.sizes()):  # and delayed ones
+            for packet in self.delayed_packets(name):
+                counted[id(journal.where(packet[SEQ]))] += 1
         for segment in journal.segments:
             assert segment.live == counted[id(segment)], (
                 f"{segment.path.name}: live {segment.live}, but {counted[id(segment)]} "
@@ -260,10 +302,11 @@ class LoggedStore(QueueStore):
                     f"cannot read the log in {journal.data_dir.path}: {error}"
                 ) from None
             self.load(
-                map(_LOADED, result.packets.values()),
+                result.packets.values(),
                 {seq: now + (ms - now_ms) / 1000 for seq, ms in result.deadlines.items()},
                 result.last_seq,
                 times=[(seq, now + (ms - now_ms) / 1000) for seq, ms in result.times],
+                delayed={seq: now + (ms - now_ms) / 1000 for seq, ms in result.dues.items()},
             )
             try:
                 journal.open(result)
@@ -291,3 +334,12 @@ class LoggedStore(QueueStore):
             if result.expired
             else "",
         )
+
+
+def _wall_ms(when: float, to_wall: float) -> int:
+    """A time on the store's clock as wall-clock milliseconds (``to_wall``: seconds from the
+    one clock to the other), rounded down, so a logged deadline is never later than the real
+    one; ``inf`` (none) is 0."""
+    if when == math.inf:
+        return 0
+    return int((when + to_wall) * 1000)

@@ -13,6 +13,7 @@ import trio
 
 from pinpriq.redis import lua
 from pinpriq.redis.deliveries import RedisSubscriptions
+from pinpriq.redis.direct import DirectConnection, DirectSubscriber
 from pinpriq.redis.spec import StoreError, StoreSpec
 from pinpriq.redis.store import _TRANSIENT, RedisStore
 
@@ -41,6 +42,17 @@ def _client(spec: StoreSpec) -> Any:
     return coredis.Redis(host, port, spec.db, ssl=spec.scheme == "rediss", **common)
 
 
+def _direct_options(spec: StoreSpec) -> dict[str, Any]:
+    """How ``direct.py``'s connections reach the Redis of ``spec``, as the client does."""
+    return {
+        "tls": spec.scheme == "rediss",
+        "db": spec.db,
+        "username": spec.username,
+        "password": spec.password,
+        "connect_timeout": CONNECT_TIMEOUT,
+    }
+
+
 @asynccontextmanager
 async def open_store(spec: StoreSpec) -> AsyncIterator[tuple[RedisStore, RedisSubscriptions]]:
     """Connect, check the Redis (``check``), load the scripts; yields the store and its
@@ -54,15 +66,23 @@ async def open_store(spec: StoreSpec) -> AsyncIterator[tuple[RedisStore, RedisSu
                 await check_nodes(client, spec)
                 await store.load_scripts()
                 await store.sync_clock()
-            subscriptions = RedisSubscriptions(store)
+            subscriber = None
+            if spec.scheme != "redis-cluster":  # a Cluster routes by slot: coredis only
+                store.direct = DirectConnection(*spec.nodes[0], **_direct_options(spec))
+                subscriber = DirectSubscriber(*spec.nodes[0], **_direct_options(spec))
+            subscriptions = RedisSubscriptions(store, subscriber)
             async with trio.open_nursery() as nursery:
                 await nursery.start(subscriptions.run)
                 nursery.start_soon(store.sweep_loop)
                 nursery.start_soon(store.snapshot_loop)
                 nursery.start_soon(store.lease_loop)
                 ready = True
-                yield store, subscriptions
-                nursery.cancel_scope.cancel()
+                try:
+                    yield store, subscriptions
+                finally:
+                    nursery.cancel_scope.cancel()
+                    if store.direct is not None:
+                        store.direct.close()
     except BaseException as error:  # anyio's task group may wrap it in a group
         cause = _startup_failure(error)
         if ready or cause is None:

@@ -28,6 +28,7 @@ from typing import Any
 
 import trio
 
+from pinpriq.redis.direct import DirectSubscriber
 from pinpriq.redis.store import _TRANSIENT, Popped, RedisStore
 from pinpriq.subscriptions import Subscriber, Subscriptions
 
@@ -47,9 +48,12 @@ def _nothing() -> None:
 class RedisSubscriptions(Subscriptions):
     """The subscribers of one front end on a ``RedisStore``."""
 
-    def __init__(self, store: RedisStore) -> None:
+    def __init__(self, store: RedisStore, subscriber: DirectSubscriber | None = None) -> None:
+        """``subscriber``: a direct pub/sub connection (standalone Redis) to listen on instead
+        of coredis's (``direct.py`` says why)."""
         super().__init__(store)  # its synchronous pops are never called
         self.redis = store
+        self._subscriber = subscriber
         #: Called after deliveries were made, to write them (the server sets it).
         self.flush: Callable[[], None] = _nothing
         self._due_subs: dict[Subscriber, None] = {}
@@ -59,12 +63,16 @@ class RedisSubscriptions(Subscriptions):
         self._serving = trio.Lock()
         self._wake = trio.Event()
         self._pubsub: Any = None
+        # The store times the delayed packets of queues waited on here, whoever pushed them,
+        # and tells when some entered through this front end.
+        store.waited = self.waiting_queues
+        store.on_arrived = self._arrived
 
     # -- the synchronous half: what the broker calls -----------------------------------------
 
     def _settle(self, sub: Subscriber, *, once: bool = False) -> bool:
         """File ``sub`` as waiting or not, and note it for ``serve``; delivers nothing now."""
-        self._file(sub)
+        self._file(sub, False)
         if sub.stamp:
             self._due_subs[sub] = None
             # Served by the reader right after its frame, or, when the call came from
@@ -76,23 +84,23 @@ class RedisSubscriptions(Subscriptions):
         """A push to a queue with waiters here: ``serve`` will pop it for them."""
         self._due_queues[queue] = None
 
+    def _arrived(self, queue: bytes) -> None:
+        """Packets entered ``queue`` outside a batch (delayed ones fell due, a move): served by
+        the dispatcher if someone here waits on it."""
+        if queue in self.waiting_queues:
+            self._due_queues[queue] = None
+            self._wake.set()
+
     @property
     def due(self) -> bool:
         """Whether ``serve`` has anything to do."""
         return bool(self._due_subs or self._due_queues)
 
-    def _file(self, sub: Subscriber) -> None:
-        waiting = bool(sub.credits and sub.queues and not sub.paused)
-        if sub.stamp and not waiting:
-            for queue in sub.queues:
-                self._leave(queue, sub.stamp)
-            sub.stamp = 0
-        elif waiting and not sub.stamp:
-            self._stamp += 1
-            sub.stamp = self._stamp
-            for queue in sub.queues:
-                self._waiters(queue)[sub.stamp] = sub
-        if waiting:
+    def _file(self, sub: Subscriber, served: bool) -> None:
+        """Filed as on the built-in store; and the queues of a waiting subscriber are
+        listened to (``_watch_new``)."""
+        super()._file(sub, served)
+        if sub.stamp:
             for queue in sub.queues:
                 if self.redis.keys(queue).channel not in self._watched:
                     self._to_watch[queue] = None
@@ -160,11 +168,7 @@ class RedisSubscriptions(Subscriptions):
             return False
         sub.credits -= 1
         sub.deliver([(p.key, p.payload) for p in packets])
-        if sub.stamp:  # restamped: it has waited least now (first come, first served)
-            for q in sub.queues:
-                self._leave(q, sub.stamp)
-            sub.stamp = 0
-        self._file(sub)
+        self._file(sub, True)
         self.flush()
         return True
 
@@ -180,11 +184,7 @@ class RedisSubscriptions(Subscriptions):
             return False
         sub.credits -= 1
         sub.deliver(leases.made(sub.holder, queue, reply))  # type: ignore[attr-defined]
-        if sub.stamp:
-            for q in sub.queues:
-                self._leave(q, sub.stamp)
-            sub.stamp = 0
-        self._file(sub)
+        self._file(sub, True)
         self.flush()
         return True
 
@@ -196,14 +196,28 @@ class RedisSubscriptions(Subscriptions):
         channels = [self.redis.keys(q).channel for q in queues]
         for queue, channel in zip(queues, channels, strict=True):
             self._watched[channel] = queue
-        if self._pubsub is not None:
-            await self._pubsub.subscribe(*channels)
-        await self._mark_waiting(queues)
+        try:
+            if self._pubsub is not None:
+                await self._pubsub.subscribe(*channels)
+            await self._mark_waiting(queues, due_times=True)
+        except _TRANSIENT as error:
+            # Redis went away: the subscription is remade with every watched channel, and the
+            # marks renewed (``_refresh_loop``), once it is back; pops wait for it meanwhile.
+            log.warning("cannot mark queues waited on in Redis now (%s); retrying", error)
 
-    async def _mark_waiting(self, queues: list[bytes]) -> None:
+    async def _mark_waiting(self, queues: list[bytes], *, due_times: bool = False) -> None:
+        """Mark ``queues`` waited on (pushes then publish); with ``due_times``, time the
+        promotion of the delayed packets they already hold (later ones are published)."""
         async with self.redis.client.pipeline(transaction=False) as pipe:
             for queue in queues:
                 pipe.set(self.redis.keys(queue).waiting, b"1", px=WAITING_TTL_MS)
+            heads = [
+                pipe.zrange(self.redis.keys(queue).due, 0, 0, withscores=True)
+                for queue in (queues if due_times else ())
+            ]
+        for queue, head in zip(queues, heads, strict=False):
+            if first := await head:
+                self.redis.schedule_sweep(queue, float(first[0][1]))
 
     # -- background tasks --------------------------------------------------------------------
 
@@ -217,6 +231,9 @@ class RedisSubscriptions(Subscriptions):
             task_status.started()
 
     async def _listen_loop(self, task_status: trio.TaskStatus[None]) -> None:
+        if self._subscriber is not None:
+            await self._listen_direct(self._subscriber, task_status)
+            return
         started = False
         while True:
             try:
@@ -231,14 +248,48 @@ class RedisSubscriptions(Subscriptions):
                     self._wake.set()
                     async for message in pubsub:
                         if message["type"] == "message":
-                            queue = self._watched.get(message["channel"])
-                            if queue is not None and queue in self.waiting_queues:
-                                self._due_queues[queue] = None
-                                self._wake.set()
+                            self._heard(message["channel"], message["data"])
             except _TRANSIENT as error:
                 log.warning("lost the Redis subscription (%s); resubscribing", error)
                 self._pubsub = None
                 await trio.sleep(0.1)
+
+    async def _listen_direct(
+        self, subscriber: DirectSubscriber, task_status: trio.TaskStatus[None]
+    ) -> None:
+        """``_listen_loop`` on a direct connection: the task that reads a message notes it."""
+        started = False
+
+        def subscribed() -> None:
+            nonlocal started
+            self._pubsub = subscriber
+            # Whatever was pushed while we were not listening: look again.
+            self._due_queues.update(dict.fromkeys(self.waiting_queues))
+            self._wake.set()
+            if not started:
+                started = True
+                task_status.started()
+
+        while True:
+            try:
+                await subscriber.run(lambda: [b"pq:-", *self._watched], self._heard, subscribed)
+            except _TRANSIENT as error:
+                log.warning("lost the Redis subscription (%s); resubscribing", error)
+                self._pubsub = None
+                await trio.sleep(0.1)
+
+    def _heard(self, channel: bytes, data: bytes) -> None:
+        """A message on a queue's channel: packets entered it (empty), or delayed packets were
+        pushed to it, due at the time it carries (ms on Redis's clock), which this front end
+        times too, so that its waiters get them even if their pusher dies first."""
+        queue = self._watched.get(channel)
+        if queue is None or queue not in self.waiting_queues:
+            return
+        if data:
+            self.redis.schedule_sweep(queue, float(data))
+        else:
+            self._due_queues[queue] = None
+            self._wake.set()
 
     async def _dispatch_loop(self) -> None:
         while True:

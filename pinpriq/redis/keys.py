@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["PREFIX", "QueueKeys", "decode_name", "encode_name", "queue_keys"]
+__all__ = ["PREFIX", "QueueKeys", "decode_name", "encode_name", "hash_tag", "queue_keys"]
 
 #: Every key of the Redis store starts with this.
 PREFIX = b"pq:"
@@ -52,15 +52,41 @@ class QueueKeys(NamedTuple):
     attempts: bytes  # hash: seq -> how many leases of that packet ended other than by ack
     results: bytes  # hash: pop call id -> its result, until the front end confirms it has it
     key_index: bytes  # hash: key -> the seq of its one packet, or '#' and how many (all in groups)
+    delayed: bytes  # hash: seq -> a delayed packet's record (decision 21)
+    due: bytes  # sorted set: the delayed packets' seqs by due time (ms, Redis's clock)
+    moving: bytes  # hash: move id -> a group on its way to another slot (decision 22)
+    moved: bytes  # set: move ids this queue took in (a day), so each is applied once
+
+
+def hash_tag(name: bytes) -> bytes:
+    """The hash tag of queue ``name``'s keys: queues with one tag live in one Cluster slot."""
+    return b"{q" + encode_name(_base(name)) + b"}"
 
 
 def queue_keys(name: bytes) -> QueueKeys:
     """The keys of queue ``name``: ``pq:{q<base>}<name>:<suffix>``, both escaped."""
-    stem = PREFIX + b"{q" + encode_name(_base(name)) + b"}" + encode_name(name) + b":"
+    stem = PREFIX + hash_tag(name) + encode_name(name) + b":"
     return QueueKeys(
         *(
             stem + suffix
-            for suffix in (b"d", b"s", b"g", b"x", b"q", b"w", b"c", b"l", b"L", b"a", b"r", b"k")
+            for suffix in (
+                b"d",
+                b"s",
+                b"g",
+                b"x",
+                b"q",
+                b"w",
+                b"c",
+                b"l",
+                b"L",
+                b"a",
+                b"r",
+                b"k",
+                b"y",
+                b"Y",
+                b"m",
+                b"M",
+            )
         )
     )
 

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pinpriq.leases import Holder, Lease, Leases, LeaseTotals
+from pinpriq.leases import Holder, Lease, Leases
 from pinpriq.store_contract import Store
 
 __all__ = ["RedisLease", "RedisLeases"]
@@ -89,10 +89,8 @@ class RedisLeases(Leases):
         handle, attempt, packets = reply
         holder.last_id += 1
         lease = RedisLease(holder.last_id, holder, queue, packets, attempt, handle)
-        holder.leases[lease.lease_id] = lease
+        self._file(lease)
         self.mine[handle] = lease
-        self._leased += len(packets)
-        self._by_queue[queue] = self._by_queue.get(queue, 0) + len(packets)
         return lease
 
     def ack(self, holder: Holder, lease_id: int) -> bool:
@@ -131,16 +129,6 @@ class RedisLeases(Leases):
     def expire(self) -> None:
         """Nothing: ``RedisStore.lease_loop`` sweeps due leases on Redis's clock."""
 
-    def totals(self) -> LeaseTotals:
-        return LeaseTotals(
-            self._leased,
-            self._acked,
-            self._redelivered,
-            self._dead_lettered,
-            self._dropped,
-            self._unknown,
-        )
-
     # -- inside ----------------------------------------------------------------------------
 
     def counted(self, back: int, dead: int, dropped: int) -> None:
@@ -150,19 +138,10 @@ class RedisLeases(Leases):
         self._dropped += dropped
 
     def forget(self, lease: RedisLease) -> None:
-        """The lease is over (or no longer this front end's to answer for)."""
-        holder = lease.holder
-        if holder is not None and holder.leases.get(lease.lease_id) is lease:
-            del holder.leases[lease.lease_id]
-        lease.holder = None
+        """The lease is over (or no longer this front end's to answer for): out of its
+        holder and the counts, once (a sweep and a frame may both end it)."""
         if self.mine.pop(lease.handle, None) is not None:
-            count = len(lease.packets)
-            self._leased -= count
-            left = self._by_queue.get(lease.queue, 0) - count
-            if left > 0:
-                self._by_queue[lease.queue] = left
-            else:
-                self._by_queue.pop(lease.queue, None)
+            self._close(lease)
 
     def _answer(self, holder: Holder, lease_id: int, *, ends: bool) -> bool:
         answers = self.results.get(holder)

@@ -30,10 +30,15 @@ __all__ = [
     "LEASE_SWEEP",
     "LIBRARY",
     "LIBRARY_NAME",
+    "MOVE",
+    "MOVES_KEPT",
+    "MOVE_IN",
+    "MOVE_OUT",
     "PEEK",
     "POP",
     "PURGE",
     "PUSH",
+    "PUSH_DELAYED",
     "RANK",
     "RESERVE",
     "RESTORE",
@@ -52,7 +57,20 @@ local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), t
 end
+-- Redis's clock in ms with its microseconds: due times (decision 21) are exact to them.
+local function now_precise()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000, t
+end
 local function digits(n) return string.format('%016.0f', n) end
+-- The next sequence number of the queue whose ``:q`` is ``last_key``, from Redis's clock
+-- (``t``, as TIME gives it): push order within the queue, clock order across queues.
+local function next_seq(last_key, t)
+  local seq = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local last = tonumber(redis.call('GET', last_key) or '0')
+  if seq <= last then seq = last + 1 end
+  return seq
+end
 local function unpack_packet(rec)
   local prio = string.byte(rec, 1)
   local deadline = struct.unpack('>d', string.sub(rec, 2, 9))
@@ -206,16 +224,83 @@ local function sweep(now)
   remove_all(due, nil, false)
   return #due
 end
--- Once the queue holds nothing, forget it entirely (decision 5).
--- Sweep a queue that has TTL deadlines; most have none, and then neither TIME nor a range
--- is paid. Returns whether it had any (so its removals must update the deadline index).
-local function sweep_due()
-  if redis.call('EXISTS', KEYS[4]) == 0 then return false end
-  sweep(now_ms())
-  return true
+-- Delayed packets (decision 21) wait in KEYS[YI] (``:y``: seq -> the packet's record, its TTL
+-- deadline already its due time plus its TTL) and KEYS[YI + 1] (``:Y``: seq by due time, ms
+-- on Redis's clock with microseconds); KEYS[YI + 2] is the queue's waiting mark (``:w``). Until
+-- due a packet is in no other structure: not selectable, in no key group, no TTL deadline.
+-- YI 0: the function takes none of these keys.
+local YI = 0
+local function channel_of(waiting) return string.sub(waiting, 1, -2) .. 'c' end
+-- Move every delayed packet due by ``now`` into the queue under the seq its push took (its
+-- place in push order), joining its key group; one whose TTL deadline has passed as well is
+-- dropped (TTL wins). Publishes the queue's channel when a selectable packet entered and some
+-- front end waits on the queue, as a push does. Returns how many entered, how many dropped.
+local function promote(now)
+  local due = redis.call('ZRANGEBYSCORE', KEYS[YI + 1], '-inf', now)
+  if #due == 0 then return 0, 0 end
+  local recs = hmget(KEYS[YI], due)
+  local data, entries, levels, deadlines = {}, {}, {}, {}
+  for i, rec in ipairs(recs) do
+    local seq = due[i]
+    local deadline = struct.unpack('>d', string.sub(rec, 2, 9))
+    if deadline == 0 or deadline > now then
+      local prio, klen = string.byte(rec, 1), struct.unpack('>H', string.sub(rec, 10, 11))
+      data[#data + 1] = seq
+      data[#data + 1] = rec
+      entries[#entries + 1] = {string.sub(rec, 12, 11 + klen), string.sub(rec, 10, 11 + klen), seq}
+      if prio > 0 then
+        levels[#levels + 1] = -prio
+        levels[#levels + 1] = seq
+      end
+      if deadline > 0 then
+        deadlines[#deadlines + 1] = deadline
+        deadlines[#deadlines + 1] = seq
+      end
+    end
+  end
+  bulk('HDEL', KEYS[YI], due)
+  redis.call('ZREMRANGEBYSCORE', KEYS[YI + 1], '-inf', now)
+  bulk('HSET', KEYS[1], data)
+  index_insert(KEYS[KI], KEYS[3], entries)
+  bulk('ZADD', KEYS[2], levels)
+  bulk('ZADD', KEYS[4], deadlines)
+  if #levels > 0 and redis.call('EXISTS', KEYS[YI + 2]) == 1 then
+    redis.call('PUBLISH', channel_of(KEYS[YI + 2]), '')
+  end
+  return #entries, #due - #entries
 end
+-- Promote what is due and sweep what expired, on a queue that has delayed packets or TTL
+-- deadlines; most have neither, and then one EXISTS is all this costs (no TIME, no range).
+-- Returns whether it had any (so removals must update the deadline index), then how many
+-- entered and how many expired.
+local function sweep_due()
+  local timed
+  if YI > 0 then
+    timed = redis.call('EXISTS', KEYS[4], KEYS[YI + 1])
+  else
+    timed = redis.call('EXISTS', KEYS[4])
+  end
+  if timed == 0 then return false, 0, 0 end
+  local now = now_precise()
+  local entered, dropped = 0, 0
+  if YI > 0 then entered, dropped = promote(now) end
+  return true, entered, dropped + sweep(now)
+end
+-- Once the queue holds nothing, forget it entirely (decision 5); its last sequence number
+-- stays while delayed packets hold theirs (a new push must not take one of them).
 local function forget_if_empty()
-  if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[5], KEYS[KI]) end
+  if redis.call('EXISTS', KEYS[1]) == 0 then
+    if YI == 0 or redis.call('EXISTS', KEYS[YI]) == 0 then
+      redis.call('DEL', KEYS[5], KEYS[KI])
+    else
+      redis.call('DEL', KEYS[KI])
+    end
+  end
+end
+-- The earliest due time of the queue's delayed packets, 0 for none.
+local function next_due()
+  local head = redis.call('ZRANGE', KEYS[YI + 1], 0, 0, 'WITHSCORES')
+  return tonumber(head[2] or '0')
 end
 """
 
@@ -226,9 +311,7 @@ end
 #: ``allow-oom``: Redis refuses it while over ``maxmemory``, before it runs.
 PUSH = r"""
 local now, t = now_ms()
-local seq = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local last = tonumber(redis.call('GET', KEYS[5]) or '0')
-if seq <= last then seq = last + 1 end
+local seq = next_seq(KEYS[5], t)
 -- The arguments of one HSET and three ZADDs for the whole batch.
 local data, entries, levels, deadlines = {}, {}, {}, {}
 local earliest = 0
@@ -262,12 +345,46 @@ if #levels > 0 and redis.call('EXISTS', KEYS[6]) == 1 then redis.call('PUBLISH',
 return {earliest, redis.call('HLEN', KEYS[1])}
 """
 
-#: KEYS d s g x q r k; ARGV max_pop, pops, full, call id, retry ('1' if sent before), then the call
-#: ids whose results the front end has. Sweeps what is due, then ``pops`` times removes
-#: the best packet and its key group (decisions 2-4). Returns one flat list a pop: two fields a
-#: packet (key, payload), or with ``full`` = 1 five (key, payload, prio, seq, deadline: enough
-#: for a delivery nobody could take to go back unchanged); then the selectable packets left, and
-#: all the packets left. A call that took packets keeps that reply under its id in ``:r``.
+#: KEYS q y Y w; ARGV five fields a packet: key payload ttl_ms prio delay_ms (delay > 0). Holds
+#: delayed pushes (decision 21) in order: each takes its seq (its place in push order) now, its
+#: due time is Redis's clock plus its delay, its TTL deadline its due time plus its TTL. When
+#: some front end waits on the queue, publishes its channel with the earliest due time (ms), so
+#: that front end times the promotion too (the pusher may die first). Returns that earliest due
+#: time and how many delayed packets the queue holds. No ``allow-oom``, as ``push``.
+PUSH_DELAYED = r"""
+YI = 2
+local now, t = now_precise()
+local seq = next_seq(KEYS[1], t)
+local data, dues, earliest = {}, {}, 0
+for i = 1, #ARGV, 5 do
+  local key, payload, ttl, prio = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+  local due = now + tonumber(ARGV[i + 4])
+  local deadline = 0
+  if ttl > 0 then deadline = due + ttl end
+  local s = digits(seq)
+  data[#data + 1] = s
+  data[#data + 1] = record(prio, deadline, group_prefix(key), payload)
+  dues[#dues + 1] = due
+  dues[#dues + 1] = s
+  if earliest == 0 or due < earliest then earliest = due end
+  seq = seq + 1
+end
+bulk('HSET', KEYS[2], data)
+bulk('ZADD', KEYS[3], dues)
+redis.call('SET', KEYS[1], digits(seq - 1))
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  redis.call('PUBLISH', channel_of(KEYS[4]), string.format('%.3f', earliest))
+end
+return {tostring(earliest), redis.call('HLEN', KEYS[2])}
+"""
+
+#: KEYS d s g x q r y Y w k; ARGV max_pop, pops, full, call id, retry ('1' if sent before), then
+#: the call ids whose results the front end has. Promotes and sweeps what is due, then ``pops``
+#: times removes the best packet and its key group (decisions 2-4). Returns one flat list a
+#: pop: two fields a packet (key, payload), or with ``full`` = 1 five (key, payload, prio, seq,
+#: deadline: enough for a delivery nobody could take to go back unchanged); then the
+#: selectable packets left, and all the packets left. A call that took packets keeps that reply
+#: under its id in ``:r``.
 #: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
 POP = r"""
 local max_pop, pops, full = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
@@ -280,6 +397,7 @@ if retry then
   local kept = redis.call('HGET', KEYS[6], call_id)
   if kept then return cmsgpack.unpack(kept) end
 end
+YI = 7
 local expiring = sweep_due()
 -- Removals wait until every pop of the call has chosen (one HDEL and one ZREM a structure
 -- for the whole call, not per pop); meanwhile ``taken`` keeps a packet from being chosen
@@ -374,9 +492,10 @@ end
 return replies
 """
 
-#: KEYS d s g x q k; no ARGV. Sweeps what is due and returns the rank of what a pop would select:
-#: {prio, seq}, or {} if nothing is selectable.
+#: KEYS d s g x q y Y w k; no ARGV. Promotes and sweeps what is due and returns the rank of what a
+#: pop would select: {prio, seq}, or {} if nothing is selectable.
 RANK = r"""
+YI = 6
 sweep_due()
 forget_if_empty()
 local top = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
@@ -384,19 +503,22 @@ if #top == 0 then return {} end
 return {-tonumber(top[2]), top[1]}
 """
 
-#: KEYS d s g x q k; no ARGV. Removes the packets whose deadline has come; returns how many.
+#: KEYS d s g x q y Y w k; no ARGV. Moves the delayed packets that are due into the queue and
+#: removes the packets whose deadline has come. Returns {how many expired, how many entered,
+#: the next due time in ms or 0, how many packets the queue holds}.
 SWEEP = r"""
-local n = 0
-if redis.call('EXISTS', KEYS[4]) == 1 then n = sweep(now_ms()) end
+YI = 6
+local _, entered, expired = sweep_due()
 forget_if_empty()
-return n
+return {expired, entered, tostring(next_due()), redis.call('HLEN', KEYS[1])}
 """
 
-#: KEYS d s g x q k; no ARGV. Removes every packet (prio 0 included); returns how many.
+#: KEYS d s g x q y Y k; no ARGV. Removes every packet (prio 0 and delayed ones included; leased
+#: ones are not in the queue); returns {how many queued, how many delayed}.
 PURGE = r"""
-local n = redis.call('HLEN', KEYS[1])
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[KI])
-return n
+local n, delayed = redis.call('HLEN', KEYS[1]), redis.call('HLEN', KEYS[6])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[KI])
+return {n, delayed}
 """
 
 #: KEYS d s g x q w k; ARGV channel, then five fields a packet as POP returns them with ``full``.
@@ -468,13 +590,169 @@ return out
 """
 
 
+# -- move (decision 22) -----------------------------------------------------------------------
+
+_MOVE_HELPERS = r"""
+-- Packets a round of a cross-slot move of all takes (whole groups, so it may take more).
+local MOVE_ROUND = 10000
+-- The seqs of the queue's packets a move of at most ``limit`` packets takes (0: every queued
+-- one), in push order: whole key groups, chosen in pop order (best selectable packet first),
+-- while fewer than ``limit`` have been taken; so prio-0 packets whose key has no selectable
+-- packet move only when ``limit`` is 0.
+local function move_selection(limit)
+  if limit == 0 then
+    local all = redis.call('HKEYS', KEYS[1])
+    table.sort(all)
+    return all
+  end
+  local seqs, taken, start = {}, {}, 0
+  while #seqs < limit do
+    local page = redis.call('ZRANGE', KEYS[2], start, start + 99, 'REV')
+    if #page == 0 then break end
+    start = start + #page
+    local recs = redis.call('HMGET', KEYS[1], unpack(page))
+    for i, seq in ipairs(page) do
+      if #seqs >= limit then break end
+      if not taken[seq] then
+        local klen = struct.unpack('>H', string.sub(recs[i], 10, 11))
+        local key = string.sub(recs[i], 12, 11 + klen)
+        local group = group_of(KEYS[KI], KEYS[3], key, group_prefix(key), -1)
+        if #group == 0 then group = {seq} end
+        for _, member in ipairs(group) do
+          taken[member] = true
+          seqs[#seqs + 1] = member
+        end
+      end
+    end
+  end
+  table.sort(seqs)  -- fixed-width digits: string order is push order
+  return seqs
+end
+-- Take ``seqs`` out of the queue (KEYS d s g x, k at KI, attempt counts at ``attempts``) for a
+-- move: five fields a packet, as ``remove_all`` gives them; their attempt counts are dropped
+-- (decision 22: they start again).
+local function take_for_move(seqs, attempts)
+  local packets = remove_all(seqs, nil, true)
+  if #seqs > 0 and redis.call('EXISTS', attempts) == 1 then bulk('HDEL', attempts, seqs) end
+  forget_if_empty()
+  return packets
+end
+-- Push moved packets (five fields each, from ``o`` in ``t``) into the queue whose keys are
+-- ``tk`` = {d, s, g, x, q, w, k} as pushes made now, in their order, each keeping its prio and
+-- TTL deadline; a packet whose deadline passed meanwhile is dropped. Returns how many entered
+-- and the earliest deadline (0 for none).
+local function push_moved(tk, t, o)
+  local now, clock = now_precise()
+  local seq = next_seq(tk[5], clock)
+  local data, entries, levels, deadlines, earliest = {}, {}, {}, {}, 0
+  for i = o, #t, 5 do
+    local key, payload, prio, deadline = t[i], t[i + 1], tonumber(t[i + 2]), tonumber(t[i + 4])
+    if deadline == 0 or deadline > now then
+      local s, prefix = digits(seq), group_prefix(key)
+      seq = seq + 1
+      data[#data + 1] = s
+      data[#data + 1] = record(prio, deadline, prefix, payload)
+      entries[#entries + 1] = {key, prefix, s}
+      if prio > 0 then
+        levels[#levels + 1] = -prio
+        levels[#levels + 1] = s
+      end
+      if deadline > 0 then
+        deadlines[#deadlines + 1] = deadline
+        deadlines[#deadlines + 1] = s
+        if earliest == 0 or deadline < earliest then earliest = deadline end
+      end
+    end
+  end
+  if #entries == 0 then return 0, 0 end
+  bulk('HSET', tk[1], data)
+  index_insert(tk[7], tk[3], entries)
+  bulk('ZADD', tk[2], levels)
+  bulk('ZADD', tk[4], deadlines)
+  redis.call('SET', tk[5], digits(seq - 1))
+  if #levels > 0 and redis.call('EXISTS', tk[6]) == 1 then
+    redis.call('PUBLISH', channel_of(tk[6]), '')
+  end
+  return #entries, earliest
+end
+"""
+
+#: KEYS: the source's d s g x q r y Y w k a, then the target's d s g x q w k (one Cluster slot);
+#: ARGV limit (0: all). Moves whole key groups, in pop order, while fewer than ``limit`` packets
+#: have moved (decision 22): due delayed packets are promoted and expired ones swept first;
+#: leased and delayed packets stay. Returns {how many moved, how many entered (fewer when a
+#: TTL passed meanwhile), the earliest TTL deadline among them (0: none), packets left in the
+#: source, packets in the target}.
+MOVE = r"""
+KI, YI = 10, 7
+sweep_due()
+local seqs = move_selection(tonumber(ARGV[1]))
+local packets = take_for_move(seqs, KEYS[11])
+local entered, earliest = push_moved({unpack(KEYS, 12, 18)}, packets, 1)
+local left, held = redis.call('HLEN', KEYS[1]), redis.call('HLEN', KEYS[12])
+return {#seqs, entered, tostring(earliest), left, held}
+"""
+
+#: KEYS: the source's d s g x q r y Y w k a m; ARGV limit, move id, the target's name. The first
+#: half of a move between two Cluster slots: takes what a move of ``limit`` would take (0: a
+#: round of whole groups of about ``MOVE_ROUND`` packets, then, once nothing selectable is left,
+#: every prio-0 packet left) and keeps it in ``:m`` under the move id (with Redis's time and the
+#: target's name) until ``move_in`` has put it into the target and the front end deletes it; a
+#: front end that dies between the two leaves it there for any front end's scan to finish.
+#: Returns the packets in push order, five fields each (none: nothing to move).
+MOVE_OUT = r"""
+KI, YI = 10, 7
+sweep_due()
+local limit = tonumber(ARGV[1])
+local seqs = move_selection(limit > 0 and limit or MOVE_ROUND)
+if #seqs == 0 and limit == 0 then seqs = move_selection(0) end
+local packets = take_for_move(seqs, KEYS[11])
+if #packets > 0 then
+  local kept = {now_ms(), ARGV[3]}
+  for _, v in ipairs(packets) do kept[#kept + 1] = v end
+  redis.call('HSET', KEYS[12], ARGV[2], cmsgpack.pack(kept))
+end
+return packets
+"""
+
+#: KEYS: the target's d s g x q w k M; ARGV move id, then five fields a packet as ``move_out``
+#: gave them. The second half: pushes the group into the target as ``move`` does, once per move
+#: id (``:M`` remembers the ids it applied for a day, so a call sent again, or a scan finishing
+#: a dead front end's move, applies it once). Returns how many entered. No ``allow-oom``.
+MOVE_IN = r"""
+if redis.call('SISMEMBER', KEYS[8], ARGV[1]) == 1 then return 0 end
+local entered = push_moved({unpack(KEYS, 1, 7)}, ARGV, 2)
+redis.call('SADD', KEYS[8], ARGV[1])
+redis.call('PEXPIRE', KEYS[8], 86400000)
+return entered
+"""
+
+#: KEYS a queue's m; ARGV age in ms. The groups of cross-slot moves kept there for longer than
+#: that (their front end died between the halves): {move id, target name, five fields a
+#: packet} each, for a scan to finish their moves.
+MOVES_KEPT = r"""
+local now, out = now_ms(), {}
+local kept = redis.call('HGETALL', KEYS[1])
+for i = 1, #kept, 2 do
+  local t = cmsgpack.unpack(kept[i + 1])
+  if now - t[1] >= tonumber(ARGV[1]) then
+    local packets = {}
+    for j = 3, #t do packets[#packets + 1] = t[j] end
+    out[#out + 1] = {kept[i], t[2], packets}
+  end
+end
+return out
+"""
+
+
 # -- leases (decisions 13-19) ---------------------------------------------------------------
 #
-# Every lease function takes seventeen KEYS: the queue's d s g x q w, its l (hash: handle -> the
+# Every lease function takes twenty KEYS: the queue's d s g x q w, its l (hash: handle -> the
 # lease, cmsgpack {attempt, then six fields a packet: key payload prio seq deadline count}), L
 # (sorted set: handle by deadline in ms, or by the end of a release delay) and a (hash: seq ->
 # how many leases of the packet ended other than by ack; absent for none); then its dead-letter
-# queue's d s g x q w (one slot: keys.py); then the queue's key index k and its dead queue's.
+# queue's d s g x q w (one slot: keys.py); then the queue's key index k and its dead queue's;
+# then the queue's delayed packets y, their due times Y and its waiting mark w again.
 # ARGV starts with the queue's channel, the dead queue's
 # channel, max deliveries (0: never) and '1' if the dead queue may be used ('0': its name would
 # be too long, so a group due there is dropped). A lease lives exactly while ``:l`` holds it.
@@ -484,6 +762,7 @@ local max_deliveries, dead_ok
 local function lease_args()
   max_deliveries, dead_ok = tonumber(ARGV[3]), ARGV[4] == '1'
   KI = 16  -- the queue's key index; its dead queue's is KEYS[17]
+  YI = 18  -- the queue's delayed packets, their due times, its waiting mark
 end
 -- Put a lease's packets into the queue at KEYS offset ``o`` (0: the queue, 9: its dead
 -- queue) as they were; drops those whose TTL passed (TTL wins). ``bump``: each packet's count
@@ -551,13 +830,13 @@ end
 -- Once neither the queue nor a lease holds a packet, forget it entirely (decision 5).
 local function forget_all_if_empty()
   if redis.call('EXISTS', KEYS[1]) == 0 then
-    redis.call('DEL', KEYS[5], KEYS[KI])
+    forget_if_empty()
     if redis.call('EXISTS', KEYS[7]) == 0 then redis.call('DEL', KEYS[9]) end
   end
 end
 """
 
-#: 17 KEYS, ARGV as above, then max_pop, handle, lease_ms. Ends the queue's due leases and
+#: 20 KEYS, ARGV as above, then max_pop, handle, lease_ms. Ends the queue's due leases and
 #: sweeps its due packets, then leases what a pop would take (decision 13) under ``handle``.
 #: Returns {} if nothing is selectable, else {attempt, deadline ms, selectable left, then key,
 #: payload a packet}.
@@ -566,6 +845,7 @@ lease_args()
 local max_pop, handle, lease_ms = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
 local now = now_ms()
 sweep_leases(now)
+promote(now_precise())
 sweep(now)
 local top = redis.call('ZRANGE', KEYS[2], -1, -1)
 if #top == 0 then
@@ -608,7 +888,7 @@ for _, v in ipairs(out) do reply[#reply + 1] = v end
 return reply
 """
 
-#: 17 KEYS, ARGV as above, then op, handle, ms. What an ack ('ack'), release ('release', ms the
+#: 20 KEYS, ARGV as above, then op, handle, ms. What an ack ('ack'), release ('release', ms the
 #: delay), touch ('touch', ms the new lease time) or a delivery nobody could take ('unreserve')
 #: does to a lease. A lease whose deadline has passed is ended here (its packets go back) and
 #: answers as not live. Returns {live (1/0), back, dead, dropped, the lease's new due ms or 0}.
@@ -639,7 +919,7 @@ forget_all_if_empty()
 return {1, r[1], r[2], r[3], new_due}
 """
 
-#: 17 KEYS, ARGV as above. Ends every lease of the queue whose deadline or release delay has
+#: 20 KEYS, ARGV as above. Ends every lease of the queue whose deadline or release delay has
 #: come. Returns {back, dead, dropped, the next due ms or 0, then the handles ended}.
 LEASE_SWEEP = r"""
 lease_args()
@@ -657,13 +937,18 @@ return reply
 #: The layout of the keys and the calling convention of the functions. A front end loads the
 #: library ``pinpriq_<LAYOUT>`` once (``FUNCTION LOAD``); Redis keeps it (in its RDB and AOF
 #: too) and every front end calls the same functions. Bump it with any change to the scripts.
-LAYOUT = 2
+LAYOUT = 3
 LIBRARY_NAME = f"pinpriq_{LAYOUT}"
 
 #: Each function: its body and its flags (``allow-oom``: it only frees memory or puts back what
 #: was held a moment ago, so a full Redis still runs it; none: Redis refuses it over maxmemory).
 _FUNCTIONS = {
     "push": (PUSH, ""),
+    "push_delayed": (PUSH_DELAYED, ""),
+    "move": (MOVE, "'allow-oom'"),
+    "move_out": (MOVE_OUT, "'allow-oom'"),
+    "move_in": (MOVE_IN, ""),
+    "moves_kept": (MOVES_KEPT, "'no-writes'"),
     "pop": (POP, "'allow-oom'"),
     "rank": (RANK, "'allow-oom'"),
     "sweep": (SWEEP, "'allow-oom'"),
@@ -698,6 +983,7 @@ LIBRARY = (
     f"#!lua name={LIBRARY_NAME}\n"
     "local KEYS, ARGV\n"
     + _HELPERS
+    + _MOVE_HELPERS
     + _LEASE_HELPERS
     + "".join(_register(op, body, flags) for op, (body, flags) in _FUNCTIONS.items())
 )

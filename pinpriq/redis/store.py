@@ -26,7 +26,7 @@ import logging
 import math
 import os
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import coredis
@@ -41,7 +41,8 @@ from coredis.exceptions import ConnectionError as RedisConnectionError
 
 from pinpriq.leases import DEAD_SUFFIX
 from pinpriq.redis import lua
-from pinpriq.redis.keys import PREFIX, QueueKeys, name_of, queue_keys
+from pinpriq.redis.direct import DirectConnection
+from pinpriq.redis.keys import PREFIX, QueueKeys, hash_tag, name_of, queue_keys
 from pinpriq.redis.leases import RedisLeases
 from pinpriq.store import QueuedPacket
 from pinpriq.store_contract import PeekedPacket, QueueInfo, Rank
@@ -49,6 +50,7 @@ from pinpriq.wire import (
     MAX_FIELD,
     Ack,
     ClientFrame,
+    DelayedPush,
     KeyedPayload,
     Pop,
     Push,
@@ -68,6 +70,9 @@ log = logging.getLogger("pinpriq.redis")
 DEFAULT_MAX_POP = 0xFFFF
 #: Seconds between refreshes of the queue-size snapshot the admin listener reads.
 SNAPSHOT_INTERVAL = 5.0
+#: How long a group of a cross-slot move may stay on its way before a scan finishes its move
+#: (its front end died between the halves); far beyond the two calls a live one takes.
+MOVE_ABANDONED_MS = 60_000
 #: Most confirmed pop results one pop call tells Redis to forget (the rest wait for the next).
 CONFIRMS_PER_CALL = 100
 #: Backoff while Redis is unreachable or full: from the first to the last, doubling.
@@ -99,6 +104,11 @@ class _Snapshot(NamedTuple):
     sizes: dict[bytes, int]
     next_expiry: dict[bytes, float]  # queue -> seconds from the scan to its next deadline
     taken_at: float  # trio time of the scan
+    delayed: dict[bytes, int]  # queue -> its delayed packets (decision 21), where it has any
+
+
+def _ignore(queue: bytes) -> None:
+    """The default ``on_arrived``."""
 
 
 def _popped(reply: Sequence[Any]) -> list[Popped]:
@@ -114,8 +124,8 @@ _Call = tuple[str, Sequence[bytes], Sequence[bytes | int | str]]  # operation, K
 _FUNCTIONS = {
     operation: lua.function_name(operation)
     for operation in (
-        "push", "pop", "rank", "sweep", "purge", "restore", "peek", "reserve", "lease_op",
-        "lease_sweep",
+        "push", "push_delayed", "pop", "rank", "sweep", "purge", "restore", "peek", "move",
+        "move_out", "move_in", "moves_kept", "reserve", "lease_op", "lease_sweep",
     )
 }  # fmt: skip
 
@@ -129,7 +139,6 @@ class RedisStore:
     #: never blocks on it. These stay 0.
     unselectable_bytes = 0
     taken_bytes = 0
-    delayed_bytes = 0
     leases_unsupported: str | None = None
 
     def __init__(self, client: Any, *, cluster: bool, max_pop: int = DEFAULT_MAX_POP) -> None:
@@ -150,7 +159,19 @@ class RedisStore:
         self._sweep_wake = trio.CancelScope()
         #: Redis's clock less trio's, in seconds: turns deadlines into timer times.
         self.clock_offset = 0.0
-        self._snapshot = _Snapshot({}, {}, 0.0)
+        self._snapshot = _Snapshot({}, {}, 0.0, {})
+        #: Estimated bytes of delayed packets (Redis's ``MEMORY USAGE`` of their hashes), as
+        #: last scanned: a part of ``bytes_held``.
+        self.delayed_bytes = 0
+        #: Queues this front end has subscribers waiting on (``RedisSubscriptions`` sets it):
+        #: it times their delayed packets' promotion whoever pushed them.
+        self.waited: Container[bytes] = ()
+        #: Called with a queue delayed packets just entered through this front end's timer,
+        #: to offer it to the waiters here (``RedisSubscriptions`` sets it).
+        self.on_arrived: Callable[[bytes], None] = _ignore
+        #: The latest due time (ms, Redis's clock) of delayed packets this front end pushed,
+        #: by queue: its timer follows the queue's due times up to there.
+        self._own_due: dict[bytes, float] = {}
         self.bytes_held = 0
         #: Redis's ``maxmemory`` (summed over a Cluster's primaries); infinite for none.
         self.memory_cap = math.inf
@@ -169,6 +190,9 @@ class RedisStore:
         self._lease_sweeps: list[tuple[float, bytes]] = []
         self._lease_sweep_at: dict[bytes, float] = {}
         self._lease_wake = trio.CancelScope()
+        #: Connections to Redis that answer in the calling task, for every script call
+        #: (standalone Redis only; ``connect.open_store`` makes them), or ``None``.
+        self.direct: DirectConnection | None = None
 
     # -- the Store contract, as the broker calls it ------------------------------------------
 
@@ -178,8 +202,8 @@ class RedisStore:
         return self._pushed
 
     def __len__(self) -> int:
-        """Packets held in all queues, as of the last snapshot."""
-        return sum(self._snapshot.sizes.values())
+        """Packets held in all queues, delayed ones included, as of the last snapshot."""
+        return sum(self._snapshot.sizes.values()) + sum(self._snapshot.delayed.values())
 
     def push(self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int) -> float:
         """Already done by ``run``; the deadline is Redis's business, so never the broker's
@@ -190,10 +214,14 @@ class RedisStore:
     def push_delayed(
         self, queue: bytes, key: bytes, payload: bytes, ttl_ms: int, prio: int, delay_ms: int
     ) -> float:
-        """Not yet (decision 21 on Redis): the broker closes the connection instead."""
-        raise NotImplementedError("the Redis store does not hold delayed packets yet")
+        """Already done by ``run``; the due time is on Redis's clock, so never the broker's
+        timer (``sweep_loop`` promotes)."""
+        self._pushed += 1
+        return math.inf
 
     def take_arrived(self) -> list[bytes]:
+        """None here: packets that fall due through this front end are offered to its waiters
+        by ``on_arrived``, and to other front ends' by the queue's channel."""
         return []
 
     def pop(self, queue: bytes) -> list[KeyedPayload]:
@@ -214,12 +242,16 @@ class RedisStore:
 
     @property
     def queue_count(self) -> int:
-        return len(self._snapshot.sizes)
+        return len(self._snapshot.sizes.keys() | self._snapshot.delayed.keys())
 
     def sizes(self) -> Iterator[tuple[bytes, int, int]]:
-        """Queues and their packets, from the snapshot; bytes are not known (0)."""
-        for name, packets in self._snapshot.sizes.items():
+        """Queues and their packets (queues holding only delayed packets too), from the
+        snapshot; bytes are not known (0)."""
+        sizes, delayed = self._snapshot.sizes, self._snapshot.delayed
+        for name, packets in sizes.items():
             yield name, packets, 0
+        for name in delayed.keys() - sizes.keys():
+            yield name, 0, 0
 
     def queue_info(self, queue: bytes) -> QueueInfo:
         """From the snapshot: packets and the next expiry; bytes, priorities and ages are not
@@ -228,7 +260,14 @@ class RedisStore:
         expiry = snapshot.next_expiry.get(queue)
         if expiry is not None:
             expiry = max(0.0, expiry - (trio.current_time() - snapshot.taken_at))
-        return QueueInfo(snapshot.sizes.get(queue, 0), 0, {}, None, expiry)
+        return QueueInfo(
+            snapshot.sizes.get(queue, 0),
+            0,
+            {},
+            None,
+            expiry,
+            delayed=snapshot.delayed.get(queue, 0),
+        )
 
     def peek(self, queue: bytes, count: int) -> Sequence[PeekedPacket]:
         raise NotImplementedError("the Redis store peeks asynchronously: use peek_async")
@@ -310,6 +349,19 @@ class RedisStore:
                 calls.append(
                     ("push", [*k[:6], k.key_index], [k.channel, key, payload, ttl_ms, prio])
                 )
+            elif kind is DelayedPush:
+                queue, key, payload, ttl_ms, prio, delay_ms = cast(DelayedPush, frame)
+                if kind is last_kind and queue == last_queue:
+                    calls[-1][2].extend((key, payload, ttl_ms, prio, delay_ms))  # type: ignore[attr-defined]
+                    continue
+                k = self.keys(queue)
+                calls.append(
+                    (
+                        "push_delayed",
+                        [k.seq, k.delayed, k.due, k.waiting],
+                        [key, payload, ttl_ms, prio, delay_ms],
+                    )
+                )
             elif kind is Pop:
                 queue = cast(Pop, frame).queue
                 if kind is last_kind and queue == last_queue:
@@ -329,6 +381,11 @@ class RedisStore:
                 for one in reply[:-2]:  # then how many selectable packets are left, and all
                     results.append(list(zip(one[::2], one[1::2], strict=True)))
                 self._took(queue, args, reply)
+            elif name == "push_delayed":
+                earliest, delayed = float(reply[0]), int(reply[1])
+                self._own_due[queue] = max(self._own_due.get(queue, 0.0), earliest)
+                self.schedule_sweep(queue, earliest)
+                self._note_delayed(queue, delayed)
             else:
                 earliest, size = reply
                 if earliest:  # the earliest deadline of its pushes: sweep the queue then
@@ -342,6 +399,34 @@ class RedisStore:
         k = self.keys(queue)
         return [*k[:first], k.key_index]
 
+    def _timed(self, queue: bytes) -> list[bytes]:
+        """The KEYS of a function that promotes the queue's due packets: d s g x q, its delayed
+        packets, their due times, its waiting mark, its key index."""
+        k = self.keys(queue)
+        return [*k[:5], k.delayed, k.due, k.waiting, k.key_index]
+
+    def _sweep_call(self, queue: bytes) -> _Call:
+        return ("sweep", self._timed(queue), ())
+
+    def _swept(self, queue: bytes, reply: Sequence[Any], *, chained: bool = True) -> None:
+        """A sweep's reply: its figures; the queue offered to the waiters here when delayed
+        packets entered it; and the next due time timed, when this front end follows the
+        queue's (it pushed delayed packets due by then, or has waiters on it)."""
+        expired, entered, next_due, size = reply
+        self.expired += int(expired)
+        self.note_size(queue, int(size))
+        if int(entered):
+            self.on_arrived(queue)
+        due = float(next_due)
+        own = self._own_due.get(queue, 0.0)
+        if not due or due > own:
+            self._own_due.pop(queue, None)
+        if chained and due and (due <= own or queue in self.waited):
+            # Not before a millisecond from now: should trio's clock run ahead of Redis's, the
+            # sweep that found nothing due yet comes again a little later, not at once.
+            due = max(due, (trio.current_time() + self.clock_offset + 0.001) * 1000)
+            self.schedule_sweep(queue, due)
+
     def _pop_call(self, queue: bytes, *, full: int) -> _Call:
         """A pop of ``queue`` under a new call id, telling Redis which results it may forget."""
         k = self.keys(queue)
@@ -352,7 +437,7 @@ class RedisStore:
             confirmed = confirmed[:CONFIRMS_PER_CALL]
         return (
             "pop",
-            [*k[:5], k.results, k.key_index],
+            [*k[:5], k.results, k.delayed, k.due, k.waiting, k.key_index],
             [self.max_pop, 1, full, call_id, 0, *confirmed],
         )
 
@@ -375,6 +460,13 @@ class RedisStore:
             for queue, call_ids in confirmed.items():  # told next time
                 self._confirmed.setdefault(queue, []).extend(call_ids)
             raise
+
+    def _note_delayed(self, queue: bytes, delayed: int) -> None:
+        """A script said how many delayed packets ``queue`` holds now."""
+        if delayed:
+            self._snapshot.delayed[queue] = delayed
+        else:
+            self._snapshot.delayed.pop(queue, None)
 
     def note_size(self, queue: bytes, packets: int) -> None:
         """A script said how many packets ``queue`` holds now: the admin listener's figures say
@@ -404,25 +496,124 @@ class RedisStore:
         """The rank (``(prio, -seq)``, smaller is better) of what each queue's pop would take;
         ``None`` where nothing is selectable. One pipeline; each rank is exact when read, but
         across Cluster slots they are read at slightly different moments."""
-        replies = await self.call_all([("rank", self._with_index(q, 5), ()) for q in queues])
+        replies = await self.call_all([("rank", self._timed(q), ()) for q in queues])
         return [(int(r[0]), -int(r[1])) if r else None for r in replies]
 
     async def peek_async(self, queue: bytes, count: int) -> list[PeekedPacket]:
-        """What the next pops of ``queue`` would return, at most ``count`` packets."""
+        """What the next pops of ``queue`` would return, at most ``count`` packets (after
+        promoting the delayed packets that are due: the peek itself writes nothing)."""
         peek = ("peek", self._with_index(queue, 4), (count, self.max_pop))
-        (reply,) = await self.call_all([peek])
+        swept, reply = await self.call_all([self._sweep_call(queue), peek])
+        self._swept(queue, swept, chained=False)
         return [(reply[i], reply[i + 1], int(reply[i + 2])) for i in range(0, len(reply), 3)]
 
     async def purge_async(self, queue: bytes) -> int:
-        """Remove every packet of ``queue``; returns how many."""
-        (reply,) = await self.call_all([("purge", self._with_index(queue, 5), ())])
+        """Remove every packet of ``queue``, delayed ones included; returns how many."""
+        k = self.keys(queue)
+        purge = ("purge", [*k[:5], k.delayed, k.due, k.key_index], ())
+        (reply,) = await self.call_all([purge])
         self.note_size(queue, 0)
-        self.purged += int(reply)
-        return int(reply)
+        self._note_delayed(queue, 0)
+        removed = int(reply[0]) + int(reply[1])
+        self.purged += removed
+        return removed
+
+    # -- move (decision 22) -----------------------------------------------------------------
 
     async def move_async(self, source: bytes, target: bytes, limit: int) -> int:
-        """Not yet (decision 22 on Redis)."""
-        raise NotImplementedError("the Redis store does not move packets yet")
+        """Move queued packets of ``source`` to ``target`` (decision 22): whole key groups in
+        pop order while fewer than ``limit`` have moved (0: all), entering ``target`` as pushes
+        made now in their old relative order, prio and TTL deadline kept, attempt counts
+        reset; leased and delayed packets stay. Returns how many moved.
+
+        One function call, atomic, when both queues live in one slot (always on one Redis; on
+        a Cluster when their hash tags match, as a queue's and its ``.dead`` queue's do).
+        Otherwise in rounds (``_move_across``), each atomic. ``source == target`` raises
+        ``ValueError``."""
+        if source == target:
+            raise ValueError("a move needs two different queues")
+        if self.cluster and hash_tag(source) != hash_tag(target):
+            return await self._move_across(source, target, limit)
+        t = self.keys(target)
+        keys = [*self._move_keys(source)[:11], *t[:6], t.key_index]
+        (reply,) = await self.call_all([("move", keys, [limit])])
+        moved, entered, earliest = int(reply[0]), int(reply[1]), float(reply[2])
+        self._moved_in(target, entered, earliest, int(reply[4]))
+        self.note_size(source, int(reply[3]))
+        return moved
+
+    async def _move_across(self, source: bytes, target: bytes, limit: int) -> int:
+        """A move between two Cluster slots, in rounds: what a move of ``limit`` takes (of all:
+        about ``MOVE_ROUND`` packets of whole groups a round) is taken out of ``source`` into
+        its ``:m`` hash under a move id (``move_out``), put into ``target`` once per id
+        (``move_in``), then deleted from ``:m``. So a group is wholly in one queue or on its
+        way, never split or doubled, and the packets of a round enter in their old relative
+        order; if this front end dies between the halves, any front end's scan finishes the
+        round (``finish_moves``). When it is cut short (the task is cancelled: the server
+        stops), the log says how many had moved."""
+        out_keys = self._move_keys(source)
+        moving = out_keys[-1]
+        moved = 0
+        try:
+            while not limit or moved < limit:
+                move_id = b"%s:m%d" % (self._front, next(self._pop_ids))
+                left = limit - moved if limit else 0
+                (packets,) = await self.call_all([("move_out", out_keys, [left, move_id, target])])
+                if not packets:
+                    break
+                await self._move_in(target, move_id, packets)
+                moved += len(packets) // 5
+                await self._moved_out(moving, move_id)
+        except trio.Cancelled:
+            log.warning(
+                "the move of %r to %r was cut short after %d packets", source, target, moved
+            )
+            raise
+        return moved
+
+    async def _moved_out(self, moving: bytes, move_id: bytes) -> None:
+        """The group is in its target: forget it in the source's ``:m`` (should Redis not answer
+        now, the scan does, ``finish_moves``: its ``move_in`` is then skipped)."""
+        try:
+            await self.client.hdel(moving, [move_id])
+        except _TRANSIENT as error:
+            self._trouble(f"Redis is unreachable ({error}); retrying")
+
+    def _move_keys(self, source: bytes) -> list[bytes]:
+        """A move's KEYS of its source: d s g x q r y Y w k a m."""
+        s = self.keys(source)
+        return [
+            *s[:5], s.results, s.delayed, s.due, s.waiting, s.key_index, s.attempts, s.moving
+        ]  # fmt: skip
+
+    async def _move_in(self, target: bytes, move_id: bytes, packets: Sequence[Any]) -> None:
+        t = self.keys(target)
+        call: _Call = ("move_in", [*t[:6], t.key_index, t.moved], [move_id, *packets])
+        (entered,) = await self.call_all([call])
+        deadlines = [float(d) for d in packets[4::5] if float(d)]
+        self._moved_in(target, int(entered), min(deadlines, default=0.0), -1)
+
+    def _moved_in(self, target: bytes, entered: int, earliest: float, size: int) -> None:
+        """Packets entered ``target`` through a move: offered to the waiters here (other
+        front ends' hear the queue's channel), their earliest TTL deadline timed."""
+        if size >= 0:
+            self.note_size(target, size)
+        if entered:
+            self.on_arrived(target)
+        if earliest:
+            self.schedule_sweep(target, earliest)
+
+    async def finish_moves(self) -> None:
+        """Finish the cross-slot moves whose front end died between their halves: every
+        group kept in a ``:m`` hash for longer than ``MOVE_ABANDONED_MS`` is put into its
+        target (once: ``move_in`` skips an id it applied) and deleted."""
+        async for key in self.client.scan_iter(match=PREFIX + b"{q*:m", count=1000):
+            if name_of(key, b":m") is None:
+                continue
+            (abandoned,) = await self.call_all([("moves_kept", [key], [MOVE_ABANDONED_MS])])
+            for move_id, target, packets in abandoned:
+                await self._move_in(target, move_id, packets)
+                await self._moved_out(key, move_id)
 
     # -- leases (decisions 13-19) ---------------------------------------------------------
 
@@ -448,9 +639,13 @@ class RedisStore:
         dead = queue + DEAD_SUFFIX
         d = self.keys(dead)
         assert self.leases is not None
+        keys = [
+            *k[:6], k.leases, k.lease_due, k.attempts, *d[:6], k.key_index, d.key_index,
+            k.delayed, k.due, k.waiting,
+        ]  # fmt: skip
         return (
             name,
-            [*k[:6], k.leases, k.lease_due, k.attempts, *d[:6], k.key_index, d.key_index],
+            keys,
             [
                 k.channel,
                 d.channel,
@@ -554,7 +749,8 @@ class RedisStore:
 
     async def unreserve(self, queue: bytes, handle: bytes) -> None:
         """Put back a lease made for a delivery nobody could take, its attempt not counted."""
-        await self.call_all([self._lease_call("lease_op", queue, "unreserve", handle, 0)])
+        unreserve = self._lease_call("lease_op", queue, "unreserve", handle, 0)
+        await self.call_all([unreserve])
 
     def wake_leases(self) -> None:
         """``closing`` has leases to release: ``lease_loop`` runs now."""
@@ -660,6 +856,12 @@ class RedisStore:
         return results
 
     async def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
+        """One round trip: through the direct connections where there are (``direct.py``
+        says why), else coredis's pipeline."""
+        if self.direct is not None:
+            return await self.direct.pipeline(
+                [(b"FCALL", _FUNCTIONS[n], len(keys), *keys, *args) for n, keys, args in calls]
+            )
         async with self.client.pipeline(transaction=False, raise_on_error=False) as pipe:
             requests = [
                 pipe.fcall(_FUNCTIONS[name], keys=keys, args=args) for name, keys, args in calls
@@ -686,7 +888,9 @@ class RedisStore:
     # -- expiry: a timer per queue this front end pushed TTLs to -----------------------------
 
     def schedule_sweep(self, queue: bytes, deadline_ms: float) -> None:
-        """Sweep ``queue`` when a deadline (ms on Redis's clock) comes."""
+        """Sweep ``queue`` (expire its packets, promote its delayed ones) when a deadline or a
+        due time (ms on Redis's clock) comes: one timer for the earliest of all, not one a
+        packet."""
         due = deadline_ms / 1000 - self.clock_offset
         known = self._sweep_at.get(queue)
         if known is not None and known <= due:
@@ -697,8 +901,9 @@ class RedisStore:
             self._sweep_wake.deadline = due
 
     async def sweep_loop(self) -> None:
-        """Sweep each queue at the deadlines ``schedule_sweep`` was told of. A sweep finds every
-        packet due by then, whoever pushed it."""
+        """Sweep each queue at the deadlines and due times ``schedule_sweep`` was told of. A
+        sweep finds every packet due by then, whoever pushed it, and promotes every delayed
+        packet due by then (idempotent: another front end's sweep may have come first)."""
         while True:
             wake = self._sweeps[0][0] if self._sweeps else math.inf
             with trio.CancelScope(deadline=wake) as self._sweep_wake:
@@ -711,9 +916,9 @@ class RedisStore:
                     del self._sweep_at[queue]
                     due.append(queue)
             if due:
-                sweeps: list[_Call] = [("sweep", self._with_index(q, 5), ()) for q in due]
-                replies = await self.call_all(sweeps)
-                self.expired += sum(int(r) for r in replies)
+                replies = await self.call_all([self._sweep_call(q) for q in due])
+                for queue, reply in zip(due, replies, strict=True):
+                    self._swept(queue, reply)
 
     async def sync_clock(self) -> None:
         """Measure Redis's clock against trio's (for the sweep timers only)."""
@@ -732,34 +937,57 @@ class RedisStore:
             try:
                 await self.confirm_results()
                 await self.refresh_snapshot()
+                if self.cluster:  # only a Cluster moves across slots
+                    await self.finish_moves()
             except _TRANSIENT as error:
                 self._trouble(f"Redis is unreachable ({error}); retrying")
             await trio.sleep(SNAPSHOT_INTERVAL)
 
     async def refresh_snapshot(self) -> None:
-        """Scan every node for queues; one pipeline of HLEN and the next deadline each."""
+        """Scan every node for queues (those holding only delayed packets too); one pipeline
+        of HLEN and the next deadline each, and of the delayed packets' count, next due time
+        and memory where a queue has them."""
         names: list[bytes] = []
-        async for key in self.client.scan_iter(match=PREFIX + b"{q*:d", count=1000):
-            name = name_of(key)
-            if name is not None:
+        delaying: list[bytes] = []
+        async for key in self.client.scan_iter(match=PREFIX + b"{q*:[dy]", count=1000):
+            if (name := name_of(key)) is not None:
                 names.append(name)
+            elif (name := name_of(key, b":y")) is not None:
+                delaying.append(name)
         sizes: dict[bytes, int] = {}
         expiry: dict[bytes, float] = {}
-        if names:
-            async with self.client.pipeline(transaction=False, raise_on_error=False) as pipe:
-                lengths = [pipe.hlen(self.keys(n).data) for n in names]
-                firsts = [pipe.zrange(self.keys(n).expiry, 0, 0, withscores=True) for n in names]
-            redis_now = trio.current_time() + self.clock_offset
-            for name, length, first in zip(names, lengths, firsts, strict=True):
-                count, head = await length, await first
-                if count:
-                    sizes[name] = int(count)
-                if head:
-                    deadline = float(head[0][1]) / 1000
-                    expiry[name] = deadline - redis_now
-                    if deadline <= redis_now:
-                        self.schedule_sweep(name, deadline * 1000)
-        self._snapshot = _Snapshot(sizes, expiry, trio.current_time())
+        delayed: dict[bytes, int] = {}
+        async with self.client.pipeline(transaction=False, raise_on_error=False) as pipe:
+            lengths = [pipe.hlen(self.keys(n).data) for n in names]
+            firsts = [pipe.zrange(self.keys(n).expiry, 0, 0, withscores=True) for n in names]
+            counts = [pipe.hlen(self.keys(n).delayed) for n in delaying]
+            dues = [pipe.zrange(self.keys(n).due, 0, 0, withscores=True) for n in delaying]
+            usages = [pipe.memory_usage(self.keys(n).delayed) for n in delaying]
+        redis_now = trio.current_time() + self.clock_offset
+        for name, length, first in zip(names, lengths, firsts, strict=True):
+            count, head = await length, await first
+            if count:
+                sizes[name] = int(count)
+            if head:
+                deadline = float(head[0][1]) / 1000
+                expiry[name] = deadline - redis_now
+                if deadline <= redis_now:
+                    self.schedule_sweep(name, deadline * 1000)
+        delayed_bytes = 0
+        for name, count, first, usage in zip(delaying, counts, dues, usages, strict=True):
+            number, head, used = await count, await first, await usage
+            if number:
+                delayed[name] = int(number)
+                delayed_bytes += int(used or 0)
+            if head:
+                # Promoted at its due time by a front end that follows the queue (its pusher,
+                # one with waiters on it); by this scan's timer once past due, whoever pushed
+                # it (its pusher died).
+                due = float(head[0][1])
+                if due <= redis_now * 1000 or name in self.waited:
+                    self.schedule_sweep(name, due)
+        self._snapshot = _Snapshot(sizes, expiry, trio.current_time(), delayed)
+        self.delayed_bytes = delayed_bytes
         await self._read_memory()
         if self.leases is not None:
             await self._find_lease_deadlines()
