@@ -11,7 +11,7 @@ from typing import NamedTuple
 import pytest
 
 from pinpriq.broker import OUTPUT_HIGH_WATER, Blocked, Broker, Session
-from pinpriq.store import PACKET_OVERHEAD, QueueStore
+from pinpriq.store import PACKET_OVERHEAD, QueuedPacket, QueueStore
 from pinpriq.wire import (
     FRAMES,
     READY,
@@ -696,3 +696,26 @@ def test_a_move_offers_the_target_to_its_waiting_subscribers(clock: FakeClock) -
     assert broker.move(b"jobs.dead", b"jobs") == 0
     with pytest.raises(ValueError, match="itself"):
         broker.move(b"jobs", b"jobs")
+
+
+def test_packets_that_fall_due_while_expire_offers_are_offered_too(clock: FakeClock) -> None:
+    # The clock moves on while the timer's sweep delivers: a packet that falls due then is let
+    # in by the delivery's pop, after the sweep, and no later timer stands for it.
+    class SlowPops(QueueStore):
+        slow = False
+
+        def pop(self, queue: bytes) -> list[QueuedPacket]:
+            clock.now += 0.5 if self.slow else 0
+            return super().pop(queue)
+
+    store = SlowPops(clock)
+    broker = Broker(store)
+    first, second, pusher = broker.open_session(), broker.open_session(), broker.open_session()
+    first.receive([Subscribe(b"a"), READY])
+    second.receive([Subscribe(b"b"), READY])
+    pusher.receive([delayed(b"x", 1000, queue=b"a"), delayed(b"y", 1250, queue=b"b")])
+    clock.now, store.slow = 1001.0, True
+    broker.expire()
+    assert take(first) == reply((b"x", b"x"))
+    assert take(second) == reply((b"y", b"y"))  # fell due during the delivery of "x"
+    assert broker.timer == math.inf
