@@ -392,7 +392,9 @@ async def test_a_queue_page_shows_its_figures_rates_and_next_packets(
         assert await browser.text("#q-subscribers") == "1"
         assert await browser.text("#q-rates") == "0.6 / 0.2"
         assert await browser.text("#q-rates-window") == "over the last 10 s"
-        assert await browser.evaluate("document.getElementById('q-delayed-card').hidden")
+        # The server counts delayed packets per queue (protocol 1.2): the card shows them.
+        assert not await browser.evaluate("document.getElementById('q-delayed-card').hidden")
+        assert await browser.text("#q-delayed") == "0"
         assert (await browser.text("#q-oldest")).endswith(" s")
         assert await browser.evaluate(PRIO_ROWS) == {"0": "1", "1": "1", "2": "1", "3": "1"}
         assert await browser.evaluate(PACKET_ROWS) == [
