@@ -13,7 +13,16 @@ from pinpriq.conformance import run_suite
 from pinpriq.redis.keys import queue_keys
 from pinpriq.redis.store import RedisStore
 from tests.redis_servers import RedisServer, need_redis, start_cluster
-from tests.test_redis_store import FIXTURES, HOST, STEP_TIMEOUT, SYNC, connect, front_end, pop, push
+from tests.test_redis_store import (
+    HOST,
+    RUN_ON_REDIS,
+    STEP_TIMEOUT,
+    SYNC,
+    connect,
+    front_end,
+    pop,
+    push,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +40,7 @@ def cluster_url(nodes: list[RedisServer]) -> str:
 
 async def test_every_fixture_passes_on_a_cluster(cluster: list[RedisServer]) -> None:
     async with front_end(cluster_url(cluster)) as (_, port):
-        results = await run_suite(FIXTURES, HOST, port, step_timeout=STEP_TIMEOUT)
+        results = await run_suite(RUN_ON_REDIS, HOST, port, step_timeout=STEP_TIMEOUT)
     assert [r.line() for r in results if not r.passed] == []
 
 

