@@ -297,8 +297,11 @@ class Broker:
         store = self.store
         expired = store.expire()
         self.leases.expire()
-        self.offer(store.take_arrived())
         self.settle()  # may deliver, and so lease, again: the timer comes after
+        # Offering reads the store, which lets in what fell due meanwhile: those are offered
+        # too, since the timer computed below no longer covers them.
+        while arrived := store.take_arrived():
+            self.offer(arrived)
         deadline = self.store.next_deadline()
         leases_due = self.leases.next_deadline()
         self.timer = min(

@@ -726,3 +726,19 @@ async def test_move_with_n_takes_whole_groups_and_to_is_percent_encoded_bytes(
     assert (await admin.json("/queues/q/move?to=&n=2", "POST", **ACTION))["moved"] == 2
     assert admin.live.store.depth(b"") == 2  # to= alone: the empty name
     assert (await admin.json("/queues/q/move?to=r", "POST", **ACTION))["moved"] == 0
+
+
+async def test_a_move_the_store_cannot_make_is_a_501(
+    start_server: StartServer, nursery: trio.Nursery
+) -> None:
+    # The log and the Redis store refuse moves until they record them: said, not a 500.
+    class Unmovable(QueueStore):
+        def move(self, source: bytes, target: bytes, limit: int = 0) -> int:
+            raise NotImplementedError("not on this store")
+
+    admin = await start_admin(start_server, nursery, PinpriqServer(Unmovable(trio.current_time)))
+    status, _, body = await admin.request("POST", "/queues/q/move?to=r", ACTION)
+    assert (status, json.loads(body)) == (
+        501,
+        {"error": "this server cannot move packets: not on this store"},
+    )

@@ -193,6 +193,14 @@ def test_move_sends_dead_letters_back(server: Server) -> None:
     ok("purge", "work", "--admin", server.admin)
 
 
+def test_move_takes_both_names_back_with_escaped(server: Server) -> None:
+    with BlockingPinpriqClient.connect("127.0.0.1", server.port) as client:
+        client.push(b"mv\x00from", b"k", b"v", confirm=True)  # a NUL: no argv holds it
+    moved = ok("move", "--escaped", "mv\\x00from", "mv\\x00to", "--admin", server.admin)
+    assert moved == "moved 1 packets from mv\\x00from to mv\\x00to\n"
+    assert ok("purge", "--escaped", "mv\\x00to", "--admin", server.admin).startswith("purged 1 ")
+
+
 def test_a_move_to_itself_is_one_line_and_exit_1(server: Server) -> None:
     done = pinpriq("move", "same", "same", "--admin", server.admin)
     assert done.returncode == 1

@@ -13,7 +13,7 @@ import pytest
 
 from pinpriq import packed
 from pinpriq.broker import OUTPUT_HIGH_WATER, Blocked, Broker, Session
-from pinpriq.store import PACKET_OVERHEAD, QueueStore
+from pinpriq.store import PACKET_OVERHEAD, QueuedPacket, QueueStore
 from pinpriq.wire import (
     FRAMES,
     READY,
@@ -729,3 +729,26 @@ def test_the_packed_stores_pop_replies_are_the_reference_stores_bytes(
         store.check_invariants()
     assert outputs[0] == outputs[1]
     assert outputs[0].endswith(reply() * 2)  # queue a ran dry; b"missing" never was
+
+
+def test_packets_that_fall_due_while_expire_offers_are_offered_too(clock: FakeClock) -> None:
+    # The clock moves on while the timer's sweep delivers: a packet that falls due then is let
+    # in by the delivery's pop, after the sweep, and no later timer stands for it.
+    class SlowPops(QueueStore):
+        slow = False
+
+        def pop(self, queue: bytes) -> list[QueuedPacket]:
+            clock.now += 0.5 if self.slow else 0
+            return super().pop(queue)
+
+    store = SlowPops(clock)
+    broker = Broker(store)
+    first, second, pusher = broker.open_session(), broker.open_session(), broker.open_session()
+    first.receive([Subscribe(b"a"), READY])
+    second.receive([Subscribe(b"b"), READY])
+    pusher.receive([delayed(b"x", 1000, queue=b"a"), delayed(b"y", 1250, queue=b"b")])
+    clock.now, store.slow = 1001.0, True
+    broker.expire()
+    assert take(first) == reply((b"x", b"x"))
+    assert take(second) == reply((b"y", b"y"))  # fell due during the delivery of "x"
+    assert broker.timer == math.inf
