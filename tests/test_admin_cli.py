@@ -21,6 +21,7 @@ import pytest
 import trustme
 
 from pinpriq import BlockingPinpriqClient
+from pinpriq.packed import DEFAULT_STORE_OVERHEAD as PACKET_OVERHEAD  # the live server's store
 from tests.test_client_cli import BIN, PINPRIQ, TIMEOUT, read_line
 
 TOKEN = "t0ken"
@@ -111,7 +112,7 @@ def test_queues_and_stats_are_aligned_tables(server: Server) -> None:
         "PRIORITY",
     ]
     row = next(line for line in table if line.startswith("tables "))
-    bytes_held = f"{3 * (2 + 7 + 256) + (1 + 1 + 256):,}"
+    bytes_held = f"{3 * (2 + 7 + PACKET_OVERHEAD) + (1 + 1 + PACKET_OVERHEAD):,}"
     assert row.split()[:6] == ["tables", "4", "0", "0", bytes_held, "0"]
     assert row.endswith("0: 1, 1: 1, 2: 1, 3: 1")
     # Aligned: every row's PACKETS column ends where the header's does.
@@ -173,7 +174,7 @@ def test_queues_and_stats_count_delayed_packets(server: Server) -> None:
         re.MULTILINE,
     )
     assert memory is not None
-    assert int(memory[1]) == 2 * (5 + 256)
+    assert int(memory[1]) == 2 * (5 + PACKET_OVERHEAD)
     ok("purge", "delaying", "--admin", server.admin)
     ok("purge", "only-delayed", "--admin", server.admin)
 
