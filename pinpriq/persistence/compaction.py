@@ -179,13 +179,7 @@ class Compactor:
         for packet in entries.pushes:
             seq = packet[4]
             self._copy(segment, packet, deadlines.get(seq, 0), block.base_ms, dues.get(seq, 0))
-        for packet, deadline_ms, pushed_ms, due_ms in zip(
-            entries.copies,
-            entries.copy_deadlines,
-            entries.copy_times,
-            entries.copy_dues,
-            strict=True,
-        ):
+        for packet, deadline_ms, pushed_ms, due_ms in entries.copies_with_times():
             self._copy(segment, packet, deadline_ms, pushed_ms, due_ms)
 
     def _copy(

@@ -56,6 +56,7 @@ from __future__ import annotations
 import enum
 import struct
 import zlib
+from collections.abc import Iterator
 from typing import Final, NamedTuple
 
 __all__ = [
@@ -162,6 +163,10 @@ class Entries:
         self.copy_dues: list[int] = []
         #: Seqs of the remove entries.
         self.removed: list[int] = []
+
+    def copies_with_times(self) -> Iterator[tuple[Packet, int, int, int]]:
+        """Each copy entry with its deadline, push time and due time, in log order."""
+        return zip(self.copies, self.copy_deadlines, self.copy_times, self.copy_dues, strict=True)
 
 
 # The kinds as plain ints, for the loops that compare every entry's first byte: each ``Final``

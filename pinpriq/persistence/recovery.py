@@ -231,13 +231,7 @@ class _Replay:
         result = self.result
         packets, copied, deadlines = result.packets, result.copied, result.deadlines
         dues = result.dues
-        for packet, deadline_ms, pushed_ms, due_ms in zip(
-            entries.copies,
-            entries.copy_deadlines,
-            entries.copy_times,
-            entries.copy_dues,
-            strict=True,
-        ):
+        for packet, deadline_ms, pushed_ms, due_ms in entries.copies_with_times():
             seq = packet[4]
             if seq not in packets:
                 self.unsorted = True  # its first entry went with a deleted segment
