@@ -36,7 +36,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from pinpriq.store import LEASES, QueuedPacket
@@ -221,6 +221,10 @@ class Leases:
                 self._end(lease)
 
     # -- counting ---------------------------------------------------------------------------
+
+    def leased_queues(self) -> Iterable[bytes]:
+        """The queues with packets on a lease now. O(1); iterate before the next change."""
+        return self._by_queue.keys()
 
     def leased(self, queue: bytes) -> int:
         """Packets of ``queue`` on a lease or waiting out a release delay now. O(1)."""

@@ -68,6 +68,21 @@ def test_listed_queues_are_the_deepest_then_the_subscribed_empty_ones() -> None:
     assert listed_queues(broker, 0) == []
 
 
+def test_a_queue_whose_packets_are_all_leased_is_listed() -> None:
+    # Every packet being worked on is not an empty queue an operator may overlook.
+    clock = FakeClock()
+    broker = Broker(QueueStore(clock))
+    worker = broker.open_session()
+    worker.receive([Push(b"jobs", b"k", b""), Push(b"other", b"k", b"")])
+    worker.receive([Reserve(b"jobs", 30_000)])
+    assert [q for q, _, _ in listed_queues(broker, 10)] == [b"other", b"jobs"]
+    stats = server_stats(broker, Sampler(broker, clock), connections=1, ready=True)
+    assert [(q["name"], q["packets"], q["leased"]) for q in stats["queues"]] == [
+        ("other", 1, 0),
+        ("jobs", 0, 1),
+    ]
+
+
 def test_queue_rates_count_pushes_per_queue_and_take_pops_from_depths() -> None:
     clock = FakeClock()
     broker = Broker(QueueStore(clock))

@@ -217,14 +217,15 @@ def memory_cap(broker: Broker) -> float:
 
 
 def listed_queues(broker: Broker, limit: int) -> list[tuple[bytes, int, int]]:
-    """The queues to list, as ``(name, packets, bytes)``: the ``limit`` deepest, then queues
-    with subscribers and no packets (consumers waiting), while room is left. O(queues log
-    limit)."""
+    """The queues to list, as ``(name, packets, bytes)``: the ``limit`` deepest, then, by
+    name, queues that hold no packets but have subscribers (consumers waiting) or packets on a
+    lease (all of them being worked on), while room is left. O(queues log limit)."""
     sizes: Iterable[tuple[bytes, int, int]] = broker.store.sizes()
     listed = heapq.nlargest(limit, sizes, key=itemgetter(1))
     if len(listed) < limit:
         held = {name for name, _, _ in listed}
-        idle = sorted(q for q in broker.subscriptions.subscribers if q not in held)
+        busy = set(broker.subscriptions.subscribers).union(broker.leases.leased_queues())
+        idle = sorted(busy - held)
         listed += [(name, 0, 0) for name in idle[: limit - len(listed)]]
     return listed
 
