@@ -250,7 +250,9 @@ def test_refused_connection_is_one_line_and_exit_1() -> None:
         (["work", "q"], "work needs a command to run: pinpriq work QUEUE -- COMMAND"),
         (["work", "q", "--"], "work needs a command to run"),
         (["work", "q", "--", "no-such-command-x"], "cannot run 'no-such-command-x': not found"),
-        (["work", "q", "--lease", "0", "--", "true"], "argument --lease: 0 is not in 1..86400000"),
+        (["work", "q", "--lease", "0", "--", "true"], "argument --lease: 0 is less than 1 ms"),
+        (["work", "q", "--lease", "25h", "--", "true"], "25h is more than 24 hours (86400000 ms)"),
+        (["work", "q", "--retry-delay", "soon", "--", "true"], "invalid duration 'soon'"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(args: list[str], message: str) -> None:
@@ -542,7 +544,10 @@ sys.exit(1 if data == b"fails once" and os.environ["PINPRIQ_ATTEMPT"] == "1" els
 def test_work_runs_the_command_per_job_acks_on_0_and_releases_otherwise(port: int) -> None:
     ok(port, "push", "work", "a", "fails once", "--prio", "1")
     ok(port, "push", "work", "b", "fine", "--prio", "2")
-    done = pinpriq(port, "work", "work", "--count", "3", "--", sys.executable, "-c", JOB_SCRIPT)
+    done = pinpriq(
+        port, "work", "work", "--count", "3", "--lease", "30s", "--retry-delay", "0s",
+        "--", sys.executable, "-c", JOB_SCRIPT,
+    )  # fmt: skip
     assert done.returncode == 0, done
     # The failed job came back, with its place in push order and its priority, before "b".
     assert done.stdout.splitlines() == ["a 1 1 fails once", "a 2 1 fails once", "b 1 1 fine"]

@@ -94,9 +94,9 @@ _DURATION_UNITS = {"": 1, "ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 
 _DURATION = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ms|s|m|h|d)?")
 
 
-def duration_ms(most: int, most_means: str) -> Callable[[str], int]:
+def duration_ms(most: int, most_means: str, *, least: int = 0) -> Callable[[str], int]:
     """An argparse type: a duration such as ``500ms``, ``10s``, ``5m``, ``2h``, ``1.5d``, or a
-    bare number of milliseconds (``60000``), as whole milliseconds in ``0..most``;
+    bare number of milliseconds (``60000``), as whole milliseconds in ``least..most``;
     ``most_means`` says ``most`` in words for the error."""
 
     def parse(text: str) -> int:
@@ -113,6 +113,8 @@ def duration_ms(most: int, most_means: str) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text} is not a whole number of milliseconds")
         if value > most:
             raise argparse.ArgumentTypeError(f"{text} is more than {most_means} ({most} ms)")
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text} is less than {least} ms")
         return int(value)
 
     return parse

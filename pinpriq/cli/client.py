@@ -244,18 +244,19 @@ def client_parser() -> argparse.ArgumentParser:
     )
     work.add_argument(
         "--lease",
-        type=int_in(1, MAX_LEASE_MS),
+        type=duration_ms(MAX_LEASE_MS, "24 hours", least=1),
         default=DEFAULT_WORK_LEASE_MS,
-        metavar="MS",
-        help="lease time in milliseconds, renewed at half of it while COMMAND runs "
-        "(default: %(default)s)",
+        metavar="TIME",
+        help="lease time, renewed at half of it while COMMAND runs (units as --ttl: 30s, 5m, "
+        "or milliseconds; at most 24h; default: %(default)s ms)",
     )
     work.add_argument(
         "--retry-delay",
-        type=int_in(0, MAX_LEASE_MS),
+        type=duration_ms(MAX_LEASE_MS, "24 hours"),
         default=0,
-        metavar="MS",
-        help="milliseconds before a failed job comes back (default: %(default)s)",
+        metavar="TIME",
+        help="how long a failed job waits before it comes back (units as --ttl; at most 24h; "
+        "default: 0)",
     )
     add_admin_commands(parser, commands, common)
     return parser
