@@ -578,6 +578,40 @@ async def test_a_change_needs_a_header_that_a_cross_site_form_cannot_send(
     assert admin.live.store.depth(b"q") == 0
 
 
+async def test_without_a_token_only_requests_to_a_loopback_host_are_answered(
+    start_server: StartServer, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    # DNS rebinding: a page at attacker.example, its name re-pointed at 127.0.0.1, is the API's
+    # own origin to the browser (custom headers need no preflight), but it names its host.
+    admin = await start_admin(start_server, nursery, PinpriqServer())
+    peer = await admin.live.connect()
+    await applied(peer, push(b"q", b"k", b"v", prio=1))
+    for host in ("attacker.example", f"attacker.example:{admin.port}", "127.0.0.1.example"):
+        for method, path in [
+            ("GET", "/stats"),
+            ("GET", "/queues/q/peek"),
+            ("POST", "/queues/q/purge"),
+        ]:
+            status, _, body = await admin.request(method, path, {"Host": host, **ACTION})
+            assert status == 403, (host, method, path)
+            assert "loopback" in json.loads(body)["error"]
+        assert (await admin.request("GET", "/healthz", {"Host": host}))[0] == 200
+    assert "refusing POST /queues/q/purge from 127.0.0.1:" in caplog.text
+    assert admin.live.store.depth(b"q") == 1  # nothing purged
+    for host in (
+        "localhost",
+        f"LocalHost:{admin.port}",
+        "app.localhost",
+        f"127.0.0.2:{admin.port}",
+        "[::1]:80",
+    ):
+        assert (await admin.request("GET", "/stats", {"Host": host}))[0] == 200, host
+    # With a token, the token is what proves the caller: any host name.
+    guarded = await start_admin(start_server, nursery, PinpriqServer(token=TOKEN))
+    bearer = {"Authorization": "Bearer " + TOKEN.decode(), "Host": "queues.example.com"}
+    assert (await guarded.request("GET", "/stats", bearer))[0] == 200
+
+
 async def test_cross_origin_requests_get_no_cors_permission(admin: Admin) -> None:
     # Headers a cross-site form cannot send make a browser ask first (a preflight): refused.
     preflight = {

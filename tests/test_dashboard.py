@@ -324,7 +324,8 @@ async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     assert page.by_id["queue-count"] == "3"  # later holds only a delayed packet
     assert page.by_id["rates"] == "6.5 / 0.0"  # 13 pushes in the 2 s the test made
     assert page.by_id["memory"].endswith("of 1.0 GiB")
-    assert list(page.rows) == ["orders", escape(odd), "later", "empty"]  # deepest first
+    # Deepest first, then by name those with none queued but subscribers or leased packets.
+    assert list(page.rows) == ["orders", escape(odd), "later", "empty", "jobs"]
     orders = page.rows["orders"]
     assert (orders["name"], orders["packets"], orders["subscribers"]) == ("orders", "7", "1")
     assert orders["delayed"] == "1"  # held apart, not among its packets
@@ -336,6 +337,7 @@ async def test_the_dashboard_shows_queues_priorities_connections_and_a_chart(
     assert "b" not in page.tags_in_table  # never as markup
     assert page.prios[escape(odd)] == {"9": "1"}
     assert page.rows["empty"]["packets"] == "0"
+    assert (page.rows["jobs"]["packets"], page.rows["jobs"]["leased"]) == ("0", "1")
     assert page.chart["data-samples"] == "1"  # one second between the two ticks
     # One point each, at 158 - value / top * 150: 10 packets of a top of 10; 6.5 pushes per
     # second of a top of 6.5; 0.5 delivered per second.

@@ -22,7 +22,9 @@ page holds no data and asks for the token itself, so a browser can open it. A re
 changes something (POST, DELETE) must carry ``X-Pinpriq-Action`` (any value) or
 ``Content-Type: application/json``: a cross-site form can send neither, and a page's script
 must ask first (a CORS preflight), which this API refuses, so another web page a browser on the
-server's host opens cannot purge. Refusals (401, 403) are logged with the client's address.
+server's host opens cannot purge. Without a token, a request must name a loopback host
+(``Host: localhost``, ``127.0.0.1``, ``[::1]``): a page whose DNS name was re-pointed at
+127.0.0.1 names its own. Refusals (401, 403) are logged with the client's address.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from pinpriq.admin.stats import (
     queue_stats,
     server_stats,
 )
-from pinpriq.auth import tokens_match
+from pinpriq.auth import is_loopback, tokens_match
 from pinpriq.broker import Broker, Session
 from pinpriq.display import escape, json_value
 from pinpriq.persistence.journal import Journal
@@ -145,6 +147,8 @@ class AdminApp:
             route = self._route(request.method, path, segments, query)
             if path not in PUBLIC:
                 self._authorize(request)
+                if self.server.token is None:
+                    _check_host(request)
             if request.method in CHANGING:
                 _check_action(request)
             if path not in PUBLIC and self.server.recovering:
@@ -356,6 +360,25 @@ def _preview(key: bytes, payload: bytes, prio: int, size: int) -> dict[str, Any]
         "payload_text": escape(payload[:size]),
         "payload_bytes": len(payload),
     }
+
+
+def _check_host(request: Request) -> None:
+    """403 unless a request to a listener with no token names a loopback host. Without a token
+    the listener is on loopback only, but a web page whose DNS name is re-pointed at 127.0.0.1
+    (DNS rebinding) is the same origin as the API to the browser, custom headers and all: its
+    requests still name its own host in ``Host``."""
+    host = request.headers.get(b"host")
+    if host is None:
+        return  # HTTP/1.0 with no Host: no browser sends that
+    text = host.decode("latin-1").strip().lower()
+    name = text[1:].partition("]")[0] if text.startswith("[") else text.partition(":")[0]
+    if name == "localhost" or name.endswith(".localhost") or is_loopback(name):
+        return
+    raise HTTPError(
+        403,
+        f"Host {escape(host)} is not this host's loopback: without a token (--auth-token-file) "
+        "the admin listener answers only requests addressed to localhost, 127.0.0.1 or [::1]",
+    )
 
 
 def _check_action(request: Request) -> None:
