@@ -66,6 +66,22 @@ def test_logs_one_line_with_address_and_port(server: ServerProcess) -> None:
         assert sock.recv(2) == b"\x00\x00"
 
 
+def test_the_first_lines_say_which_store_serves(tmp_path: Path) -> None:
+    # The build line says what is installed; a --data-dir server runs on the logged store.
+    from pinpriq.packed import default_store
+    from pinpriq.persistence.store import LoggedStore
+
+    in_memory = type(default_store(time.monotonic)).__name__
+    for args, expected in [
+        ((), f"; store: {in_memory} in memory"),
+        (("--data-dir", str(tmp_path / "data")), f"; store: {LoggedStore.__name__} logged"),
+    ]:
+        process = ServerProcess("--port", "0", "--http-port", "off", *args)
+        status, _, stderr = process.stop(signal.SIGTERM)
+        assert status == 0
+        assert expected in stderr, stderr
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_cleanly_within_a_second(server: ServerProcess, signum: int) -> None:
     # A connected client must not hold the shutdown up.

@@ -308,7 +308,7 @@ async def _run_server(
                 nursery.cancel_scope.cancel()  # the admin listener, if it started
                 return f"cannot listen on {host} port {port}: {error.strerror or error}"
             # Which build serves (issue 14); after the listening line, which harnesses wait for.
-            log.info("pinpriq %s, %s", __version__, build_name())
+            log.info("pinpriq %s, %s; store: %s", __version__, build_name(), _store_name(server))
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if nursery.cancel_scope.cancel_called or server.stopping:
@@ -430,6 +430,17 @@ def _check_durability_args(parser: argparse.ArgumentParser, args: argparse.Names
     size = args.log_segment_size
     if size is not None and size < MIN_SEGMENT_SIZE:
         parser.error(f"argument --log-segment-size: {size} bytes is below {MIN_SEGMENT_SIZE}")
+
+
+def _store_name(server: PinpriqServer) -> str:
+    """Which store serves, in a few words: the build says what is installed, not what a
+    ``--data-dir`` or ``--store`` server runs on."""
+    store = server.broker.store
+    describe = getattr(store, "describe", None)  # a store in another process says what it is
+    if describe is not None:
+        return str(describe()["kind"])
+    where = "in memory" if server.journal is None else "logged (--data-dir)"
+    return f"{type(store).__name__} {where}"
 
 
 def main(argv: list[str] | None = None) -> None:
