@@ -105,17 +105,26 @@ local function hmget(hash, fields)
   return out
 end
 local function grouped(v) return v and string.byte(v, 1) == 35 end  -- '#'
--- The index value of each distinct key of ``entries`` (false: none), and those keys.
-local function states_of(index, entries)
-  local keys, state = {}, {}
+-- The index value of each distinct key of ``entries`` (false: none), and those keys. ``known``
+-- (optional): values this call already read (key -> value or false), not read again.
+local function states_of(index, entries, known)
+  local keys, state, missing = {}, {}, {}
   for _, e in ipairs(entries) do
-    if state[e[1]] == nil then
-      state[e[1]] = false
-      keys[#keys + 1] = e[1]
+    local key = e[1]
+    if state[key] == nil then
+      local v = known and known[key]
+      if v == nil then
+        v = false
+        missing[#missing + 1] = key
+      end
+      state[key] = v
+      keys[#keys + 1] = key
     end
   end
-  local values = hmget(index, keys)
-  for j, key in ipairs(keys) do state[key] = values[j] or false end
+  if #missing > 0 then
+    local values = hmget(index, missing)
+    for j, key in ipairs(missing) do state[key] = values[j] or false end
+  end
   return state, keys
 end
 -- Index packets entering the queue (pushed, or put back under their old seq).
@@ -147,10 +156,10 @@ local function index_insert(index, groups, entries)
   bulk('HSET', index, fields)
   bulk('ZADD', groups, members)
 end
--- Unindex packets leaving the queue.
-local function index_remove(index, groups, entries)
+-- Unindex packets leaving the queue (``known``: as ``states_of``).
+local function index_remove(index, groups, entries, known)
   if #entries == 0 then return end
-  local state, keys = states_of(index, entries)
+  local state, keys = states_of(index, entries, known)
   local members, gone, left = {}, {}, {}
   for _, e in ipairs(entries) do
     local v = state[e[1]]
@@ -404,7 +413,8 @@ local expiring = sweep_due()
 -- twice, and the selection set is read in pages of candidates, best first.
 local taken, seqs, entries = {}, {}, {}
 local taken_by_group = {}  -- group prefix -> packets of it taken (for groups over max_pop)
-local page, records, at, start, state = {}, {}, 1, 0, {}
+-- ``known``: the key index's value of every key read so far (all read before any removal).
+local page, records, page_keys, at, start, known = {}, {}, {}, 1, 0, {}
 local function take(seq, key, prefix)
   taken[seq] = true
   seqs[#seqs + 1] = seq
@@ -422,16 +432,14 @@ local function best(wanted)
       local page_entries = {}
       for i, rec in ipairs(records) do
         local klen = struct.unpack('>H', string.sub(rec, 10, 11))
-        page_entries[i] = {string.sub(rec, 12, 11 + klen)}
+        page_keys[i] = string.sub(rec, 12, 11 + klen)
+        page_entries[i] = {page_keys[i]}
       end
-      state = states_of(KEYS[KI], page_entries)
+      for key, v in pairs(states_of(KEYS[KI], page_entries, known)) do known[key] = v end
     end
     local seq, rec = page[at], records[at]
     at = at + 1
-    if not taken[seq] then
-      local klen = struct.unpack('>H', string.sub(rec, 10, 11))
-      return seq, rec, grouped(state[string.sub(rec, 12, 11 + klen)])
-    end
+    if not taken[seq] then return seq, rec, grouped(known[page_keys[at - 1]]) end
   end
 end
 local function packet(out, seq, rec)
@@ -474,7 +482,7 @@ end
 local replies = {}
 for i = 1, pops do replies[i] = pop_one(pops - i + 1) end
 bulk('HDEL', KEYS[1], seqs)
-index_remove(KEYS[KI], KEYS[3], entries)
+index_remove(KEYS[KI], KEYS[3], entries, known)
 bulk('ZREM', KEYS[2], seqs)  -- prio-0 seqs among them are simply not members
 if expiring then bulk('ZREM', KEYS[4], seqs) end
 -- Last, how many selectable packets are left: a subscriber's front end stops there.
