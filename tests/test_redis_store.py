@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -237,6 +238,36 @@ async def test_a_group_goes_to_the_dead_letter_queue_after_max_deliveries(
         assert await worker.lease() == (0, 0, [])
         await worker.send(reserve(b"q.dead"))
         assert await worker.lease() == (3, 1, [(b"k", b"v"), (b"k", b"w")])
+
+
+@pytest.mark.parametrize("emptied_by", ["reserve", "pop", "purge"])
+async def test_a_packet_pushed_while_others_are_leased_pops_before_them(
+    redis_url: str, emptied_by: str
+) -> None:
+    """Decision 15: a leased packet goes back in its place in push order, so a packet pushed
+    while it was leased is newer, even when the queue emptied meanwhile (by the reserve, a pop
+    of the rest or a purge). The queue's sequence numbers run ahead of Redis's clock here, as
+    after the clock stepped back (or a batch, whose numbers run a microsecond a packet ahead):
+    a push that had forgotten them would take an older number than the leased packet's, or
+    the same one, and the packet going back would overwrite it."""
+    async with front_end(redis_url) as (server, port):
+        store = server.batched
+        assert isinstance(store, RedisStore)
+        ahead = b"%016d" % ((time.time() + 3600) * 1_000_000)
+        await store.client.set(queue_keys(b"q").seq, ahead)
+        worker = await connect(port)
+        rest = b"" if emptied_by == "reserve" else push(b"q", b"b", b"rest", prio=9)
+        await worker.send(push(b"q", b"a", b"leased", prio=5) + rest)
+        await worker.send(reserve(b"q", 60_000))
+        assert await worker.lease() == (1, 1, [(b"a", b"leased")])
+        if emptied_by == "pop":
+            assert await worker.request(pop(b"q")) == [(b"b", b"rest")]
+        elif emptied_by == "purge":
+            assert await store.purge_async(b"q") == 1
+        await worker.send(push(b"q", b"c", b"new", prio=5) + release(1))
+        assert await worker.lease() == (1, 1, [])
+        assert await worker.request(pop(b"q")) == [(b"c", b"new")]
+        assert await worker.request(pop(b"q")) == [(b"a", b"leased")]
 
 
 async def connect(port: int) -> Peer:

@@ -295,14 +295,23 @@ local function sweep_due()
   if YI > 0 then entered, dropped = promote(now) end
   return true, entered, dropped + sweep(now)
 end
--- Once the queue holds nothing, forget it entirely (decision 5); its last sequence number
--- stays while delayed packets hold theirs (a new push must not take one of them).
+-- KEYS[LI]: the queue's lease table (``:l``; every function that may forget the queue takes it).
+local LI = 0
+-- Whether delayed or leased packets hold sequence numbers of the queue: while they do, its
+-- last sequence number stays, so a new push takes none of theirs, nor an older one (a leased
+-- packet goes back under its old one, decision 15; a batch's numbers run ahead of the clock).
+local function seqs_held()
+  if YI > 0 then return redis.call('EXISTS', KEYS[YI], KEYS[LI]) > 0 end
+  return redis.call('EXISTS', KEYS[LI]) > 0
+end
+-- Once the queue holds nothing, forget it entirely (decision 5), but for the last sequence
+-- number while ``seqs_held``.
 local function forget_if_empty()
   if redis.call('EXISTS', KEYS[1]) == 0 then
-    if YI == 0 or redis.call('EXISTS', KEYS[YI]) == 0 then
-      redis.call('DEL', KEYS[5], KEYS[KI])
-    else
+    if seqs_held() then
       redis.call('DEL', KEYS[KI])
+    else
+      redis.call('DEL', KEYS[5], KEYS[KI])
     end
   end
 end
@@ -387,7 +396,7 @@ end
 return {tostring(earliest), redis.call('HLEN', KEYS[2])}
 """
 
-#: KEYS d s g x q r y Y w k; ARGV max_pop, pops, full, call id, retry ('1' if sent before), then
+#: KEYS d s g x q r y Y w l k; ARGV max_pop, pops, full, call id, retry ('1' if sent before), then
 #: the call ids whose results the front end has. Promotes and sweeps what is due, then ``pops``
 #: times removes the best packet and its key group (decisions 2-4). Returns one flat list a
 #: pop: two fields a packet (key, payload), or with ``full`` = 1 five (key, payload, prio, seq,
@@ -406,7 +415,7 @@ if retry then
   local kept = redis.call('HGET', KEYS[6], call_id)
   if kept then return cmsgpack.unpack(kept) end
 end
-YI = 7
+YI, LI = 7, 10
 local expiring = sweep_due()
 -- Removals wait until every pop of the call has chosen (one HDEL and one ZREM a structure
 -- for the whole call, not per pop); meanwhile ``taken`` keeps a packet from being chosen
@@ -500,10 +509,10 @@ end
 return replies
 """
 
-#: KEYS d s g x q y Y w k; no ARGV. Promotes and sweeps what is due and returns the rank of what a
+#: KEYS d s g x q y Y w l k; no ARGV. Promotes and sweeps what is due and returns the rank of what a
 #: pop would select: {prio, seq}, or {} if nothing is selectable.
 RANK = r"""
-YI = 6
+YI, LI = 6, 9
 sweep_due()
 forget_if_empty()
 local top = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
@@ -511,21 +520,24 @@ if #top == 0 then return {} end
 return {-tonumber(top[2]), top[1]}
 """
 
-#: KEYS d s g x q y Y w k; no ARGV. Moves the delayed packets that are due into the queue and
+#: KEYS d s g x q y Y w l k; no ARGV. Moves the delayed packets that are due into the queue and
 #: removes the packets whose deadline has come. Returns {how many expired, how many entered,
 #: the next due time in ms or 0, how many packets the queue holds}.
 SWEEP = r"""
-YI = 6
+YI, LI = 6, 9
 local _, entered, expired = sweep_due()
 forget_if_empty()
 return {expired, entered, tostring(next_due()), redis.call('HLEN', KEYS[1])}
 """
 
-#: KEYS d s g x q y Y k; no ARGV. Removes every packet (prio 0 and delayed ones included; leased
-#: ones are not in the queue); returns {how many queued, how many delayed}.
+#: KEYS d s g x q y Y l k; no ARGV. Removes every packet (prio 0 and delayed ones included; leased
+#: ones are not in the queue, and keep the last sequence number: ``seqs_held``); returns {how
+#: many queued, how many delayed}.
 PURGE = r"""
+LI = 8
 local n, delayed = redis.call('HLEN', KEYS[1]), redis.call('HLEN', KEYS[6])
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[KI])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[6], KEYS[7], KEYS[KI])
+if not seqs_held() then redis.call('DEL', KEYS[5]) end
 return {n, delayed}
 """
 
@@ -685,23 +697,23 @@ local function push_moved(tk, t, o)
 end
 """
 
-#: KEYS: the source's d s g x q r y Y w k a, then the target's d s g x q w k (one Cluster slot);
+#: KEYS: the source's d s g x q r y Y w l k a, then the target's d s g x q w k (one Cluster slot);
 #: ARGV limit (0: all). Moves whole key groups, in pop order, while fewer than ``limit`` packets
 #: have moved (decision 22): due delayed packets are promoted and expired ones swept first;
 #: leased and delayed packets stay. Returns {how many moved, how many entered (fewer when a
 #: TTL passed meanwhile), the earliest TTL deadline among them (0: none), packets left in the
 #: source, packets in the target}.
 MOVE = r"""
-KI, YI = 10, 7
+KI, YI, LI = 11, 7, 10
 sweep_due()
 local seqs = move_selection(tonumber(ARGV[1]))
-local packets = take_for_move(seqs, KEYS[11])
-local entered, earliest = push_moved({unpack(KEYS, 12, 18)}, packets, 1)
-local left, held = redis.call('HLEN', KEYS[1]), redis.call('HLEN', KEYS[12])
+local packets = take_for_move(seqs, KEYS[12])
+local entered, earliest = push_moved({unpack(KEYS, 13, 19)}, packets, 1)
+local left, held = redis.call('HLEN', KEYS[1]), redis.call('HLEN', KEYS[13])
 return {#seqs, entered, tostring(earliest), left, held}
 """
 
-#: KEYS: the source's d s g x q r y Y w k a m; ARGV limit, move id, the target's name. The first
+#: KEYS: the source's d s g x q r y Y w l k a m; ARGV limit, move id, the target's name. The first
 #: half of a move between two Cluster slots: takes what a move of ``limit`` would take (0: a
 #: round of whole groups of about ``MOVE_ROUND`` packets, then, once nothing selectable is left,
 #: every prio-0 packet left) and keeps it in ``:m`` under the move id (with Redis's time and the
@@ -709,16 +721,16 @@ return {#seqs, entered, tostring(earliest), left, held}
 #: front end that dies between the two leaves it there for any front end's scan to finish.
 #: Returns the packets in push order, five fields each (none: nothing to move).
 MOVE_OUT = r"""
-KI, YI = 10, 7
+KI, YI, LI = 11, 7, 10
 sweep_due()
 local limit = tonumber(ARGV[1])
 local seqs = move_selection(limit > 0 and limit or MOVE_ROUND)
 if #seqs == 0 and limit == 0 then seqs = move_selection(0) end
-local packets = take_for_move(seqs, KEYS[11])
+local packets = take_for_move(seqs, KEYS[12])
 if #packets > 0 then
   local kept = {now_ms(), ARGV[3]}
   for _, v in ipairs(packets) do kept[#kept + 1] = v end
-  redis.call('HSET', KEYS[12], ARGV[2], cmsgpack.pack(kept))
+  redis.call('HSET', KEYS[13], ARGV[2], cmsgpack.pack(kept))
 end
 return packets
 """
@@ -771,6 +783,7 @@ local function lease_args()
   max_deliveries, dead_ok = tonumber(ARGV[3]), ARGV[4] == '1'
   KI = 16  -- the queue's key index; its dead queue's is KEYS[17]
   YI = 18  -- the queue's delayed packets, their due times, its waiting mark
+  LI = 7  -- its lease table
 end
 -- Put a lease's packets into the queue at KEYS offset ``o`` (0: the queue, 9: its dead
 -- queue) as they were; drops those whose TTL passed (TTL wins). ``bump``: each packet's count
@@ -945,7 +958,7 @@ return reply
 #: The layout of the keys and the calling convention of the functions. A front end loads the
 #: library ``pinpriq_<LAYOUT>`` once (``FUNCTION LOAD``); Redis keeps it (in its RDB and AOF
 #: too) and every front end calls the same functions. Bump it with any change to the scripts.
-LAYOUT = 3
+LAYOUT = 4
 LIBRARY_NAME = f"pinpriq_{LAYOUT}"
 
 #: Each function: its body and its flags (``allow-oom``: it only frees memory or puts back what
@@ -978,7 +991,7 @@ def _register(operation: str, body: str, flags: str) -> str:
     return (
         f"local function op_{operation}()\n{body}end\n"
         f"redis.register_function{{function_name='{function_name(operation)}', "
-        "callback=function(keys, args) KEYS, ARGV, KI = keys, args, #keys; "
+        "callback=function(keys, args) KEYS, ARGV, KI, YI, LI = keys, args, #keys, 0, 0; "
         f"return op_{operation}() end, "
         f"flags={{{flags}}}}}\n"
     )
