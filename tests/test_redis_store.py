@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import trio
+import trustme
 from coredis.exceptions import ConnectionError as RedisConnectionError
 
 from pinpriq.conformance import DEFAULT_FIXTURES, Requires, load_fixtures, run_suite
@@ -309,6 +310,45 @@ async def test_a_subscriber_on_another_front_end_is_woken_at_once(redis_url: str
             await pusher.send(push(b"jobs", b"k%d" % n, b"p"))
             with trio.fail_after(10):
                 assert await subscriber.reply() == [(b"k%d" % n, b"p")]
+
+
+async def test_rediss_reaches_a_tls_redis_through_the_direct_connections(
+    tmp_path: Path, ca: trustme.CA, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rediss://``: the script calls and the pub/sub messages take ``direct.py``'s sockets
+    over TLS (checking Redis's certificate, trusted here through ``SSL_CERT_FILE``), as coredis
+    does for the rest. Redis's TLS port speaks nothing else, so a plain socket would fail."""
+    need_redis()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    cert = ca.issue_cert("127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "redis.crt"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "redis.key"))
+    tls_port = free_port()
+    redis = RedisServer(
+        tmp_path / "data",
+        "--appendonly", "no",
+        "--tls-port", str(tls_port),
+        "--tls-cert-file", str(tmp_path / "redis.crt"),
+        "--tls-key-file", str(tmp_path / "redis.key"),
+        "--tls-ca-cert-file", str(tmp_path / "ca.pem"),
+        "--tls-auth-clients", "no",
+    )  # fmt: skip
+    redis.start()
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
+    url = f"rediss://127.0.0.1:{tls_port}/0"
+    try:
+        with trio.fail_after(30):  # a plain socket to the TLS port gets no answer: no hang
+            async with front_end(url) as (server, a), front_end(url) as (_, b):
+                store = server.batched
+                assert isinstance(store, RedisStore) and store.direct is not None
+                subscriber, pusher = await connect(b), await connect(a)
+                await subscriber.send(subscribe(b"jobs") + READY)
+                await subscriber.request(SYNC)
+                await pusher.send(push(b"jobs", b"k", b"woken") + push(b"q", b"k", b"popped"))
+                assert await subscriber.reply() == [(b"k", b"woken")]
+                assert await pusher.request(pop(b"q")) == [(b"k", b"popped")]
+    finally:
+        redis.stop()
 
 
 async def test_subscribers_on_both_front_ends_get_each_packet_once(redis_url: str) -> None:
