@@ -340,7 +340,8 @@ async def test_rediss_reaches_a_tls_redis_through_the_direct_connections(
         with trio.fail_after(30):  # a plain socket to the TLS port gets no answer: no hang
             async with front_end(url) as (server, a), front_end(url) as (_, b):
                 store = server.batched
-                assert isinstance(store, RedisStore) and store.direct is not None
+                assert isinstance(store, RedisStore)
+                assert store.direct is not None
                 subscriber, pusher = await connect(b), await connect(a)
                 await subscriber.send(subscribe(b"jobs") + READY)
                 await subscriber.request(SYNC)
