@@ -433,7 +433,8 @@ return {tostring(earliest), redis.call('HLEN', KEYS[2])}
 #: times removes the best packet and its key group (decisions 2-4). Returns one flat list a
 #: pop: two fields a packet (key, payload), or with ``full`` = 1 five (key, payload, prio, seq,
 #: deadline: enough for a delivery nobody could take to go back unchanged); then the
-#: selectable packets left, and all the packets left. A call that took packets keeps that reply
+#: selectable packets left (with ``full`` only; else 0), and all the packets left. A call that
+#: took packets keeps that reply
 #: under its id in ``:r``.
 #: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
 POP = r"""
@@ -527,11 +528,12 @@ bulk('HDEL', KEYS[1], seqs)
 index_remove(KEYS[KI], KEYS[3], entries, known)
 bulk('ZREM', KEYS[2], seqs)  -- prio-0 seqs among them are simply not members
 if expiring then bulk('ZREM', KEYS[4], seqs) end
--- Last, how many selectable packets are left: a subscriber's front end stops there.
-local left = redis.call('ZCARD', KEYS[2])
-if left == 0 then forget_if_empty() end
-replies[pops + 1] = left
-replies[pops + 2] = redis.call('HLEN', KEYS[1])  -- packets held, for the front end's figures
+-- Last, the packets held (for the front end's figures) and, for a delivery, how many
+-- selectable ones are left (a subscriber's front end stops there; 0 otherwise: unread).
+local held = redis.call('HLEN', KEYS[1])
+if held == 0 then forget_if_empty() end
+replies[pops + 1] = full and redis.call('ZCARD', KEYS[2]) or 0
+replies[pops + 2] = held
 if #seqs > 0 then
   -- Kept until the front end confirms it has the reply (a later call's ARGV, or its cleanup
   -- every few seconds); the key's day-long lifetime only bounds what a front end that died
