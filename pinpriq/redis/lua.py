@@ -449,7 +449,7 @@ if retry then
   if kept then return cmsgpack.unpack(kept) end
 end
 YI, LI = 7, 10
-local expiring = sweep_due()
+local expiring, _, expired = sweep_due()
 -- Removals wait until every pop of the call has chosen (one HDEL and one ZREM a structure
 -- for the whole call, not per pop); meanwhile ``taken`` keeps a packet from being chosen
 -- twice, and the selection set is read in pages of candidates, best first.
@@ -531,7 +531,10 @@ if expiring then bulk('ZREM', KEYS[4], seqs) end
 -- Last, the packets held (for the front end's figures) and, for a delivery, how many
 -- selectable ones are left (a subscriber's front end stops there; 0 otherwise: unread).
 local held = redis.call('HLEN', KEYS[1])
-if held == 0 then forget_if_empty() end
+-- A queue this call emptied is forgotten. One that was empty already was forgotten when it
+-- emptied (or keeps its number for its delayed or leased packets): a pop of an empty or
+-- missing queue, a consumer polling, costs three calls (EXISTS, ZRANGE, HLEN), not six.
+if held == 0 and (#seqs > 0 or expired > 0) then forget_if_empty() end
 replies[pops + 1] = full and redis.call('ZCARD', KEYS[2]) or 0
 replies[pops + 2] = held
 if #seqs > 0 then
