@@ -310,7 +310,7 @@ local function promote(now)
   for i, rec in ipairs(recs) do
     local deadline = struct.unpack('>d', string.sub(rec, 2, 9))
     if deadline == 0 or deadline > now then
-      local klen = struct.unpack('>H', string.sub(rec, 10, 11))
+      local klen = key_length(rec)
       file_packet(f, due[i], rec, string.sub(rec, 12, 11 + klen), string.sub(rec, 10, 11 + klen),
         string.byte(rec, 1), deadline)
     end
@@ -664,7 +664,7 @@ local function move_selection(limit)
     for i, seq in ipairs(page) do
       if #seqs >= limit then break end
       if not taken[seq] then
-        local klen = struct.unpack('>H', string.sub(recs[i], 10, 11))
+        local klen = key_length(recs[i])
         local key = string.sub(recs[i], 12, 11 + klen)
         local group = group_of(KEYS[KI], KEYS[3], key, group_prefix(key), -1)
         if #group == 0 then group = {seq} end
