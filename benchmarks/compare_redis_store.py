@@ -255,8 +255,12 @@ def report(rounds: list[dict[str, float]], ops: dict[int, int], command: str) ->
         "not depend on how the load generator and the front end share the cores, and is the",
         "figure to hold against the target (at most 3x plain ZADD/ZPOPMIN). The ops/s ratios",
         "also carry the front end's own cost, which on 2 shared cores is most of it.",
-        "`benchmarks/redis_script_costs.py` splits a function's time by `redis.call`",
-        "(docs/redis.md).",
+        "A push batch through a front end ends with the load generator's barrier, a pop of an",
+        "empty queue (pinpriq pushes have no reply; ZADD has one): at P1 Redis runs two",
+        "functions a push, at P64 one a packet and one a batch. At P64 the front end's own",
+        "CPU goes mostly to system calls, four a batch (py-spy, docs/redis.md).",
+        "`benchmarks/redis_script_costs.py` splits a function's time by `redis.call` and counts",
+        "its instructions (docs/redis.md).",
         END,
     ]
     return "\n".join(lines)

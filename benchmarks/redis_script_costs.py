@@ -7,31 +7,42 @@ generator or a front end took. Starts a fresh ``redis-server`` (noeviction, no p
 a free loopback port. Prints medians over ``--rounds`` rounds.
 
     python benchmarks/redis_script_costs.py [--rounds 5] [--calls] [--scripts] [--delayed]
+    python benchmarks/redis_script_costs.py --instructions [-n 6400]
 
 ``--calls``: one EVAL loops 100,000 times over one ``redis.call`` on a queue of 1,000 packets;
 Redis's CPU time for it less an empty loop's, per iteration, is that call's cost. ``--scripts``:
 redis-benchmark (pipeline 64, 4 connections) sends the push and pop scripts with one packet a
 call (P1) and with 64 a call (P64: one push of 64 packets, one call of 64 pops), and plain
 ZADD / ZPOPMIN; usec per call over packets per call is the cost per packet. ``--delayed``:
-protocol 1.2's functions (``delayed_costs``).
+protocol 1.2's functions (``delayed_costs``). ``--instructions``: what ``--scripts`` measures,
+counted in instructions by callgrind (``redis-server`` under valgrind, its counters zeroed
+before and dumped after each measurement): the same on a loaded machine as on a quiet one, so
+two checkouts compare by it when their CPU times are lost in the noise.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.compare_redis_store import (  # noqa: E402
+    free_port,
     redis_benchmark,
     redis_cli,
+    redis_pid,
     redis_server,
 )
 from pinpriq.redis import lua  # noqa: E402
@@ -56,7 +67,7 @@ def push_call(packets: list[tuple[str, str, int, int]]) -> list[str]:
 
 def pop_call(pops: int) -> list[str]:
     """An FCALL of the pop function, ``pops`` pops (as a front end's call for a batch)."""
-    keys = [*KEYS[:5], *optional("results"), *timed_keys(), *optional("key_index")]
+    keys = [*KEYS[:5], *optional("results"), *timed_keys(), *lease_key(), *optional("key_index")]
     call_id = ["bench:1", "0"] if optional("results") else []
     args = ["65535", str(pops), "0", *call_id]
     return ["FCALL", lua.function_name("pop"), str(len(keys)), *keys, *args]
@@ -68,6 +79,12 @@ def timed_keys(queue: bytes = QUEUE) -> list[str]:
     if not hasattr(k, "delayed"):
         return []
     return [k.delayed.decode(), k.due.decode(), k.waiting.decode()]  # type: ignore[attr-defined]
+
+
+def lease_key(queue: bytes = QUEUE) -> list[str]:
+    """The lease table a function that may forget the queue takes, in a layout that passes it
+    (4 on)."""
+    return keys_of(queue, "leases") if lua.LAYOUT >= 4 else []
 
 
 def keys_of(queue: bytes, *fields: str) -> list[str]:
@@ -85,7 +102,7 @@ def fcall(port: int, operation: str, keys: list[str], args: list[object]) -> str
 
 def fcalls(port: int, calls: list[list[str]]) -> None:
     """One FCALL each (function, then keys, then arguments), over one connection, in turn."""
-    keys = {"sweep": 9, "push": 7, "push_delayed": 4}
+    keys = {"sweep": 9 + len(lease_key()), "push": 7, "push_delayed": 4}
     lines = []
     for call in calls:
         count = keys[call[0].removeprefix(lua.LIBRARY_NAME + "_")]
@@ -112,7 +129,7 @@ def delayed_costs(port: int, queues: int) -> dict[str, float]:
         redis_cli(port, "FLUSHALL")
         names = [b"d%d" % i for i in range(queues)]
         sweeps = [[lua.function_name("sweep"), *keys_of(name, *_D5), *timed_keys(name),
-                   *keys_of(name, "key_index")] for name in names]  # fmt: skip
+                   *lease_key(name), *keys_of(name, "key_index")] for name in names]  # fmt: skip
         pushes = [[lua.function_name("push"), *keys_of(name, *_D5, "waiting", "key_index"),
                    "c", *(str(f) for f in packet[:4])] for name in names]  # fmt: skip
         fields = [str(f) for f in packet * per_call]
@@ -128,8 +145,9 @@ def delayed_costs(port: int, queues: int) -> dict[str, float]:
             fcalls(port, calls)
             result[f"{label} (commandstats)"] = commandstats(port)["fcall"][1] / per
     source, target = queue_keys(QUEUE), queue_keys(b"other")
-    move_keys = [*keys_of(QUEUE, *_D5, "results"), *timed_keys(), *keys_of(QUEUE, "key_index",
-                 "attempts"), *keys_of(b"other", *_D5, "waiting", "key_index")]  # fmt: skip
+    move_keys = [*keys_of(QUEUE, *_D5, "results"), *timed_keys(), *lease_key(),
+                 *keys_of(QUEUE, "key_index", "attempts"),
+                 *keys_of(b"other", *_D5, "waiting", "key_index")]  # fmt: skip
     for per_call, label in ((64, "move n=64"), (0, "move all of 64,000")):
         redis_cli(port, "FLUSHALL")
         for start in range(0, 64_000, 8_000):  # an argument list the shell takes
@@ -243,6 +261,64 @@ def script_costs(port: int, n: int) -> dict[str, float]:
     return result
 
 
+@contextlib.contextmanager
+def callgrind_redis() -> Iterator[tuple[int, Callable[[Callable[[], object]], int]]]:
+    """A fresh ``redis-server`` under callgrind: its port, and ``count(run)``, the instructions
+    Redis spent while ``run()`` ran (counters zeroed before, dumped after)."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as directory:
+        out = Path(directory) / "callgrind.out"
+        command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "redis-server",
+                   "--port", str(port), "--bind", "127.0.0.1", "--dir", directory, "--save", "",
+                   "--appendonly", "no", "--maxmemory-policy", "noeviction"]  # fmt: skip
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while subprocess.run(["redis-cli", "-p", str(port), "PING"], capture_output=True,
+                                 text=True).stdout.strip() != "PONG":  # fmt: skip
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise RuntimeError("redis-server under valgrind did not start")
+                time.sleep(0.2)
+            pid = redis_pid(port)
+            dumps = 0
+
+            def count(run: Callable[[], object]) -> int:
+                nonlocal dumps
+                control = ["callgrind_control"]
+                subprocess.run([*control, "-z", pid], capture_output=True, check=True)
+                run()
+                subprocess.run([*control, "-d", pid], capture_output=True, check=True)
+                dumps += 1
+                text = Path(f"{out}.{dumps}").read_text()
+                return int(re.search(r"^summary: (\d+)", text, re.M).group(1))  # type: ignore[union-attr]
+
+            yield port, count
+        finally:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def script_instructions(n: int) -> dict[str, float]:
+    """``script_costs`` in Redis's instructions per packet (callgrind)."""
+    result: dict[str, float] = {}
+    with callgrind_redis() as (port, count):
+        load(port)
+        for per_call in (1, 64):
+            redis_cli(port, "FLUSHALL")
+            packet = ("k__rand_int__", "p" * 16, 0, 7)
+            # redis-benchmark sends whole pipelines: 4 connections of 64 calls, 256 at least.
+            calls = 256 * max(1, n // (256 * per_call))
+            for name, command in (("push", push_call([packet] * per_call)),
+                                  ("pop", pop_call(per_call))):  # fmt: skip
+                spent = count(partial(redis_benchmark, port, calls, *command))
+                result[f"{name} P{per_call}"] = spent / (calls * per_call)
+        for name, command in (("ZADD", ["ZADD", "plain", "__rand_int__", "k__rand_int__"]),
+                              ("ZPOPMIN", ["ZPOPMIN", "plain"])):  # fmt: skip
+            calls = 256 * max(1, n // 256)
+            result[name] = count(partial(redis_benchmark, port, calls, *command)) / calls
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -251,7 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scripts", action="store_true", help="only the per-script costs")
     parser.add_argument("--delayed", action="store_true",
                         help="only the delayed packets' and move's costs")  # fmt: skip
+    parser.add_argument("--instructions", action="store_true",
+                        help="--scripts in callgrind's instructions (-n 6400)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.instructions:
+        figures = script_instructions(args.n if args.n != 64_000 else 6_400)
+        print("Redis's instructions per packet (callgrind):")
+        for name, value in figures.items():
+            print(f"  {name:40s} {value:10.0f}")
+        return 0
     both = not (args.calls or args.scripts or args.delayed)
     rounds: list[dict[str, float]] = []
     for _ in range(args.rounds):

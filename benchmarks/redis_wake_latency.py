@@ -3,7 +3,10 @@
 Starts a redis-server (noeviction, no persistence) on a free loopback port and two pinpriq front
 ends on it (in this process), subscribes one connection on front end B, then 300 times: grants a
 credit, pushes one packet through front end A, and times the push's send to the delivery's
-arrival. Prints the median, p90, p99 and max.
+arrival. Prints the median, p90, p99 and max. Once both front ends are up, the process's
+garbage collector is set as ``pinpriq-server`` sets it (``tune_garbage_collector``): with
+Python's default thresholds its collections of everything the front ends made at start were a
+tail a real server does not have.
 
     python benchmarks/redis_wake_latency.py [--samples 300]
 """
@@ -28,6 +31,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pinpriq.cli.server import tune_garbage_collector  # noqa: E402
 from pinpriq.redis.connect import open_store  # noqa: E402
 from pinpriq.redis.spec import parse_store  # noqa: E402
 from pinpriq.server import PinpriqServer  # noqa: E402
@@ -62,6 +66,7 @@ async def measure(url: str, samples: int) -> list[float]:
         await sub.send_all(b"\x73" + struct.pack(">H", 4) + b"wake" + SYNC)
         await read_exactly(sub, 2)
         frame = b"\x70" + struct.pack(">HHBHH", 4, 0, 1, 1, 1) + b"kp" + b"wake"
+        tune_garbage_collector()
         took = []
         for _ in range(samples):
             await sub.send_all(READY + SYNC)

@@ -126,9 +126,7 @@ async def test_a_move_cut_between_its_halves_is_finished_once_by_a_scan(
         await peer.request(SYNC)
         store = server.broker.store
         assert isinstance(store, RedisStore)
-        s = store.keys(b"cut-from")
-        out_keys = [*s[:5], s.results, s.delayed, s.due, s.waiting, s.key_index, s.attempts,
-                    s.moving]  # fmt: skip
+        out_keys = store._move_keys(b"cut-from")
         # The first half only, as a front end that dies right after it leaves it.
         (packets,) = await store.call_all([("move_out", out_keys, [0, b"dead:m1", b"cut-to"])])
         assert len(packets) == 10

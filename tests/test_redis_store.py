@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import trio
+import trustme
 from coredis.exceptions import ConnectionError as RedisConnectionError
 
 from pinpriq.conformance import DEFAULT_FIXTURES, Requires, load_fixtures, run_suite
@@ -239,6 +241,36 @@ async def test_a_group_goes_to_the_dead_letter_queue_after_max_deliveries(
         assert await worker.lease() == (3, 1, [(b"k", b"v"), (b"k", b"w")])
 
 
+@pytest.mark.parametrize("emptied_by", ["reserve", "pop", "purge"])
+async def test_a_packet_pushed_while_others_are_leased_pops_before_them(
+    redis_url: str, emptied_by: str
+) -> None:
+    """Decision 15: a leased packet goes back in its place in push order, so a packet pushed
+    while it was leased is newer, even when the queue emptied meanwhile (by the reserve, a pop
+    of the rest or a purge). The queue's sequence numbers run ahead of Redis's clock here, as
+    after the clock stepped back (or a batch, whose numbers run a microsecond a packet ahead):
+    a push that had forgotten them would take an older number than the leased packet's, or
+    the same one, and the packet going back would overwrite it."""
+    async with front_end(redis_url) as (server, port):
+        store = server.batched
+        assert isinstance(store, RedisStore)
+        ahead = b"%016d" % ((time.time() + 3600) * 1_000_000)
+        await store.client.set(queue_keys(b"q").seq, ahead)
+        worker = await connect(port)
+        rest = b"" if emptied_by == "reserve" else push(b"q", b"b", b"rest", prio=9)
+        await worker.send(push(b"q", b"a", b"leased", prio=5) + rest)
+        await worker.send(reserve(b"q", 60_000))
+        assert await worker.lease() == (1, 1, [(b"a", b"leased")])
+        if emptied_by == "pop":
+            assert await worker.request(pop(b"q")) == [(b"b", b"rest")]
+        elif emptied_by == "purge":
+            assert await store.purge_async(b"q") == 1
+        await worker.send(push(b"q", b"c", b"new", prio=5) + release(1))
+        assert await worker.lease() == (1, 1, [])
+        assert await worker.request(pop(b"q")) == [(b"c", b"new")]
+        assert await worker.request(pop(b"q")) == [(b"a", b"leased")]
+
+
 async def connect(port: int) -> Peer:
     peer = Peer(await trio.open_tcp_stream(HOST, port))
     _PEERS.append(peer)
@@ -278,6 +310,46 @@ async def test_a_subscriber_on_another_front_end_is_woken_at_once(redis_url: str
             await pusher.send(push(b"jobs", b"k%d" % n, b"p"))
             with trio.fail_after(10):
                 assert await subscriber.reply() == [(b"k%d" % n, b"p")]
+
+
+async def test_rediss_reaches_a_tls_redis_through_the_direct_connections(
+    tmp_path: Path, ca: trustme.CA, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rediss://``: the script calls and the pub/sub messages take ``direct.py``'s sockets
+    over TLS (checking Redis's certificate, trusted here through ``SSL_CERT_FILE``), as coredis
+    does for the rest. Redis's TLS port speaks nothing else, so a plain socket would fail."""
+    need_redis()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    cert = ca.issue_cert("127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "redis.crt"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "redis.key"))
+    tls_port = free_port()
+    redis = RedisServer(
+        tmp_path / "data",
+        "--appendonly", "no",
+        "--tls-port", str(tls_port),
+        "--tls-cert-file", str(tmp_path / "redis.crt"),
+        "--tls-key-file", str(tmp_path / "redis.key"),
+        "--tls-ca-cert-file", str(tmp_path / "ca.pem"),
+        "--tls-auth-clients", "no",
+    )  # fmt: skip
+    redis.start()
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
+    url = f"rediss://127.0.0.1:{tls_port}/0"
+    try:
+        with trio.fail_after(30):  # a plain socket to the TLS port gets no answer: no hang
+            async with front_end(url) as (server, a), front_end(url) as (_, b):
+                store = server.batched
+                assert isinstance(store, RedisStore)
+                assert store.direct is not None
+                subscriber, pusher = await connect(b), await connect(a)
+                await subscriber.send(subscribe(b"jobs") + READY)
+                await subscriber.request(SYNC)
+                await pusher.send(push(b"jobs", b"k", b"woken") + push(b"q", b"k", b"popped"))
+                assert await subscriber.reply() == [(b"k", b"woken")]
+                assert await pusher.request(pop(b"q")) == [(b"k", b"popped")]
+    finally:
+        redis.stop()
 
 
 async def test_subscribers_on_both_front_ends_get_each_packet_once(redis_url: str) -> None:

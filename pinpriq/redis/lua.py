@@ -63,6 +63,24 @@ local function now_precise()
   return tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000, t
 end
 local function digits(n) return string.format('%016.0f', n) end
+-- Tables made at a library's first call (no string library while Redis loads one) and kept:
+-- CHAR[b] the byte b as a string, LAST3[i] i in three digits, LEN2[n] n as a u16. A string
+-- function a packet (a ``string.format``, a ``struct.pack``) costs more than a table lookup.
+local CHAR, LAST3, LEN2
+local function tables()
+  if CHAR then return end
+  CHAR, LAST3, LEN2 = {}, {}, {}
+  for i = 0, 255 do CHAR[i] = string.char(i) end
+  for i = 0, 999 do LAST3[i] = string.format('%03d', i) end
+end
+-- The digits of ``seq``, the next of consecutive sequence numbers: ``head``, their first 13
+-- digits as the previous call returned them (nil for the first), is formatted again only
+-- once a thousand numbers. Returns the digits and the head.
+local function seq_digits(seq, head)
+  local low = seq % 1000
+  if low == 0 or not head then head = string.sub(digits(seq), 1, 13) end
+  return head .. LAST3[low], head
+end
 -- The next sequence number of the queue whose ``:q`` is ``last_key``, from Redis's clock
 -- (``t``, as TIME gives it): push order within the queue, clock order across queues.
 local function next_seq(last_key, t)
@@ -71,16 +89,21 @@ local function next_seq(last_key, t)
   if seq <= last then seq = last + 1 end
   return seq
 end
+-- The length of a record's key (two bytes read as numbers: no ``struct`` call, no substring).
+local function key_length(rec)
+  local high, low = string.byte(rec, 10, 11)
+  return high * 256 + low
+end
 local function unpack_packet(rec)
   local prio = string.byte(rec, 1)
   local deadline = struct.unpack('>d', string.sub(rec, 2, 9))
-  local klen = struct.unpack('>H', string.sub(rec, 10, 11))
+  local klen = key_length(rec)
   return prio, deadline, string.sub(rec, 12, 11 + klen), string.sub(rec, 12 + klen)
 end
 local function record(prio, deadline, prefix, payload)
   local packed = NEVER
   if deadline > 0 then packed = struct.pack('>d', deadline) end
-  return string.char(prio) .. packed .. prefix .. payload
+  return CHAR[prio] .. packed .. prefix .. payload
 end
 -- One command with many arguments, in slices that stay within Lua's stack.
 local function bulk(command, key, args)
@@ -88,7 +111,15 @@ local function bulk(command, key, args)
     redis.call(command, key, unpack(args, i, math.min(i + 999, #args)))
   end
 end
-local function group_prefix(key) return struct.pack('>H', #key) .. key end
+local function group_prefix(key)
+  local n = #key
+  local length = LEN2[n]
+  if not length then
+    length = CHAR[math.floor(n / 256)] .. CHAR[n % 256]
+    LEN2[n] = length
+  end
+  return length .. key
+end
 -- The key index, KEYS[KI] (``:k``; a lease function's dead queue has its own at KI + 1): key
 -- -> the seq of its one packet, or '#' .. n when the key has n packets, all of them in the
 -- group index (``:g``). A key with one packet, the common case, has no group index entry: a
@@ -105,17 +136,26 @@ local function hmget(hash, fields)
   return out
 end
 local function grouped(v) return v and string.byte(v, 1) == 35 end  -- '#'
--- The index value of each distinct key of ``entries`` (false: none), and those keys.
-local function states_of(index, entries)
-  local keys, state = {}, {}
+-- The index value of each distinct key of ``entries`` (false: none), and those keys. ``known``
+-- (optional): values this call already read (key -> value or false), not read again.
+local function states_of(index, entries, known)
+  local keys, state, missing = {}, {}, {}
   for _, e in ipairs(entries) do
-    if state[e[1]] == nil then
-      state[e[1]] = false
-      keys[#keys + 1] = e[1]
+    local key = e[1]
+    if state[key] == nil then
+      local v = known and known[key]
+      if v == nil then
+        v = false
+        missing[#missing + 1] = key
+      end
+      state[key] = v
+      keys[#keys + 1] = key
     end
   end
-  local values = hmget(index, keys)
-  for j, key in ipairs(keys) do state[key] = values[j] or false end
+  if #missing > 0 then
+    local values = hmget(index, missing)
+    for j, key in ipairs(missing) do state[key] = values[j] or false end
+  end
   return state, keys
 end
 -- Index packets entering the queue (pushed, or put back under their old seq).
@@ -147,15 +187,42 @@ local function index_insert(index, groups, entries)
   bulk('HSET', index, fields)
   bulk('ZADD', groups, members)
 end
--- Unindex packets leaving the queue.
-local function index_remove(index, groups, entries)
+-- Filing packets that enter a queue (pushed, promoted, moved in, put back): ``filing()``
+-- gathers one command's arguments a structure, ``file_packet`` adds a packet (its seq, record,
+-- key, group prefix, prio and TTL deadline), ``filed`` writes them into the queue whose ``:d``
+-- ``:s`` ``:g`` ``:x`` ``:k`` are given, and says whether a selectable packet entered (then
+-- waiting front ends are owed a message).
+local function filing() return {data = {}, entries = {}, levels = {}, deadlines = {}} end
+local function file_packet(f, seq, rec, key, prefix, prio, deadline)
+  local data, levels, deadlines = f.data, f.levels, f.deadlines
+  data[#data + 1] = seq
+  data[#data + 1] = rec
+  f.entries[#f.entries + 1] = {key, prefix, seq}
+  if prio > 0 then
+    levels[#levels + 1] = -prio
+    levels[#levels + 1] = seq
+  end
+  if deadline > 0 then
+    deadlines[#deadlines + 1] = deadline
+    deadlines[#deadlines + 1] = seq
+  end
+end
+local function filed(f, d, s, g, x, k)
+  bulk('HSET', d, f.data)
+  index_insert(k, g, f.entries)
+  bulk('ZADD', s, f.levels)
+  bulk('ZADD', x, f.deadlines)
+  return #f.levels > 0
+end
+-- Unindex packets leaving the queue (``known``: as ``states_of``).
+local function index_remove(index, groups, entries, known)
   if #entries == 0 then return end
-  local state, keys = states_of(index, entries)
+  local state, keys = states_of(index, entries, known)
   local members, gone, left = {}, {}, {}
   for _, e in ipairs(entries) do
     local v = state[e[1]]
     if grouped(v) then
-      members[#members + 1] = e[2] .. e[3]
+      members[#members + 1] = (e[2] or group_prefix(e[1])) .. e[3]
       state[e[1]] = '#' .. (tonumber(string.sub(v, 2)) - 1)
     else
       state[e[1]] = false
@@ -239,35 +306,22 @@ local function promote(now)
   local due = redis.call('ZRANGEBYSCORE', KEYS[YI + 1], '-inf', now)
   if #due == 0 then return 0, 0 end
   local recs = hmget(KEYS[YI], due)
-  local data, entries, levels, deadlines = {}, {}, {}, {}
+  local f = filing()
   for i, rec in ipairs(recs) do
-    local seq = due[i]
     local deadline = struct.unpack('>d', string.sub(rec, 2, 9))
     if deadline == 0 or deadline > now then
-      local prio, klen = string.byte(rec, 1), struct.unpack('>H', string.sub(rec, 10, 11))
-      data[#data + 1] = seq
-      data[#data + 1] = rec
-      entries[#entries + 1] = {string.sub(rec, 12, 11 + klen), string.sub(rec, 10, 11 + klen), seq}
-      if prio > 0 then
-        levels[#levels + 1] = -prio
-        levels[#levels + 1] = seq
-      end
-      if deadline > 0 then
-        deadlines[#deadlines + 1] = deadline
-        deadlines[#deadlines + 1] = seq
-      end
+      local klen = key_length(rec)
+      file_packet(f, due[i], rec, string.sub(rec, 12, 11 + klen), string.sub(rec, 10, 11 + klen),
+        string.byte(rec, 1), deadline)
     end
   end
   bulk('HDEL', KEYS[YI], due)
   redis.call('ZREMRANGEBYSCORE', KEYS[YI + 1], '-inf', now)
-  bulk('HSET', KEYS[1], data)
-  index_insert(KEYS[KI], KEYS[3], entries)
-  bulk('ZADD', KEYS[2], levels)
-  bulk('ZADD', KEYS[4], deadlines)
-  if #levels > 0 and redis.call('EXISTS', KEYS[YI + 2]) == 1 then
+  if filed(f, KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[KI])
+      and redis.call('EXISTS', KEYS[YI + 2]) == 1 then
     redis.call('PUBLISH', channel_of(KEYS[YI + 2]), '')
   end
-  return #entries, #due - #entries
+  return #f.entries, #due - #f.entries
 end
 -- Promote what is due and sweep what expired, on a queue that has delayed packets or TTL
 -- deadlines; most have neither, and then one EXISTS is all this costs (no TIME, no range).
@@ -286,14 +340,23 @@ local function sweep_due()
   if YI > 0 then entered, dropped = promote(now) end
   return true, entered, dropped + sweep(now)
 end
--- Once the queue holds nothing, forget it entirely (decision 5); its last sequence number
--- stays while delayed packets hold theirs (a new push must not take one of them).
+-- KEYS[LI]: the queue's lease table (``:l``; every function that may forget the queue takes it).
+local LI = 0
+-- Whether delayed or leased packets hold sequence numbers of the queue: while they do, its
+-- last sequence number stays, so a new push takes none of theirs, nor an older one (a leased
+-- packet goes back under its old one, decision 15; a batch's numbers run ahead of the clock).
+local function seqs_held()
+  if YI > 0 then return redis.call('EXISTS', KEYS[YI], KEYS[LI]) > 0 end
+  return redis.call('EXISTS', KEYS[LI]) > 0
+end
+-- Once the queue holds nothing, forget it entirely (decision 5), but for the last sequence
+-- number while ``seqs_held``.
 local function forget_if_empty()
   if redis.call('EXISTS', KEYS[1]) == 0 then
-    if YI == 0 or redis.call('EXISTS', KEYS[YI]) == 0 then
-      redis.call('DEL', KEYS[5], KEYS[KI])
-    else
+    if seqs_held() then
       redis.call('DEL', KEYS[KI])
+    else
+      redis.call('DEL', KEYS[5], KEYS[KI])
     end
   end
 end
@@ -312,35 +375,22 @@ end
 PUSH = r"""
 local now, t = now_ms()
 local seq = next_seq(KEYS[5], t)
--- The arguments of one HSET and three ZADDs for the whole batch.
-local data, entries, levels, deadlines = {}, {}, {}, {}
-local earliest = 0
+local f, earliest, s, head = filing(), 0, nil, nil
 for i = 2, #ARGV, 4 do
   local key, payload, ttl, prio = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
-  local s = digits(seq)
   local deadline = 0
   if ttl > 0 then
     deadline = now + ttl
     if earliest == 0 or deadline < earliest then earliest = deadline end
-    deadlines[#deadlines + 1] = deadline
-    deadlines[#deadlines + 1] = s
   end
   local prefix = group_prefix(key)
-  data[#data + 1] = s
-  data[#data + 1] = record(prio, deadline, prefix, payload)
-  entries[#entries + 1] = {key, prefix, s}
-  if prio > 0 then
-    levels[#levels + 1] = -prio
-    levels[#levels + 1] = s
-  end
+  s, head = seq_digits(seq, head)
+  file_packet(f, s, record(prio, deadline, prefix, payload), key, prefix, prio, deadline)
   seq = seq + 1
 end
-bulk('HSET', KEYS[1], data)
-index_insert(KEYS[KI], KEYS[3], entries)
-bulk('ZADD', KEYS[2], levels)
-bulk('ZADD', KEYS[4], deadlines)
+local selectable = filed(f, KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[KI])
 redis.call('SET', KEYS[5], digits(seq - 1))
-if #levels > 0 and redis.call('EXISTS', KEYS[6]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
+if selectable and redis.call('EXISTS', KEYS[6]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
 -- And how many packets the queue holds now, for the front end's figures.
 return {earliest, redis.call('HLEN', KEYS[1])}
 """
@@ -355,13 +405,13 @@ PUSH_DELAYED = r"""
 YI = 2
 local now, t = now_precise()
 local seq = next_seq(KEYS[1], t)
-local data, dues, earliest = {}, {}, 0
+local data, dues, earliest, s, head = {}, {}, 0, nil, nil
 for i = 1, #ARGV, 5 do
   local key, payload, ttl, prio = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
   local due = now + tonumber(ARGV[i + 4])
   local deadline = 0
   if ttl > 0 then deadline = due + ttl end
-  local s = digits(seq)
+  s, head = seq_digits(seq, head)
   data[#data + 1] = s
   data[#data + 1] = record(prio, deadline, group_prefix(key), payload)
   dues[#dues + 1] = due
@@ -378,12 +428,13 @@ end
 return {tostring(earliest), redis.call('HLEN', KEYS[2])}
 """
 
-#: KEYS d s g x q r y Y w k; ARGV max_pop, pops, full, call id, retry ('1' if sent before), then
+#: KEYS d s g x q r y Y w l k; ARGV max_pop, pops, full, call id, retry ('1' if sent before), then
 #: the call ids whose results the front end has. Promotes and sweeps what is due, then ``pops``
 #: times removes the best packet and its key group (decisions 2-4). Returns one flat list a
 #: pop: two fields a packet (key, payload), or with ``full`` = 1 five (key, payload, prio, seq,
 #: deadline: enough for a delivery nobody could take to go back unchanged); then the
-#: selectable packets left, and all the packets left. A call that took packets keeps that reply
+#: selectable packets left (with ``full`` only; else 0), and all the packets left. A call that
+#: took packets keeps that reply
 #: under its id in ``:r``.
 #: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
 POP = r"""
@@ -397,21 +448,24 @@ if retry then
   local kept = redis.call('HGET', KEYS[6], call_id)
   if kept then return cmsgpack.unpack(kept) end
 end
-YI = 7
-local expiring = sweep_due()
+YI, LI = 7, 10
+local expiring, _, expired = sweep_due()
 -- Removals wait until every pop of the call has chosen (one HDEL and one ZREM a structure
 -- for the whole call, not per pop); meanwhile ``taken`` keeps a packet from being chosen
 -- twice, and the selection set is read in pages of candidates, best first.
 local taken, seqs, entries = {}, {}, {}
-local taken_by_group = {}  -- group prefix -> packets of it taken (for groups over max_pop)
-local page, records, at, start, state = {}, {}, 1, 0, {}
+local taken_by_group = {}  -- key -> packets of it taken (for groups over max_pop)
+-- ``known``: the key index's value of every key read so far (all read before any removal).
+local page, records, page_keys, at, start, known = {}, {}, {}, 1, 0, {}
+-- ``prefix``: the key's group prefix where it has a group (nil: ``index_remove`` needs none).
 local function take(seq, key, prefix)
   taken[seq] = true
   seqs[#seqs + 1] = seq
   entries[#entries + 1] = {key, prefix, seq}
-  taken_by_group[prefix] = (taken_by_group[prefix] or 0) + 1
+  taken_by_group[key] = (taken_by_group[key] or 0) + 1
 end
--- The best packet not yet taken: its seq and record, and whether its key has a group, or nil.
+-- The best packet not yet taken: its seq, record and key, and whether its key has a group; or
+-- nil.
 local function best(wanted)
   while true do
     if at > #page then
@@ -421,41 +475,38 @@ local function best(wanted)
       records = redis.call('HMGET', KEYS[1], unpack(page))
       local page_entries = {}
       for i, rec in ipairs(records) do
-        local klen = struct.unpack('>H', string.sub(rec, 10, 11))
-        page_entries[i] = {string.sub(rec, 12, 11 + klen)}
+        page_keys[i] = string.sub(rec, 12, 11 + key_length(rec))
+        page_entries[i] = {page_keys[i]}
       end
-      state = states_of(KEYS[KI], page_entries)
+      for key, v in pairs(states_of(KEYS[KI], page_entries, known)) do known[key] = v end
     end
-    local seq, rec = page[at], records[at]
+    local seq, rec, key = page[at], records[at], page_keys[at]
     at = at + 1
-    if not taken[seq] then
-      local klen = struct.unpack('>H', string.sub(rec, 10, 11))
-      return seq, rec, grouped(state[string.sub(rec, 12, 11 + klen)])
-    end
+    if not taken[seq] then return seq, rec, key, grouped(known[key]) end
   end
 end
-local function packet(out, seq, rec)
-  local prio, deadline, key, payload = unpack_packet(rec)
+-- Add the packet ``seq`` (its record, its key) to a pop's reply.
+local function packet(out, seq, rec, key)
   local n = #out
-  out[n + 1], out[n + 2] = key, payload
-  if full then out[n + 3], out[n + 4], out[n + 5] = prio, seq, tostring(deadline) end
-  return key
+  out[n + 1], out[n + 2] = key, string.sub(rec, 12 + #key)
+  if full then
+    out[n + 3], out[n + 4] = string.byte(rec, 1), seq
+    out[n + 5] = tostring(struct.unpack('>d', string.sub(rec, 2, 9)))
+  end
 end
 local function pop_one(left)
-  local selected, rec, has_group = best(left)
+  local selected, rec, key, has_group = best(left)
   if not selected then return {} end
   local out = {}
-  local key = packet(out, selected, rec)
-  local prefix = group_prefix(key)
-  local before = taken_by_group[prefix] or 0
+  packet(out, selected, rec, key)
+  local prefix = has_group and group_prefix(key) or nil
+  local before = taken_by_group[key] or 0
   take(selected, key, prefix)
-  local range = {}
-  if has_group then
-    -- The rest of its key group in push order; packets taken by earlier pops of this call are
-    -- still in the index, so the range reaches past them.
-    range = redis.call('ZRANGEBYLEX', KEYS[3], '[' .. prefix, '[' .. prefix .. '\255',
-      'LIMIT', 0, max_pop + before)
-  end
+  if not has_group then return out end
+  -- The rest of its key group in push order; packets taken by earlier pops of this call are
+  -- still in the index, so the range reaches past them.
+  local range = redis.call('ZRANGEBYLEX', KEYS[3], '[' .. prefix, '[' .. prefix .. '\255',
+    'LIMIT', 0, max_pop + before)
   local others, skip = {}, #prefix + 1
   for _, member in ipairs(range) do
     if #others + 1 >= max_pop then break end
@@ -467,21 +518,25 @@ local function pop_one(left)
   end
   for i = 1, #others, 1000 do
     local recs = redis.call('HMGET', KEYS[1], unpack(others, i, math.min(i + 999, #others)))
-    for j, r in ipairs(recs) do packet(out, others[i + j - 1], r) end
+    for j, r in ipairs(recs) do packet(out, others[i + j - 1], r, key) end
   end
   return out
 end
 local replies = {}
 for i = 1, pops do replies[i] = pop_one(pops - i + 1) end
 bulk('HDEL', KEYS[1], seqs)
-index_remove(KEYS[KI], KEYS[3], entries)
+index_remove(KEYS[KI], KEYS[3], entries, known)
 bulk('ZREM', KEYS[2], seqs)  -- prio-0 seqs among them are simply not members
 if expiring then bulk('ZREM', KEYS[4], seqs) end
--- Last, how many selectable packets are left: a subscriber's front end stops there.
-local left = redis.call('ZCARD', KEYS[2])
-if left == 0 then forget_if_empty() end
-replies[pops + 1] = left
-replies[pops + 2] = redis.call('HLEN', KEYS[1])  -- packets held, for the front end's figures
+-- Last, the packets held (for the front end's figures) and, for a delivery, how many
+-- selectable ones are left (a subscriber's front end stops there; 0 otherwise: unread).
+local held = redis.call('HLEN', KEYS[1])
+-- A queue this call emptied is forgotten. One that was empty already was forgotten when it
+-- emptied (or keeps its number for its delayed or leased packets): a pop of an empty or
+-- missing queue, a consumer polling, costs three calls (EXISTS, ZRANGE, HLEN), not six.
+if held == 0 and (#seqs > 0 or expired > 0) then forget_if_empty() end
+replies[pops + 1] = full and redis.call('ZCARD', KEYS[2]) or 0
+replies[pops + 2] = held
 if #seqs > 0 then
   -- Kept until the front end confirms it has the reply (a later call's ARGV, or its cleanup
   -- every few seconds); the key's day-long lifetime only bounds what a front end that died
@@ -492,10 +547,10 @@ end
 return replies
 """
 
-#: KEYS d s g x q y Y w k; no ARGV. Promotes and sweeps what is due and returns the rank of what a
+#: KEYS d s g x q y Y w l k; no ARGV. Promotes and sweeps what is due and returns the rank of what a
 #: pop would select: {prio, seq}, or {} if nothing is selectable.
 RANK = r"""
-YI = 6
+YI, LI = 6, 9
 sweep_due()
 forget_if_empty()
 local top = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
@@ -503,21 +558,24 @@ if #top == 0 then return {} end
 return {-tonumber(top[2]), top[1]}
 """
 
-#: KEYS d s g x q y Y w k; no ARGV. Moves the delayed packets that are due into the queue and
+#: KEYS d s g x q y Y w l k; no ARGV. Moves the delayed packets that are due into the queue and
 #: removes the packets whose deadline has come. Returns {how many expired, how many entered,
 #: the next due time in ms or 0, how many packets the queue holds}.
 SWEEP = r"""
-YI = 6
+YI, LI = 6, 9
 local _, entered, expired = sweep_due()
 forget_if_empty()
 return {expired, entered, tostring(next_due()), redis.call('HLEN', KEYS[1])}
 """
 
-#: KEYS d s g x q y Y k; no ARGV. Removes every packet (prio 0 and delayed ones included; leased
-#: ones are not in the queue); returns {how many queued, how many delayed}.
+#: KEYS d s g x q y Y l k; no ARGV. Removes every packet (prio 0 and delayed ones included; leased
+#: ones are not in the queue, and keep the last sequence number: ``seqs_held``); returns {how
+#: many queued, how many delayed}.
 PURGE = r"""
+LI = 8
 local n, delayed = redis.call('HLEN', KEYS[1]), redis.call('HLEN', KEYS[6])
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[KI])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[6], KEYS[7], KEYS[KI])
+if not seqs_held() then redis.call('DEL', KEYS[5]) end
 return {n, delayed}
 """
 
@@ -526,28 +584,20 @@ return {n, delayed}
 #: has passed. Returns how many went back. ``allow-oom``: the memory was held a moment ago.
 RESTORE = r"""
 local now = now_ms()
-local back, selectable, last = 0, false, tonumber(redis.call('GET', KEYS[5]) or '0')
-local entries = {}
+local f, last = filing(), tonumber(redis.call('GET', KEYS[5]) or '0')
 for i = 2, #ARGV, 5 do
   local key, payload, prio = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
   local s, deadline = ARGV[i + 3], tonumber(ARGV[i + 4])
   if deadline == 0 or deadline > now then
     local prefix = group_prefix(key)
-    redis.call('HSET', KEYS[1], s, record(prio, deadline, prefix, payload))
-    entries[#entries + 1] = {key, prefix, s}
-    if deadline > 0 then redis.call('ZADD', KEYS[4], deadline, s) end
-    if prio > 0 then
-      redis.call('ZADD', KEYS[2], -prio, s)
-      selectable = true
-    end
+    file_packet(f, s, record(prio, deadline, prefix, payload), key, prefix, prio, deadline)
     if tonumber(s) > last then last = tonumber(s) end
-    back = back + 1
   end
 end
-index_insert(KEYS[KI], KEYS[3], entries)
-if back > 0 then redis.call('SET', KEYS[5], digits(last)) end
+local selectable = filed(f, KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[KI])
+if #f.entries > 0 then redis.call('SET', KEYS[5], digits(last)) end
 if selectable and redis.call('EXISTS', KEYS[6]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
-return back
+return #f.entries
 """
 
 #: KEYS d s g x k; ARGV count max_pop. What the next pops would return, in order, removing
@@ -614,7 +664,7 @@ local function move_selection(limit)
     for i, seq in ipairs(page) do
       if #seqs >= limit then break end
       if not taken[seq] then
-        local klen = struct.unpack('>H', string.sub(recs[i], 10, 11))
+        local klen = key_length(recs[i])
         local key = string.sub(recs[i], 12, 11 + klen)
         local group = group_of(KEYS[KI], KEYS[3], key, group_prefix(key), -1)
         if #group == 0 then group = {seq} end
@@ -644,56 +694,44 @@ end
 local function push_moved(tk, t, o)
   local now, clock = now_precise()
   local seq = next_seq(tk[5], clock)
-  local data, entries, levels, deadlines, earliest = {}, {}, {}, {}, 0
+  local f, earliest, s, head = filing(), 0, nil, nil
   for i = o, #t, 5 do
     local key, payload, prio, deadline = t[i], t[i + 1], tonumber(t[i + 2]), tonumber(t[i + 4])
     if deadline == 0 or deadline > now then
-      local s, prefix = digits(seq), group_prefix(key)
+      local prefix = group_prefix(key)
+      s, head = seq_digits(seq, head)
+      file_packet(f, s, record(prio, deadline, prefix, payload), key, prefix, prio, deadline)
       seq = seq + 1
-      data[#data + 1] = s
-      data[#data + 1] = record(prio, deadline, prefix, payload)
-      entries[#entries + 1] = {key, prefix, s}
-      if prio > 0 then
-        levels[#levels + 1] = -prio
-        levels[#levels + 1] = s
-      end
-      if deadline > 0 then
-        deadlines[#deadlines + 1] = deadline
-        deadlines[#deadlines + 1] = s
-        if earliest == 0 or deadline < earliest then earliest = deadline end
-      end
+      if deadline > 0 and (earliest == 0 or deadline < earliest) then earliest = deadline end
     end
   end
-  if #entries == 0 then return 0, 0 end
-  bulk('HSET', tk[1], data)
-  index_insert(tk[7], tk[3], entries)
-  bulk('ZADD', tk[2], levels)
-  bulk('ZADD', tk[4], deadlines)
+  if #f.entries == 0 then return 0, 0 end
+  local selectable = filed(f, tk[1], tk[2], tk[3], tk[4], tk[7])
   redis.call('SET', tk[5], digits(seq - 1))
-  if #levels > 0 and redis.call('EXISTS', tk[6]) == 1 then
+  if selectable and redis.call('EXISTS', tk[6]) == 1 then
     redis.call('PUBLISH', channel_of(tk[6]), '')
   end
-  return #entries, earliest
+  return #f.entries, earliest
 end
 """
 
-#: KEYS: the source's d s g x q r y Y w k a, then the target's d s g x q w k (one Cluster slot);
+#: KEYS: the source's d s g x q r y Y w l k a, then the target's d s g x q w k (one Cluster slot);
 #: ARGV limit (0: all). Moves whole key groups, in pop order, while fewer than ``limit`` packets
 #: have moved (decision 22): due delayed packets are promoted and expired ones swept first;
 #: leased and delayed packets stay. Returns {how many moved, how many entered (fewer when a
 #: TTL passed meanwhile), the earliest TTL deadline among them (0: none), packets left in the
 #: source, packets in the target}.
 MOVE = r"""
-KI, YI = 10, 7
+KI, YI, LI = 11, 7, 10
 sweep_due()
 local seqs = move_selection(tonumber(ARGV[1]))
-local packets = take_for_move(seqs, KEYS[11])
-local entered, earliest = push_moved({unpack(KEYS, 12, 18)}, packets, 1)
-local left, held = redis.call('HLEN', KEYS[1]), redis.call('HLEN', KEYS[12])
+local packets = take_for_move(seqs, KEYS[12])
+local entered, earliest = push_moved({unpack(KEYS, 13, 19)}, packets, 1)
+local left, held = redis.call('HLEN', KEYS[1]), redis.call('HLEN', KEYS[13])
 return {#seqs, entered, tostring(earliest), left, held}
 """
 
-#: KEYS: the source's d s g x q r y Y w k a m; ARGV limit, move id, the target's name. The first
+#: KEYS: the source's d s g x q r y Y w l k a m; ARGV limit, move id, the target's name. The first
 #: half of a move between two Cluster slots: takes what a move of ``limit`` would take (0: a
 #: round of whole groups of about ``MOVE_ROUND`` packets, then, once nothing selectable is left,
 #: every prio-0 packet left) and keeps it in ``:m`` under the move id (with Redis's time and the
@@ -701,16 +739,16 @@ return {#seqs, entered, tostring(earliest), left, held}
 #: front end that dies between the two leaves it there for any front end's scan to finish.
 #: Returns the packets in push order, five fields each (none: nothing to move).
 MOVE_OUT = r"""
-KI, YI = 10, 7
+KI, YI, LI = 11, 7, 10
 sweep_due()
 local limit = tonumber(ARGV[1])
 local seqs = move_selection(limit > 0 and limit or MOVE_ROUND)
 if #seqs == 0 and limit == 0 then seqs = move_selection(0) end
-local packets = take_for_move(seqs, KEYS[11])
+local packets = take_for_move(seqs, KEYS[12])
 if #packets > 0 then
   local kept = {now_ms(), ARGV[3]}
   for _, v in ipairs(packets) do kept[#kept + 1] = v end
-  redis.call('HSET', KEYS[12], ARGV[2], cmsgpack.pack(kept))
+  redis.call('HSET', KEYS[13], ARGV[2], cmsgpack.pack(kept))
 end
 return packets
 """
@@ -763,42 +801,36 @@ local function lease_args()
   max_deliveries, dead_ok = tonumber(ARGV[3]), ARGV[4] == '1'
   KI = 16  -- the queue's key index; its dead queue's is KEYS[17]
   YI = 18  -- the queue's delayed packets, their due times, its waiting mark
+  LI = 7  -- its lease table
 end
 -- Put a lease's packets into the queue at KEYS offset ``o`` (0: the queue, 9: its dead
 -- queue) as they were; drops those whose TTL passed (TTL wins). ``bump``: each packet's count
 -- one more (nil: counts reset, for the dead queue). Returns how many went back.
 local function put_back(o, channel, t, bump, now)
-  local back, selectable = 0, false
+  local f, counts = filing(), {}
   local last = tonumber(redis.call('GET', KEYS[o + 5]) or '0')
-  local entries = {}
   for i = 2, #t, 6 do
     local key, payload, prio = t[i], t[i + 1], t[i + 2]
     local s, deadline, count = t[i + 3], t[i + 4], t[i + 5]
     if deadline == 0 or deadline > now then
       local prefix = group_prefix(key)
-      redis.call('HSET', KEYS[o + 1], s, record(prio, deadline, prefix, payload))
-      entries[#entries + 1] = {key, prefix, s}
-      if deadline > 0 then redis.call('ZADD', KEYS[o + 4], deadline, s) end
-      if prio > 0 then
-        redis.call('ZADD', KEYS[o + 2], -prio, s)
-        selectable = true
-      end
-      if o == 0 then
-        count = count + bump
-        if count > 0 then redis.call('HSET', KEYS[9], s, count) end
+      file_packet(f, s, record(prio, deadline, prefix, payload), key, prefix, prio, deadline)
+      if o == 0 and count + bump > 0 then
+        counts[#counts + 1] = s
+        counts[#counts + 1] = count + bump
       end
       if tonumber(s) > last then last = tonumber(s) end
-      back = back + 1
     end
   end
   local index = KI
   if o > 0 then index = KI + 1 end
-  index_insert(KEYS[index], KEYS[o + 3], entries)
-  if back > 0 then redis.call('SET', KEYS[o + 5], digits(last)) end
+  local selectable = filed(f, KEYS[o + 1], KEYS[o + 2], KEYS[o + 3], KEYS[o + 4], KEYS[index])
+  bulk('HSET', KEYS[9], counts)
+  if #f.entries > 0 then redis.call('SET', KEYS[o + 5], digits(last)) end
   if selectable and redis.call('EXISTS', KEYS[o + 6]) == 1 then
     redis.call('PUBLISH', channel, '')
   end
-  return back
+  return #f.entries
 end
 -- End a lease other than by ack: its packets go back, counted (``counted`` false: a delivery
 -- nobody could take, not an attempt), or after max deliveries to the dead queue.
@@ -937,7 +969,7 @@ return reply
 #: The layout of the keys and the calling convention of the functions. A front end loads the
 #: library ``pinpriq_<LAYOUT>`` once (``FUNCTION LOAD``); Redis keeps it (in its RDB and AOF
 #: too) and every front end calls the same functions. Bump it with any change to the scripts.
-LAYOUT = 3
+LAYOUT = 4
 LIBRARY_NAME = f"pinpriq_{LAYOUT}"
 
 #: Each function: its body and its flags (``allow-oom``: it only frees memory or puts back what
@@ -970,7 +1002,7 @@ def _register(operation: str, body: str, flags: str) -> str:
     return (
         f"local function op_{operation}()\n{body}end\n"
         f"redis.register_function{{function_name='{function_name(operation)}', "
-        "callback=function(keys, args) KEYS, ARGV, KI = keys, args, #keys; "
+        "callback=function(keys, args) KEYS, ARGV, KI, YI, LI = keys, args, #keys, 0, 0; tables(); "
         f"return op_{operation}() end, "
         f"flags={{{flags}}}}}\n"
     )

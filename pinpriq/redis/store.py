@@ -401,9 +401,9 @@ class RedisStore:
 
     def _timed(self, queue: bytes) -> list[bytes]:
         """The KEYS of a function that promotes the queue's due packets: d s g x q, its delayed
-        packets, their due times, its waiting mark, its key index."""
+        packets, their due times, its waiting mark, its lease table, its key index."""
         k = self.keys(queue)
-        return [*k[:5], k.delayed, k.due, k.waiting, k.key_index]
+        return [*k[:5], k.delayed, k.due, k.waiting, k.leases, k.key_index]
 
     def _sweep_call(self, queue: bytes) -> _Call:
         return ("sweep", self._timed(queue), ())
@@ -437,7 +437,7 @@ class RedisStore:
             confirmed = confirmed[:CONFIRMS_PER_CALL]
         return (
             "pop",
-            [*k[:5], k.results, k.delayed, k.due, k.waiting, k.key_index],
+            [*k[:5], k.results, k.delayed, k.due, k.waiting, k.leases, k.key_index],
             [self.max_pop, 1, full, call_id, 0, *confirmed],
         )
 
@@ -510,7 +510,7 @@ class RedisStore:
     async def purge_async(self, queue: bytes) -> int:
         """Remove every packet of ``queue``, delayed ones included; returns how many."""
         k = self.keys(queue)
-        purge = ("purge", [*k[:5], k.delayed, k.due, k.key_index], ())
+        purge = ("purge", [*k[:5], k.delayed, k.due, k.leases, k.key_index], ())
         (reply,) = await self.call_all([purge])
         self.note_size(queue, 0)
         self._note_delayed(queue, 0)
@@ -535,7 +535,7 @@ class RedisStore:
         if self.cluster and hash_tag(source) != hash_tag(target):
             return await self._move_across(source, target, limit)
         t = self.keys(target)
-        keys = [*self._move_keys(source)[:11], *t[:6], t.key_index]
+        keys = [*self._move_keys(source)[:12], *t[:6], t.key_index]
         (reply,) = await self.call_all([("move", keys, [limit])])
         moved, entered, earliest = int(reply[0]), int(reply[1]), float(reply[2])
         self._moved_in(target, entered, earliest, int(reply[4]))
@@ -580,10 +580,11 @@ class RedisStore:
             self._trouble(f"Redis is unreachable ({error}); retrying")
 
     def _move_keys(self, source: bytes) -> list[bytes]:
-        """A move's KEYS of its source: d s g x q r y Y w k a m."""
+        """A move's KEYS of its source: d s g x q r y Y w l k a m."""
         s = self.keys(source)
         return [
-            *s[:5], s.results, s.delayed, s.due, s.waiting, s.key_index, s.attempts, s.moving
+            *s[:5], s.results, s.delayed, s.due, s.waiting, s.leases, s.key_index, s.attempts,
+            s.moving,
         ]  # fmt: skip
 
     async def _move_in(self, target: bytes, move_id: bytes, packets: Sequence[Any]) -> None:
