@@ -7,13 +7,15 @@ depend on what else the machine is doing.
     python benchmarks/server_instructions.py --fsync everysec      # with --data-dir (a log)
     python benchmarks/server_instructions.py -P 1 -n 8000          # a round trip per request
     python benchmarks/server_instructions.py -t push --ttl 65536   # pushes as 71 frames
+    python benchmarks/server_instructions.py -P 1 --trio-null      # and the Trio null server
+    python benchmarks/server_instructions.py -P 1 -c 1             # one client: every request waits
 
 Each measurement starts ``pinpriq-server`` under ``valgrind --tool=callgrind``, drives it with
-``pinpriq-bench`` (4 client processes, pipeline 64 or ``-P``, 8-byte keys, 16-byte payloads,
-prio 1..255, as ``compare_redis.py``), stops it with SIGTERM and reads the instruction total
-valgrind prints. It does so for N and for 2N operations and divides the difference by N, so
-start-up, imports and shutdown cancel out. Pop scenarios push their packets first, so "pop" is
-a push and a pop.
+``pinpriq-bench`` (4 client processes or ``-c``, pipeline 64 or ``-P``, 8-byte keys, 16-byte
+payloads, prio 1..255, as ``compare_redis.py``), stops it with SIGTERM and reads the
+instruction total valgrind prints. It does so for N and for 2N operations and divides the
+difference by N, so start-up, imports and shutdown cancel out. Pop scenarios push their packets
+first, so "pop" is a push and a pop.
 
 With ``--ttl MS`` every push carries that TTL. A TTL above 65,535 ms does not fit a ``70``, so
 the bench sends each push as a ``71`` with delay 0 (protocol 1.2): ``--ttl 65536`` against
@@ -22,6 +24,15 @@ the bench sends each push as a ``71`` with delay 0 (protocol 1.2): ``--ttl 65536
 With ``--fsync POLICY`` each server runs with ``--data-dir`` on a fresh temporary directory and
 that policy, so the figure includes logging every push and pop (fsyncs themselves are the
 kernel's, and not counted).
+
+With ``--trio-null`` each checkout's ``benchmarks/trio_null_server.py`` (pinpriq's socket loop
+and codec, no store) is measured the same way after it: the ceiling a request's instructions
+are compared with, "null" in the output.
+
+At ``-P 1`` how often a read finds the next request already there (and so how often the
+server waits in trio) depends on the timing of the 4 clients, and the figure moves by up to
+10% from run to run; with ``-c 1`` every request is one wait, read, reply, the same path each
+time, which is the figure to compare two versions of the socket loop by.
 
 Valgrind runs the server about 50 times slower than usual, so a run of the default 64,000
 operations takes about a minute. The figure moves by about 1% from run to run (the garbage
@@ -45,7 +56,7 @@ from typing import IO
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(sys.executable).parent / "pinpriq-bench"
-WORKLOAD = ["-c", "4", "--key-size", "8", "--payload-size", "16", "--prio-levels", "255"]
+WORKLOAD = ["--key-size", "8", "--payload-size", "16", "--prio-levels", "255"]
 TOTAL = re.compile(rb"Collected : (\d+)")
 LISTENING = re.compile(rb"listening on \S+ port (\d+)")
 
@@ -57,17 +68,24 @@ def server_instructions(
     fsync: str | None = None,
     pipeline: int = 64,
     ttl_ms: int = 0,
+    null: bool = False,
+    clients: int = 4,
 ) -> int:
     """Instructions of one server process serving ``ops`` operations of ``scenario`` at
     ``pipeline`` requests in flight per connection, pushes with TTL ``ttl_ms``; with a log on
-    a fresh directory if ``fsync`` names a policy."""
+    a fresh directory if ``fsync`` names a policy; of the checkout's Trio null server instead
+    of ``pinpriq-server`` if ``null``; driven by ``clients`` connections."""
     valgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     with tempfile.TemporaryFile() as log, tempfile.TemporaryDirectory() as data:
-        command = [str(checkout / ".venv" / "bin" / "pinpriq-server"), "--port", "0"]
-        if fsync:
-            command += ["--data-dir", data, "--fsync", fsync]
+        if null:
+            python = str(checkout / ".venv" / "bin" / "python")
+            command = [python, str(checkout / "benchmarks" / "trio_null_server.py"), "--port", "0"]
+        else:
+            command = [str(checkout / ".venv" / "bin" / "pinpriq-server"), "--port", "0"]
+            command += ["--data-dir", data, "--fsync", fsync] if fsync else []
+            command += _admin_options(command[0])
         server = subprocess.Popen(
-            [*valgrind, *command, *_admin_options(command[0])],
+            [*valgrind, *command],
             stderr=log,
             stdout=subprocess.DEVNULL,
         )
@@ -76,7 +94,18 @@ def server_instructions(
             bench = [str(BENCH), "--port", str(port), "-q", "--json", "-t", scenario]
             bench += ["--ttl", str(ttl_ms)] if ttl_ms else []
             subprocess.run(
-                [*bench, "-n", str(ops), "--timeout", "600", "-P", str(pipeline), *WORKLOAD],
+                [
+                    *bench,
+                    "-n",
+                    str(ops),
+                    "--timeout",
+                    "600",
+                    "-P",
+                    str(pipeline),
+                    "-c",
+                    str(clients),
+                    *WORKLOAD,
+                ],
                 check=True,
                 stdout=subprocess.DEVNULL,
                 timeout=3600,
@@ -120,11 +149,13 @@ def per_op(
     fsync: str | None = None,
     pipeline: int = 64,
     ttl_ms: int = 0,
+    null: bool = False,
+    clients: int = 4,
 ) -> float:
     """Instructions per operation: the difference between 2N and N operations, over N."""
     return (
-        server_instructions(checkout, scenario, 2 * ops, fsync, pipeline, ttl_ms)
-        - server_instructions(checkout, scenario, ops, fsync, pipeline, ttl_ms)
+        server_instructions(checkout, scenario, 2 * ops, fsync, pipeline, ttl_ms, null, clients)
+        - server_instructions(checkout, scenario, ops, fsync, pipeline, ttl_ms, null, clients)
     ) / ops
 
 
@@ -134,6 +165,9 @@ def main() -> None:
     parser.add_argument("-n", dest="ops", type=int, default=64_000, help="N (default: 64000)")
     parser.add_argument(
         "-P", dest="pipeline", type=int, default=64, help="requests in flight (default: 64)"
+    )
+    parser.add_argument(
+        "-c", dest="clients", type=int, default=4, help="client connections (default: 4)"
     )
     parser.add_argument("--runs", type=int, default=1, help="repeat, report the median")
     parser.add_argument("--compare", type=Path, help="another checkout, with its own .venv")
@@ -149,21 +183,40 @@ def main() -> None:
         choices=["always", "everysec", "no"],
         help="run the servers with --data-dir (fresh) and this policy (default: memory only)",
     )
+    parser.add_argument(
+        "--trio-null",
+        action="store_true",
+        help="measure each checkout's benchmarks/trio_null_server.py too",
+    )
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind)")
     checkouts = [ROOT] + ([args.compare.resolve()] if args.compare else [])
+    servers = [False, True] if args.trio_null else [False]
     for scenario in args.scenarios.split(","):
-        figures = []
-        for checkout in checkouts:
-            runs = [
-                per_op(checkout, scenario, args.ops, args.fsync, args.pipeline, args.ttl)
-                for _ in range(args.runs)
-            ]
-            figures.append(statistics.median(runs))
-            print(f"{scenario:5} {checkout}: {figures[-1]:,.0f} instructions per op", flush=True)
-        if len(figures) == 2:
-            print(f"{scenario:5} this checkout / the other: {figures[0] / figures[1]:.3f}")
+        for null in servers:
+            figures = []
+            name = "null " if null else ""
+            for checkout in checkouts:
+                runs = [
+                    per_op(
+                        checkout,
+                        scenario,
+                        args.ops,
+                        args.fsync,
+                        args.pipeline,
+                        args.ttl,
+                        null,
+                        args.clients,
+                    )
+                    for _ in range(args.runs)
+                ]
+                figures.append(statistics.median(runs))
+                print(f"{scenario:5} {name}{checkout}: {figures[-1]:,.0f} per op", flush=True)
+            if len(figures) == 2:
+                print(
+                    f"{scenario:5} {name}this checkout / the other: {figures[0] / figures[1]:.3f}"
+                )
 
 
 if __name__ == "__main__":

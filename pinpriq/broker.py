@@ -19,7 +19,10 @@ Theory of operation, as the driver sees it:
   it applied: all, or fewer when the next one must wait, with the reason in ``blocked``: a push
   while the memory cap is reached (``Blocked.MEMORY``: wait until the broker calls ``on_room``)
   or a client whose unread output passed ``OUTPUT_HIGH_WATER`` (``Blocked.OUTPUT``: wait until
-  the driver has written it). The driver waits, then calls ``receive`` with the rest.
+  the driver has written it). The driver waits, then calls ``receive`` with the rest. On a
+  store whose operations run in another process (``store_contract.BatchedStore``), the driver
+  runs a batch's pushes and pops there first and passes the pops' results with the frames
+  (``receive(frames, start, popped)``): the broker then answers each pop from them, in order.
 * **Deliveries.** A push may deliver to any session, this one included. ``Session.deliver``
   appends to that session's ``output`` and files the session in ``Broker.dirty``; after each
   ``receive`` the driver writes the output of every dirty session, before it reads the pusher's
@@ -72,6 +75,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple
 
@@ -95,6 +99,7 @@ from pinpriq.wire import (
     Auth,
     ClientFrame,
     DelayedPush,
+    KeyedPayload,
     LeasedSubscribe,
     Opcode,
     Pop,
@@ -430,13 +435,22 @@ class Session(Subscriber):
         #: Why the session was refused (``Blocked.REJECTED``), for the log; never a token.
         self.rejected: str | None = None
 
-    def receive(self, frames: Sequence[ClientFrame], start: int = 0) -> int:
+    def receive(
+        self,
+        frames: Sequence[ClientFrame],
+        start: int = 0,
+        popped: deque[list[KeyedPayload]] | None = None,
+    ) -> int:
         """Apply ``frames[start:]`` in order, appending what the client is owed to ``output``.
 
         Returns how many of ``frames`` are done: all of them, or fewer if the next must wait
         (``blocked`` says why) or breaks a rule (``error`` says which; close the connection).
         Call it again with the same list and the returned index once the wait is over, unless
         the session is ``Blocked.REJECTED``, which is final.
+
+        ``popped``: on a store whose pops already ran (a ``BatchedStore``'s ``run``), what the
+        pops of ``frames`` found, in frame order; each pop answers with the next, taken from
+        the left, instead of calling the store's ``pop``.
         """
         if not self.authenticated:
             start = self._authenticate(frames, start)
@@ -491,9 +505,12 @@ class Session(Subscriber):
                     name: bytes = frame[0]  # type: ignore[assignment,misc]
                     if packed is not None:  # the reply's bytes, written by the store
                         packed.pop_reply(name, output)
+                    elif native is not None:
+                        append_reply(output, native.pop(name))
+                    elif popped is not None:
+                        append_reply(output, popped.popleft())
                     else:
-                        popped = native.pop(name) if native is not None else store.pop(name)
-                        append_reply(output, popped)
+                        append_reply(output, store.pop(name))
                 else:
                     if kind is DelayedPush and broker.memory_full:  # waits as a push does
                         self.blocked = Blocked.MEMORY

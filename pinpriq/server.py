@@ -52,7 +52,7 @@ import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import Container
+from collections.abc import Callable, Container
 from typing import cast
 
 import trio
@@ -168,6 +168,14 @@ class _Connection:
         self.frames = 0
         self.close_reason = "closed by the client"
         self.reading = trio.CancelScope()  # cancelled to stop reading, as at shutdown
+        # How a batch of frames reaches the store, the same two calls whatever the store:
+        # ``_apply_now`` applies what it can without a wait and says how many frames it did,
+        # ``_apply_rest`` awaits the rest. The built-in store applies a whole batch at once, in
+        # this task (``Session.receive`` itself: the hot path pays no extra call); a store in
+        # another process (``BatchedStore``) applies nothing before its answers.
+        self._apply_now: Callable[[list[ClientFrame]], int] = (
+            session.receive if server.batched is None else _nothing_at_once
+        )
         self._output_ready = trio.Event()
         self._output_drained = trio.Event()
 
@@ -221,21 +229,12 @@ class _Connection:
                 self.frame_budget = server.frame_timeout  # any incomplete frame is a new one
             if decoder.pending != self.held_input:
                 server.hold_input(self, decoder.pending)
-            if server.batched is not None:  # a store in another process: see _apply_batched
-                self.frames += len(frames)
-                if not await self._apply_batched(frames):
-                    return
-            else:  # the built-in store, inline: this is the hot path
-                done = session.receive(frames)
-                server.after_batch()  # before any await: no socket can close in between
-                self.frames += len(frames)
-                while done < len(frames) and session.error is None:
-                    if session.blocked is Blocked.REJECTED:
-                        await self._reject(session.rejected or "")
-                        return
-                    await self._wait(session.blocked)
-                    done = session.receive(frames, done)
-                    server.after_batch()
+            done = self._apply_now(frames)
+            server.after_batch()  # before any await: no socket can close in between
+            self.frames += len(frames)
+            waits = done < len(frames) and session.error is None
+            if waits and not await self._apply_rest(frames, done):
+                return
             if self.sending:
                 await self._backed_up()
             elif session.output and not self._wrote_all():
@@ -252,18 +251,47 @@ class _Connection:
                 self.checkpoint_owed = False
                 await trio.lowlevel.checkpoint()
 
-    async def _apply_batched(self, frames: list[ClientFrame]) -> bool:
-        """Apply a batch on a store that runs operations elsewhere (``BatchedStore``): in
-        segments, each ending where a frame may cause a delivery here (a subscribe, a credit, a
-        push to a queue someone here waits on) or needs the frames before it judged first
-        (auth). Each segment's pushes and pops run in the store as one pipeline, then
-        ``receive`` applies the segment with their results, then this front end's deliveries
-        are made: so replies and deliveries keep the order the built-in store gives them."""
+    async def _apply_rest(self, frames: list[ClientFrame], done: int) -> bool:
+        """Apply the part of a batch ``_apply_now`` left, from ``frames[done]``: on the built-in
+        store, where a wait stopped it (``_apply_waiting``); on a store in another process, all
+        of it (``_apply_batched``). ``False`` if the connection is closing."""
+        if self.server.batched is None:
+            return await self._apply_waiting(frames, done)
+        return await self._apply_batched(frames, done)
+
+    async def _apply_waiting(
+        self,
+        frames: list[ClientFrame],
+        done: int,
+        popped: deque[list[KeyedPayload]] | None = None,
+    ) -> bool:
+        """Apply ``frames[done:]``, the part of a batch ``receive`` stopped before, waiting for
+        what the session is blocked on before each go (with ``popped``, what the frames' pops
+        found, as ``receive`` takes it); ``False`` if the session was rejected (the connection
+        is closing)."""
+        session = self.session
+        while done < len(frames) and session.error is None:
+            if session.blocked is Blocked.REJECTED:
+                await self._reject(session.rejected or "")
+                return False
+            await self._wait(session.blocked)
+            done = session.receive(frames, done, popped)
+            self.server.after_batch()
+        return True
+
+    async def _apply_batched(self, frames: list[ClientFrame], done: int) -> bool:
+        """Apply a batch on a store that runs operations elsewhere (``BatchedStore``), of which
+        nothing is ``done`` yet: in segments, each ending where a frame may cause a delivery
+        here (a subscribe, a credit, a push to a queue someone here waits on) or needs the
+        frames before it judged first (auth). Each segment's pushes and pops run in the store
+        as one pipeline, then ``receive`` applies the segment with their results, then this
+        front end's deliveries are made: so replies and deliveries keep the order the built-in
+        store gives them."""
         store = self.server.batched
         assert store is not None
         subscriptions = self.server.deliveries
         session = self.session
-        start = 0
+        start = done
         while start < len(frames) and session.error is None:
             if frames[start].__class__ in _LEASE_FRAMES:
                 if store.leases_unsupported:
@@ -275,23 +303,16 @@ class _Connection:
                 # then ``receive`` answers from what they found.
                 end = _lease_segment_end(frames, start, session)
                 segment = frames[start:end]
-                await store.run_leases(segment, session)
-                results: deque[list[KeyedPayload]] = deque()
+                await store.run_leases(segment, session)  # answers in the lease table
+                popped = None
             else:
                 end = _segment_end(frames, start, session, subscriptions.waiting_queues)
                 segment = frames[start:end]
-                results = await store.run(segment)
-            store.current = results
-            done = session.receive(segment)
+                popped = await store.run(segment)
+            done = session.receive(segment, 0, popped)
             self.server.after_batch()
-            while done < len(segment) and session.error is None:
-                if session.blocked is Blocked.REJECTED:
-                    await self._reject(session.rejected or "")
-                    return False
-                await self._wait(session.blocked)
-                store.current = results  # other connections ran batches meanwhile
-                done = session.receive(segment, done)
-                self.server.after_batch()
+            if not await self._apply_waiting(segment, done, popped):
+                return False
             if subscriptions.due:
                 await subscriptions.serve()
             start = end
@@ -340,8 +361,9 @@ class _Connection:
         sending cannot starve the others, and no chunk waits there uncounted by the client
         memory budget (a thousand of them would be 64 MiB).
         """
+        fileno = self.fileno
         try:
-            data = os.read(self.fileno, RECEIVE_SIZE)
+            data = os.read(fileno, RECEIVE_SIZE)
         except BlockingIOError:
             pass
         except OSError:
@@ -349,7 +371,19 @@ class _Connection:
         else:
             self.checkpoint_owed = True
             return data
-        return await self._receive_waiting()
+        if self.decoder.pending or not self.session.authenticated:
+            return await self._receive_waiting()
+        # Between frames: a client may be idle for ever, once it has authenticated. The wait is
+        # inline (not ``_wait_and_read``): at pipeline 1 this runs once a request, and each
+        # coroutine frame on the way to trio's wait costs as much as a store operation.
+        while True:
+            await trio.lowlevel.wait_readable(fileno)
+            try:
+                return os.read(fileno, RECEIVE_SIZE)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return b""
 
     async def _receive_waiting(self) -> bytes | None:
         """``_receive`` once nothing is there to read at once: wait, within the time left."""
@@ -381,12 +415,13 @@ class _Connection:
         if self.server.journal is not None:
             return False
         session = self.session
+        output = session.output
         try:
-            sent = self._send_now(session.output)
-        except trio.BrokenResourceError:
-            return False  # _send_output meets the same error and closes the connection
-        del session.output[:sent]
-        if session.output:
+            sent = os.write(self.fileno, output)  # ``_send_now``, inline: once a request at -P 1
+        except OSError:
+            return False  # _send_output meets the same error (or waits) and says it
+        del output[:sent]
+        if output:
             return False
         session.output_drained()
         return True
@@ -490,6 +525,11 @@ class _Connection:
 
 
 _LEASE_FRAMES = frozenset({Reserve, Ack, Release, Touch, LeasedSubscribe})
+
+
+def _nothing_at_once(frames: list[ClientFrame]) -> int:
+    """``_apply_now`` on a store in another process: no frame applies before its answers."""
+    return 0
 
 
 #: Most lease frames one pipeline of lease scripts carries.
@@ -616,6 +656,9 @@ class _TlsConnection(_Connection):
     def _send_now(self, data: bytearray) -> int:
         return 0  # nothing can be written without a wait: the writer task sends it all
 
+    def _wrote_all(self) -> bool:
+        return False  # likewise: ``_send_output`` encrypts and sends it
+
 
 class PinpriqServer:
     """A broker, the connections that use it, and the limits that need a clock or a socket."""
@@ -694,6 +737,9 @@ class PinpriqServer:
         self._connections: dict[Session, _Connection] = {}
         self._all_closed = trio.Event()  # set when the last connection closes after shutdown
         self._expiry_scope = trio.CancelScope()
+        #: The expiry scope's deadline, as a plain float: trio's ``CancelScope.deadline`` is a
+        #: property, a Python call that ``after_batch`` would pay every batch to read it.
+        self._expiry_at = math.inf
         self._accepting = trio.CancelScope()
         self._listening = False
 
@@ -735,8 +781,8 @@ class PinpriqServer:
         logged = self._logged
         if logged is not None:
             logged.flush()
-        if broker.timer < self._expiry_scope.deadline:
-            self._expiry_scope.deadline = broker.timer
+        if broker.timer < self._expiry_at:
+            self._expiry_at = self._expiry_scope.deadline = broker.timer
         while broker.dirty:
             for session in broker.take_dirty():
                 # Writing may resume a paused subscriber, which may deliver again.
@@ -953,7 +999,8 @@ class PinpriqServer:
         deadline, and only then (decisions 1, 15 and 21); write the deliveries of packets that
         came back or fell due."""
         while True:
-            with trio.CancelScope(deadline=self.broker.timer) as self._expiry_scope:
+            self._expiry_at = self.broker.timer
+            with trio.CancelScope(deadline=self._expiry_at) as self._expiry_scope:
                 await trio.sleep_forever()
             self.broker.expire()
             self.after_batch()

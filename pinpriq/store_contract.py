@@ -11,15 +11,17 @@ operations complete later (Redis: one script call per push or pop, pipelined per
 behind the same broker in two parts, with no copy of the broker:
 
 * before handing a connection's batch to ``Session.receive``, its driver runs the batch's store
-  operations, in frame order, as one pipeline (``await store.run(frames)``), and the store keeps
-  their results; ``receive`` then calls ``push`` and ``pop`` as it does today and gets those
-  results back in the same order, so replies keep their places in the output;
+  operations, in frame order, as one pipeline (``popped = await store.run(frames)``), and hands
+  the pops' results to ``receive`` with the frames (``receive(frames, 0, popped)``): it calls
+  ``push`` as it does today, and answers each pop with the next result, so replies keep their
+  places in the output. The results travel with the call, so connections waiting in the
+  middle of a batch never share them;
 * deliveries, which another connection's push or another front end's causes, come from a
   subscriptions object of that store's own (the same methods as ``subscriptions.Subscriptions``),
   which pops asynchronously and hands each result to ``Session.deliver`` when it arrives, as the
   in-memory one does at once.
 
-Both halves leave ``broker.py`` as it is. ``BatchedStore`` and ``Deliveries`` below state them;
+``BatchedStore`` and ``Deliveries`` below state both halves;
 ``server._Connection._apply_batched`` is the driver's side (it cuts a batch where a frame may
 cause a delivery here, so replies and deliveries land where the built-in store puts them), and
 ``pinpriq/redis/`` the store's.
@@ -239,14 +241,13 @@ class Store(Protocol):
 class BatchedStore(Store, Protocol):
     """A store whose operations run elsewhere (the Redis store), in the two halves above."""
 
-    #: The results ``pop`` hands back, in order: the server sets it to what ``run`` returned
-    #: right before each ``Session.receive``.
-    current: deque[list[KeyedPayload]]
     #: Why lease frames close the connection on this store, or ``None`` if it takes them.
     leases_unsupported: str | None
 
     async def run(self, frames: Sequence[ClientFrame]) -> deque[list[KeyedPayload]]:
-        """Apply the pushes and pops of ``frames``, in order; returns the pops' results."""
+        """Apply the pushes and pops of ``frames``, in order; returns the pops' results, in
+        frame order, for ``Session.receive(frames, 0, popped)``: the broker never calls this
+        store's ``pop``."""
         ...
 
     async def run_leases(self, frames: Sequence[ClientFrame], session: Any) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections import deque
 from typing import NamedTuple
 
 import pytest
@@ -245,6 +246,42 @@ def test_a_purge_makes_room_and_wakes_waiting_pushers(clock: FakeClock) -> None:
 # -- the output bound -------------------------------------------------------------------------
 
 BIG = b"x" * 60_000
+
+
+class PoppedElsewhere(QueueStore):
+    """A store whose pops run before ``receive`` (as a ``BatchedStore``'s, in ``run``)."""
+
+    def pop(self, queue: bytes) -> list[QueuedPacket]:
+        raise AssertionError("the broker called pop on a store whose pops already ran")
+
+
+def test_pops_that_already_ran_are_answered_in_order_from_the_results_given(
+    clock: FakeClock,
+) -> None:
+    session = Broker(PoppedElsewhere(clock)).open_session()
+    popped = deque([[(b"k1", b"a"), (b"k2", b"b")], []])
+    frames: list[ClientFrame] = [Pop(b"q"), SYNC, Push(b"q", b"k", b"v"), Pop(b"r")]
+    assert session.receive(frames, 0, popped) == len(frames)
+    assert take(session) == reply((b"k1", b"a"), (b"k2", b"b")) + reply() + reply()
+    assert not popped  # each result answered once
+
+
+def test_a_batch_stopped_by_a_wait_goes_on_with_the_results_it_was_given(
+    clock: FakeClock,
+) -> None:
+    """Each call carries its own results, so sessions waiting mid-batch share none."""
+    broker = Broker(PoppedElsewhere(clock))
+    first, second = broker.open_session(), broker.open_session()
+    count = OUTPUT_HIGH_WATER // len(BIG) + 10
+    pops: list[ClientFrame] = [Pop(b"q")] * count
+    mine = deque([[(b"k", BIG)]] * count)
+    done = first.receive(pops, 0, mine)
+    assert first.blocked is Blocked.OUTPUT
+    second.receive([Pop(b"q")], 0, deque([[(b"other", b"x")]]))
+    assert take(second) == reply((b"other", b"x"))
+    take(first)
+    assert first.receive(pops, done, mine) == count
+    assert not mine
 
 
 def test_a_session_that_owes_too_much_stops_applying_frames(clock: FakeClock) -> None:

@@ -145,8 +145,6 @@ class RedisStore:
         self.client = client
         self.cluster = cluster
         self.max_pop = max_pop
-        #: The results of the batch ``receive`` is applying: ``pop`` takes them in order.
-        self.current: deque[list[KeyedPayload]] = deque()
         self._pushed = 0
         #: Packets this front end removed: by pop frames, sweeps and purges.
         self.popped = 0
@@ -225,10 +223,9 @@ class RedisStore:
         return []
 
     def pop(self, queue: bytes) -> list[KeyedPayload]:
-        """The next result ``run`` got, in frame order."""
-        packets = self.current.popleft()
-        self.popped += len(packets)
-        return packets
+        """Not used: pops run in ``run``, whose results the server hands to
+        ``Session.receive`` with the frames."""
+        raise NotImplementedError("the Redis store pops in run(), asynchronously")
 
     def peek_rank(self, queue: bytes) -> Rank | None:
         """Not used: ``RedisSubscriptions`` ranks queues in Redis (``ranks``)."""
@@ -332,8 +329,9 @@ class RedisStore:
 
     async def run(self, frames: Sequence[ClientFrame]) -> deque[list[KeyedPayload]]:
         """Apply the pushes and pops of ``frames`` in Redis, in order, as one pipeline; returns
-        the pops' results for ``current``. Consecutive pushes to one queue are one script call,
-        and so are consecutive pops of one queue: the same effect, far fewer calls."""
+        the pops' results, in frame order, for ``Session.receive``. Consecutive pushes to one
+        queue are one script call, and so are consecutive pops of one queue: the same effect,
+        far fewer calls."""
         calls: list[_Call] = []
         queues: list[bytes] = []  # the queue of each call
         last_kind: type | None = None
@@ -380,6 +378,7 @@ class RedisStore:
             if name == "pop":
                 for one in reply[:-2]:  # then how many selectable packets are left, and all
                     results.append(list(zip(one[::2], one[1::2], strict=True)))
+                    self.popped += len(one) // 2
                 self._took(queue, args, reply)
             elif name == "push_delayed":
                 earliest, delayed = float(reply[0]), int(reply[1])
