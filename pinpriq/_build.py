@@ -22,6 +22,7 @@ from pathlib import Path
 from types import ModuleType
 
 __all__ = [
+    "CODEC",
     "COMPILED",
     "PACKED",
     "PURE_VARIABLE",
@@ -44,6 +45,9 @@ COMPILED = (
 #: ``PURE_VARIABLE`` set it is not loaded (``pinpriq/packed.py``), and the server uses
 #: ``store.QueueStore``.
 PACKED = "pinpriq._packed"
+#: The C decoder of the hot frames (push, push with options, pop: ``pinpriq/_codec.c``), which
+#: ``wire.FrameDecoder`` uses where it is built, unless ``PURE_VARIABLE`` is set.
+CODEC = "pinpriq._codec"
 #: Set to anything but "" or "0": run the plain-Python modules even where compiled ones exist.
 #: Read by setup.py too, which then compiles nothing.
 PURE_VARIABLE = "PINPRIQ_PURE_PYTHON"
