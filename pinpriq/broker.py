@@ -467,7 +467,9 @@ class Session(Subscriber):
         push = Push  # a local: compiled, a module global is a dict lookup each time it is read
         # Compiled, indexing a list is a native read where a ``Sequence`` is indexed through
         # ``PyObject_GetItem``; the driver passes a list, so this copies nothing.
-        batch = frames if isinstance(frames, list) else list(frames)
+        # Annotated: the narrowed ``list`` alone would type the frames ``Any``, and mypyc would
+        # then unpack a push through an iterator instead of reading the tuple's items.
+        batch: list[ClientFrame] = frames if isinstance(frames, list) else list(frames)
         try:
             for index in range(start, len(batch)):
                 frame = batch[index]
