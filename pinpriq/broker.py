@@ -492,7 +492,8 @@ class Session(Subscriber):
                         held = store.bytes_held
                     if ttl_ms and deadline < broker.timer:
                         broker.timer = deadline
-                    if prio and queue in waiting_queues:
+                    # Mostly nobody waits: a dict's size is a native read, a lookup ~100.
+                    if prio and waiting_queues and queue in waiting_queues:
                         subscriptions.offer(queue)
                     if held >= max_memory:
                         broker.check_memory()
