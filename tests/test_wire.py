@@ -49,7 +49,7 @@ from pinpriq.wire import (
     encode_reply,
 )
 
-OPCODES = {0x70, 0x50, 0x73, 0x75, 0x41, 0x21, 0x61, 0x52, 0x4B, 0x4E, 0x54, 0x53}
+OPCODES = {0x70, 0x50, 0x73, 0x75, 0x41, 0x21, 0x61, 0x52, 0x4B, 0x4E, 0x54, 0x53, 0x71}
 
 # (frame, its bytes as written from the layout table). Spaces separate the fields.
 PINNED_FRAMES: list[tuple[ClientFrame, str]] = [
@@ -386,6 +386,11 @@ def _expected_length(prefix: bytes) -> int | None:
         key_len = int.from_bytes(prefix[6:8], "big")
         payload_len = int.from_bytes(prefix[8:10], "big")
         return 10 + key_len + payload_len + queue_len
+    if opcode == 0x71:
+        if len(prefix) < 16:
+            return None
+        lengths = (prefix[1:3], prefix[12:14], prefix[14:16])  # queue, key, payload
+        return 16 + sum(int.from_bytes(length, "big") for length in lengths)
     return 3 + int.from_bytes(prefix[1:3], "big") if len(prefix) >= 3 else None
 
 
@@ -407,12 +412,16 @@ def test_any_bytes_give_frames_then_at_most_a_protocol_error(
     decoded = b"".join(encode(frame) for frame in frames)
     if isinstance(error, MalformedFrame):
         # A known opcode whose time field (the last field of release and touch, the first of
-        # reserve and leased subscribe) is above 24 h.
+        # reserve and leased subscribe) is above 24 h, or a push with options whose delay is
+        # above 30 days.
         assert stream[error.offset] == error.byte
         assert decoded == stream[: error.offset]
         frame = stream[error.offset :]
-        at = 9 if error.byte in (0x4E, 0x54) else 1
-        assert int.from_bytes(frame[at : at + 4], "big") > wire.MAX_LEASE_MS
+        if error.byte == 0x71:
+            assert int.from_bytes(frame[7:11], "big") > wire.MAX_DELAY_MS
+        else:
+            at = 9 if error.byte in (0x4E, 0x54) else 1
+            assert int.from_bytes(frame[at : at + 4], "big") > wire.MAX_LEASE_MS
     elif error is not None:
         # Every frame before the bad byte was yielded, and the error names that very byte.
         assert stream[error.offset] == error.byte
