@@ -29,6 +29,7 @@ __all__ = [
     "build_name",
     "compiled_modules",
     "force_pure_python",
+    "optional_extension",
     "packed_store_built",
 ]
 
@@ -77,6 +78,17 @@ def force_pure_python() -> None:
     one already imported stays what it is."""
     if not any(isinstance(finder, _SourceFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _SourceFinder())
+
+
+def optional_extension(name: str) -> ModuleType | None:
+    """The C extension ``name`` (``PACKED``, ``CODEC``), or ``None`` where it is not built (no
+    compiler) or not wanted (``PURE_VARIABLE``): its user then runs its Python code."""
+    if pure_python_requested():
+        return None
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def _is_extension(module: ModuleType) -> bool:

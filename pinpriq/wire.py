@@ -19,7 +19,6 @@ Both accept bytes in any chunking and hold at most one incomplete frame plus the
 from __future__ import annotations
 
 import enum
-import importlib
 import struct
 import sys
 from collections.abc import Iterator, Sequence
@@ -586,18 +585,9 @@ assert Opcode.POP.value == _OP_POP
 assert Opcode.PUSH_OPTIONS.value == _OP_OPTIONS
 
 
-def _load_codec() -> Any:
-    """The C decoder of push and pop frames (``pinpriq/_codec.c``), or ``None`` where it is
-    not built (no compiler) or not wanted (``PINPRIQ_PURE_PYTHON``)."""
-    if _build.pure_python_requested():
-        return None
-    try:
-        return importlib.import_module(_build.CODEC)
-    except ImportError:
-        return None
-
-
-_codec: Final[Any] = _load_codec()
+#: The C decoder of push and pop frames (``pinpriq/_codec.c``), or ``None`` where it is not
+#: built (no compiler) or not wanted (``PINPRIQ_PURE_PYTHON``).
+_codec: Final[Any] = _build.optional_extension(_build.CODEC)
 
 
 def _delay_too_long(offset: int, delay_ms: int) -> MalformedFrame:
