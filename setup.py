@@ -47,6 +47,15 @@ def packed_extension() -> list[Extension]:
     return [Extension("pinpriq._packed", ["pinpriq/_packed.c"], extra_compile_args=["-O2"])]
 
 
+def codec_extension() -> list[Extension]:
+    """The C decoder of push and pop frames (pinpriq/_codec.c, issue 20), which
+    wire.FrameDecoder uses where it is built; without it (or with PINPRIQ_PURE_PYTHON=1) the
+    decoder runs wire.py's own code for them."""
+    if _pure_requested():
+        return []
+    return [Extension("pinpriq._codec", ["pinpriq/_codec.c"], extra_compile_args=["-O2"])]
+
+
 def compiled_extensions() -> list[Extension]:
     """The mypyc extensions, or none when the build is to be plain Python."""
     if _pure_requested():
@@ -93,4 +102,7 @@ class OptionalBuildExt(build_ext):
             Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
 
 
-setup(ext_modules=[*compiled_extensions(), *packed_extension()], cmdclass={"build_ext": OptionalBuildExt})
+setup(
+    ext_modules=[*compiled_extensions(), *packed_extension(), *codec_extension()],
+    cmdclass={"build_ext": OptionalBuildExt},
+)

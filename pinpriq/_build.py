@@ -22,12 +22,14 @@ from pathlib import Path
 from types import ModuleType
 
 __all__ = [
+    "CODEC",
     "COMPILED",
     "PACKED",
     "PURE_VARIABLE",
     "build_name",
     "compiled_modules",
     "force_pure_python",
+    "optional_extension",
     "packed_store_built",
 ]
 
@@ -44,6 +46,9 @@ COMPILED = (
 #: ``PURE_VARIABLE`` set it is not loaded (``pinpriq/packed.py``), and the server uses
 #: ``store.QueueStore``.
 PACKED = "pinpriq._packed"
+#: The C decoder of the hot frames (push, push with options, pop: ``pinpriq/_codec.c``), which
+#: ``wire.FrameDecoder`` uses where it is built, unless ``PURE_VARIABLE`` is set.
+CODEC = "pinpriq._codec"
 #: Set to anything but "" or "0": run the plain-Python modules even where compiled ones exist.
 #: Read by setup.py too, which then compiles nothing.
 PURE_VARIABLE = "PINPRIQ_PURE_PYTHON"
@@ -73,6 +78,17 @@ def force_pure_python() -> None:
     one already imported stays what it is."""
     if not any(isinstance(finder, _SourceFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _SourceFinder())
+
+
+def optional_extension(name: str) -> ModuleType | None:
+    """The C extension ``name`` (``PACKED``, ``CODEC``), or ``None`` where it is not built (no
+    compiler) or not wanted (``PURE_VARIABLE``): its user then runs its Python code."""
+    if pure_python_requested():
+        return None
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def _is_extension(module: ModuleType) -> bool:

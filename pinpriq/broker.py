@@ -459,7 +459,12 @@ class Session(Subscriber):
         broker = self.broker
         store, subscriptions, output = broker.store, broker.subscriptions, self.output
         native = broker.native_store
+        # Bound methods, taken once per batch: calling one is a direct call, where
+        # ``store.push(...)`` on a store mypyc knows only as ``Store`` (or the packed store, a C
+        # type it knows nothing of) looks the method up by name on every frame.
+        store_push = store.push
         packed = broker.packed_store
+        pop_reply = None if packed is None else packed.pop_reply
         waiting_queues = subscriptions.waiting_queues
         max_memory = broker.max_memory
         room = OUTPUT_HIGH_WATER - self.unsent
@@ -474,10 +479,15 @@ class Session(Subscriber):
         run_queue = b""
         run_length = 0
         push = Push  # a local: compiled, a module global is a dict lookup each time it is read
+        # Compiled, indexing a list is a native read where a ``Sequence`` is indexed through
+        # ``PyObject_GetItem``; the driver passes a list, so this copies nothing.
+        # Annotated: the narrowed ``list`` alone would type the frames ``Any``, and mypyc would
+        # then unpack a push through an iterator instead of reading the tuple's items.
+        batch: list[ClientFrame] = frames if isinstance(frames, list) else list(frames)
         try:
-            for index in range(start, len(frames)):
-                frame = frames[index]
-                kind = frame.__class__
+            for index in range(start, len(batch)):
+                frame = batch[index]
+                kind = type(frame)  # compiled, a native read; ``__class__`` is a getattr
                 if kind is push:  # the hot path: inline, no reply
                     if broker.memory_full:
                         self.blocked = Blocked.MEMORY
@@ -492,19 +502,20 @@ class Session(Subscriber):
                         deadline = native.push(queue, key, payload, ttl_ms, prio)
                         held = native.bytes_held
                     else:
-                        deadline = store.push(queue, key, payload, ttl_ms, prio)
+                        deadline = store_push(queue, key, payload, ttl_ms, prio)
                         held = store.bytes_held
                     if ttl_ms and deadline < broker.timer:
                         broker.timer = deadline
-                    if prio and queue in waiting_queues:
+                    # Mostly nobody waits: a dict's size is a native read, a lookup ~100.
+                    if prio and waiting_queues and queue in waiting_queues:
                         subscriptions.offer(queue)
                     if held >= max_memory:
                         broker.check_memory()
                     continue
                 if kind is pop:
                     name: bytes = frame[0]  # type: ignore[assignment,misc]
-                    if packed is not None:  # the reply's bytes, written by the store
-                        packed.pop_reply(name, output)
+                    if pop_reply is not None:  # the reply's bytes, written by the store
+                        pop_reply(name, output)
                     elif native is not None:
                         append_reply(output, native.pop(name))
                     elif popped is not None:

@@ -13,7 +13,6 @@ pure-Python ``QueueStore``, the reference whose tests every backend passes.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from pinpriq import _build, store
@@ -29,17 +28,8 @@ __all__ = [
 ]
 
 
-def _load_core() -> Any:
-    """The C core, or ``None`` where it is not built (no compiler) or not wanted."""
-    if _build.pure_python_requested():
-        return None
-    try:
-        return importlib.import_module(_build.PACKED)
-    except ImportError:
-        return None
-
-
-_core = _load_core()
+#: The C core, or ``None`` where it is not built (no compiler) or not wanted.
+_core: Any = _build.optional_extension(_build.PACKED)
 
 #: Whether the C core is built and wanted in this process.
 available = _core is not None

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, Final, NamedTuple, TypeAlias, TypeVar
 
+from pinpriq import _build
 from pinpriq.errors import ArgumentError, PinpriqError
 
 __all__ = [
@@ -568,6 +569,7 @@ _OPTIONS_HEAD: Final = (
 )
 _OP_PUSH: Final = 0x70
 _OP_POP: Final = 0x50
+_OP_OPTIONS: Final = 0x71
 #: Whether this module runs compiled (mypyc): the push header is then read byte by byte, which
 #: compiles to native reads, where the interpreter does better with one ``struct`` call (the
 #: byte reads made the interpreted decode of a push 3,100 instructions dearer).
@@ -580,6 +582,12 @@ assert _TIMED_NAME_HEADER.size + 1 == _TIMED_NAME_HEAD
 assert _OPTIONS_HEADER.size + 1 == _OPTIONS_HEAD
 assert Opcode.PUSH.value == _OP_PUSH
 assert Opcode.POP.value == _OP_POP
+assert Opcode.PUSH_OPTIONS.value == _OP_OPTIONS
+
+
+#: The C decoder of push and pop frames (``pinpriq/_codec.c``), or ``None`` where it is not
+#: built (no compiler) or not wanted (``PINPRIQ_PURE_PYTHON``).
+_codec: Final[Any] = _build.optional_extension(_build.CODEC)
 
 
 def _delay_too_long(offset: int, delay_ms: int) -> MalformedFrame:
@@ -607,7 +615,9 @@ class FrameDecoder:
     one incomplete frame plus the chunks that will complete it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, native: bool = True) -> None:
+        """``native=False``: decode in Python even where the C decoder of push and pop
+        (``pinpriq/_codec.c``) is built; tests compare the two."""
         self._data = b""  # undecoded bytes, starting at a frame boundary
         self._parts: list[bytes] = []  # chunks received since, not yet joined to _data
         self._pending = 0  # len(_data) + the lengths of _parts
@@ -620,6 +630,11 @@ class FrameDecoder:
         # names up to _SHARED_NAME_MAX bytes, so an idle connection holds little.
         self._queue = b""
         self._pop: Pop | None = None
+        #: The C decoder of push, push with options and pop frames, where it is built: it then
+        #: holds the shared name and pop frame instead of ``_queue`` and ``_pop``.
+        self._native: Any = (
+            _codec.Decoder(Push, DelayedPush, Pop) if native and _codec is not None else None
+        )
         #: The unknown opcode that stopped decoding, once reached; the stream is unusable after.
         self.error: ProtocolError | None = None
 
@@ -655,8 +670,19 @@ class FrameDecoder:
         last_queue, last_pop = self._queue, self._pop
         seen: dict[bytes, ClientFrame] = {}  # the other named frames of this chunk, by bytes
         pos, end, need = 0, len(data), 1
+        native = self._native
         while pos < end:
             opcode = data[pos]
+            if native is not None and opcode in (_OP_PUSH, _OP_POP, _OP_OPTIONS):
+                # The run of push and pop frames from here, decoded in C; it stops at the end,
+                # at an incomplete frame (``need``) or at a frame it leaves to the code below.
+                pos = native.decode(data, pos, frames)
+                if native.need:
+                    need = native.need
+                    break
+                if pos >= end:
+                    break
+                opcode = data[pos]
             # Push and pop first, with no table on their way. Compiled, the push header is read
             # byte by byte (mypyc turns each ``data[i]`` into a native read), each field is one
             # slice (one copy); interpreted, ``struct`` reads the header (see _COMPILED).

@@ -49,7 +49,7 @@ from pinpriq.wire import (
     encode_reply,
 )
 
-OPCODES = {0x70, 0x50, 0x73, 0x75, 0x41, 0x21, 0x61, 0x52, 0x4B, 0x4E, 0x54, 0x53}
+OPCODES = {0x70, 0x50, 0x73, 0x75, 0x41, 0x21, 0x61, 0x52, 0x4B, 0x4E, 0x54, 0x53, 0x71}
 
 # (frame, its bytes as written from the layout table). Spaces separate the fields.
 PINNED_FRAMES: list[tuple[ClientFrame, str]] = [
@@ -386,6 +386,11 @@ def _expected_length(prefix: bytes) -> int | None:
         key_len = int.from_bytes(prefix[6:8], "big")
         payload_len = int.from_bytes(prefix[8:10], "big")
         return 10 + key_len + payload_len + queue_len
+    if opcode == 0x71:
+        if len(prefix) < 16:
+            return None
+        lengths = (prefix[1:3], prefix[12:14], prefix[14:16])  # queue, key, payload
+        return 16 + sum(int.from_bytes(length, "big") for length in lengths)
     return 3 + int.from_bytes(prefix[1:3], "big") if len(prefix) >= 3 else None
 
 
@@ -407,12 +412,16 @@ def test_any_bytes_give_frames_then_at_most_a_protocol_error(
     decoded = b"".join(encode(frame) for frame in frames)
     if isinstance(error, MalformedFrame):
         # A known opcode whose time field (the last field of release and touch, the first of
-        # reserve and leased subscribe) is above 24 h.
+        # reserve and leased subscribe) is above 24 h, or a push with options whose delay is
+        # above 30 days.
         assert stream[error.offset] == error.byte
         assert decoded == stream[: error.offset]
         frame = stream[error.offset :]
-        at = 9 if error.byte in (0x4E, 0x54) else 1
-        assert int.from_bytes(frame[at : at + 4], "big") > wire.MAX_LEASE_MS
+        if error.byte == 0x71:
+            assert int.from_bytes(frame[7:11], "big") > wire.MAX_DELAY_MS
+        else:
+            at = 9 if error.byte in (0x4E, 0x54) else 1
+            assert int.from_bytes(frame[at : at + 4], "big") > wire.MAX_LEASE_MS
     elif error is not None:
         # Every frame before the bad byte was yielded, and the error names that very byte.
         assert stream[error.offset] == error.byte
@@ -426,6 +435,77 @@ def test_any_bytes_give_frames_then_at_most_a_protocol_error(
             assert rest[0] in OPCODES
             needed = _expected_length(rest)
             assert needed is None or needed > len(rest)
+
+
+# --- the C decoder of push and pop (pinpriq/_codec.c) against the Python one ---------------
+
+# Streams heavy in the frames the C decoder reads (pushes and pops naming a few queues, one
+# longer than the names a decoder shares), with every other frame, junk bytes and 71s whose
+# delay is over the most (malformed: the C decoder leaves them to wire.py) spliced in.
+hot_names = st.sampled_from([b"", b"q", b"jobs", b"n" * 257])
+hot_frames = st.one_of(
+    st.builds(Push, hot_names, fields, fields, st.integers(0, 65535), st.integers(0, 255)),
+    st.builds(
+        DelayedPush,
+        hot_names,
+        fields,
+        fields,
+        st.integers(0, wire.MAX_TTL_MS),
+        st.integers(0, 255),
+        st.integers(0, wire.MAX_DELAY_MS),
+    ),
+    st.builds(Pop, hot_names),
+)
+too_long_delays = st.integers(wire.MAX_DELAY_MS + 1, 0xFFFF_FFFF).map(
+    lambda delay: bytes.fromhex("71 0000 00000000") + delay.to_bytes(4, "big") + bytes(5)
+)
+hot_streams = st.lists(
+    st.one_of(
+        hot_frames.map(encode),
+        client_frames.map(encode),
+        too_long_delays,
+        st.binary(min_size=1, max_size=3),
+    ),
+    max_size=24,
+).map(b"".join)
+
+
+def decode_all(chunks: list[bytes], *, native: bool) -> tuple[Any, ...]:
+    """Everything a decoder makes of ``chunks``: each chunk's frames and their classes, what it
+    holds pending after each, and the error it stops at."""
+    decoder = FrameDecoder(native=native)
+    assert (decoder._native is not None) == native  # the decoder this test means to compare
+    seen = []
+    for chunk in chunks:
+        decoder.feed(chunk)
+        frames = decoder.decode()
+        seen.append((frames, [frame.__class__ for frame in frames], decoder.pending))
+    error = decoder.error
+    stop = None if error is None else (error.__class__, error.offset, error.byte, str(error))
+    return seen, stop
+
+
+@pytest.mark.skipif(wire._codec is None, reason="the C decoder (pinpriq/_codec.c) is not built")
+@settings(max_examples=300, deadline=None)
+@given(stream=hot_streams, data=st.data())
+def test_the_c_decoder_gives_the_python_decoders_frames_and_errors(
+    stream: bytes, data: st.DataObject
+) -> None:
+    for chunks in ([stream], one_byte_at_a_time(stream), data.draw(chunked(stream))):
+        assert decode_all(chunks, native=True) == decode_all(chunks, native=False)
+
+
+@pytest.mark.skipif(wire._codec is None, reason="the C decoder (pinpriq/_codec.c) is not built")
+def test_the_c_decoder_shares_one_queue_name_and_one_pop_frame() -> None:
+    # What the Python decoder does for the store's sake (one name object, hashed once; one
+    # frame for a pipelined run of pops), across chunks too.
+    decoder = FrameDecoder()
+    decoder.feed(encode(Push(b"jobs", b"k", b"p")) + encode(Pop(b"jobs")) * 2)
+    push, pop, again = decoder.decode()
+    decoder.feed(encode(Pop(b"jobs")) + encode(Push(b"jobs", b"k", b"p")))
+    later, push2 = decoder.decode()
+    assert push.queue is pop.queue is push2.queue
+    assert pop is again is later
 
 
 def test_unknown_opcode_at_stream_start() -> None:
