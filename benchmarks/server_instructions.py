@@ -7,6 +7,7 @@ depend on what else the machine is doing.
     python benchmarks/server_instructions.py --fsync everysec      # with --data-dir (a log)
     python benchmarks/server_instructions.py -P 1 -n 8000          # a round trip per request
     python benchmarks/server_instructions.py -t push --ttl 65536   # pushes as 71 frames
+    python benchmarks/server_instructions.py -t pop --group 10     # pops of key groups of 10
 
 Each measurement starts ``pinpriq-server`` under ``valgrind --tool=callgrind``, drives it with
 ``pinpriq-bench`` (4 client processes, pipeline 64 or ``-P``, 8-byte keys, 16-byte payloads,
@@ -18,6 +19,10 @@ a push and a pop.
 With ``--ttl MS`` every push carries that TTL. A TTL above 65,535 ms does not fit a ``70``, so
 the bench sends each push as a ``71`` with delay 0 (protocol 1.2): ``--ttl 65536`` against
 ``--ttl 65535`` is what a ``71`` costs against a ``70``, the TTL's own cost being the same.
+
+With ``--group G`` (pop only) the queue holds N key groups of G packets (``--keys N
+--prefill (G-1)N``, as ``compare_redis.py``'s ``pop-grouped``), so each of the N pops takes a
+whole group: an operation is one grouped pop and the G pushes that filled it.
 
 With ``--fsync POLICY`` each server runs with ``--data-dir`` on a fresh temporary directory and
 that policy, so the figure includes logging every push and pop (fsyncs themselves are the
@@ -57,10 +62,11 @@ def server_instructions(
     fsync: str | None = None,
     pipeline: int = 64,
     ttl_ms: int = 0,
+    group: int = 1,
 ) -> int:
     """Instructions of one server process serving ``ops`` operations of ``scenario`` at
-    ``pipeline`` requests in flight per connection, pushes with TTL ``ttl_ms``; with a log on
-    a fresh directory if ``fsync`` names a policy."""
+    ``pipeline`` requests in flight per connection, pushes with TTL ``ttl_ms``, pops of key
+    groups of ``group``; with a log on a fresh directory if ``fsync`` names a policy."""
     valgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     with tempfile.TemporaryFile() as log, tempfile.TemporaryDirectory() as data:
         command = [str(checkout / ".venv" / "bin" / "pinpriq-server"), "--port", "0"]
@@ -75,6 +81,7 @@ def server_instructions(
             port = _port(log, server)
             bench = [str(BENCH), "--port", str(port), "-q", "--json", "-t", scenario]
             bench += ["--ttl", str(ttl_ms)] if ttl_ms else []
+            bench += ["--keys", str(ops), "--prefill", str((group - 1) * ops)] if group > 1 else []
             subprocess.run(
                 [*bench, "-n", str(ops), "--timeout", "600", "-P", str(pipeline), *WORKLOAD],
                 check=True,
@@ -120,11 +127,12 @@ def per_op(
     fsync: str | None = None,
     pipeline: int = 64,
     ttl_ms: int = 0,
+    group: int = 1,
 ) -> float:
     """Instructions per operation: the difference between 2N and N operations, over N."""
     return (
-        server_instructions(checkout, scenario, 2 * ops, fsync, pipeline, ttl_ms)
-        - server_instructions(checkout, scenario, ops, fsync, pipeline, ttl_ms)
+        server_instructions(checkout, scenario, 2 * ops, fsync, pipeline, ttl_ms, group)
+        - server_instructions(checkout, scenario, ops, fsync, pipeline, ttl_ms, group)
     ) / ops
 
 
@@ -149,7 +157,16 @@ def main() -> None:
         choices=["always", "everysec", "no"],
         help="run the servers with --data-dir (fresh) and this policy (default: memory only)",
     )
+    parser.add_argument(
+        "--group",
+        type=int,
+        default=1,
+        metavar="G",
+        help="pop scenario: each pop takes a key group of G packets (default: 1)",
+    )
     args = parser.parse_args()
+    if args.group < 1 or (args.group > 1 and args.scenarios != "pop"):
+        parser.error("--group takes a G of 1 or more, with -t pop alone")
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind)")
     checkouts = [ROOT] + ([args.compare.resolve()] if args.compare else [])
@@ -157,7 +174,9 @@ def main() -> None:
         figures = []
         for checkout in checkouts:
             runs = [
-                per_op(checkout, scenario, args.ops, args.fsync, args.pipeline, args.ttl)
+                per_op(
+                    checkout, scenario, args.ops, args.fsync, args.pipeline, args.ttl, args.group
+                )
                 for _ in range(args.runs)
             ]
             figures.append(statistics.median(runs))

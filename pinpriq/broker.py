@@ -463,6 +463,8 @@ class Session(Subscriber):
         run_queue = b""
         run_length = 0
         push = Push  # a local: compiled, a module global is a dict lookup each time it is read
+        if packed is not None:  # at depth, the pushes' cache misses overlap, not queue up
+            packed.prefetch_pushes(frames, start)
         try:
             for index in range(start, len(frames)):
                 frame = frames[index]

@@ -1292,6 +1292,30 @@ def test_a_drained_packed_queue_gives_its_index_memory_back(clock: FakeClock) ->
     assert [p[PAYLOAD] for p in store.peek(b"q", 30)] == [b"p"] * 30
 
 
+@pytest.mark.skipif(not packed.available, reason="the packed store's C core is not built")
+def test_prefetching_a_batchs_pushes_changes_nothing(clock: FakeClock) -> None:
+    """``prefetch_pushes`` only reads (the broker calls it before each batch): on a table large
+    enough for it to probe, with frames of every shape, the store is as it was."""
+    store = packed.PackedStore(clock)
+    for i in range(40_000):
+        store.push(b"q", b"k%d" % i, b"p", 0, 1)
+    before = store.queued(b"q")
+    frames: list[object] = [
+        wire.Push(b"q", b"k7", b"p", 0, 1),  # a key already queued: its record is asked for
+        wire.Push(b"q", b"new", b"p", 0, 1),
+        wire.Push(b"other", b"k", b"p", 0, 1),  # no such queue
+        wire.Pop(b"q"),
+        wire.Sync(),
+        (b"q", 1, 2, 3, 4),  # push-shaped, but no key
+        "not a frame",
+    ]
+    for start in (0, 3, 100, -1):
+        assert store.prefetch_pushes(frames, start) is None
+    assert store.prefetch_pushes(tuple(frames), 0) is None  # not the codec's list: skipped
+    assert store.queued(b"q") == before
+    store.check_invariants()
+
+
 # --- delayed packets (decision 21) ---------------------------------------------------------------
 
 
