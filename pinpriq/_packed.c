@@ -113,6 +113,11 @@ typedef struct {
     PyObject *clock;
     PyObject *queues; /* dict: name -> QueueObject */
     PyObject *arrived; /* list: queues delayed packets entered since take_arrived */
+    /* The queue the last lookup found, by the very name object it was looked up with (held):
+     * the codec gives a run of frames to one queue one name, so most lookups are a pointer
+     * comparison, not a dict lookup. Cleared when that queue leaves the dict. */
+    PyObject *last_name;
+    QueueObject *last_queue;
     PyObject *dict;
     Py_ssize_t max_pop;
     long long bytes_held, unselectable_bytes, expired, purged, taken_bytes, delayed_bytes;
@@ -696,7 +701,22 @@ static PyTypeObject QueueType = {
 };
 
 static inline QueueObject *store_queue(StoreObject *s, PyObject *name) {
-    return (QueueObject *)PyDict_GetItemWithError(s->queues, name);
+    if (name == s->last_name && s->last_queue != NULL)
+        return s->last_queue;
+    QueueObject *q = (QueueObject *)PyDict_GetItemWithError(s->queues, name);
+    if (q != NULL) {
+        Py_INCREF(name);
+        Py_XSETREF(s->last_name, name);
+        s->last_queue = q;
+    }
+    return q;
+}
+
+/* Take q out of the store's dict (which frees it unless the caller holds it). */
+static int store_drop_queue(StoreObject *s, QueueObject *q) {
+    if (s->last_queue == q)
+        s->last_queue = NULL;
+    return PyDict_DelItem(s->queues, q->name);
 }
 
 /* The queue named ``name``, made if missing. New queues are filed under the store's own copy
@@ -719,7 +739,7 @@ static QueueObject *store_queue_make(StoreObject *s, PyObject *name) {
 /* Forget a queue that holds nothing (decision 5). */
 static int store_forget_if_empty(StoreObject *s, QueueObject *q) {
     if (q->size == 0 && q->delayed == 0)
-        return PyDict_DelItem(s->queues, q->name);
+        return store_drop_queue(s, q);
     return 0;
 }
 
@@ -1050,24 +1070,23 @@ static inline unsigned char *output_room(PyObject *output, Py_ssize_t n) {
     return (unsigned char *)PyByteArray_AS_STRING(output) + at;
 }
 
-/* Write p into a pop's reply at the end of output (u16 key length, u16 payload length, key,
- * payload) and take it out of q's level and heaps and the store's totals; the caller takes it
- * out of its key group and frees it. -1 (out of memory) leaves it queued. */
-static int pop_out(StoreObject *s, QueueObject *q, Packet *p, PyObject *output) {
-    unsigned char *b = output_room(output, 4 + p->klen + p->plen);
-    if (b == NULL)
-        return -1;
+/* Write p as a reply's packet at b (u16 key length, u16 payload length, key, payload). */
+static inline void write_record(unsigned char *b, const Packet *p) {
     b[0] = p->klen >> 8;
     b[1] = p->klen & 0xFF;
     b[2] = p->plen >> 8;
     b[3] = p->plen & 0xFF;
     memcpy(b + 4, p->data, p->klen + p->plen);
+}
+
+/* Take a popped p out of q's level and heaps and the store's totals; the caller takes it out
+ * of its key group and frees it. */
+static inline void take_popped(StoreObject *s, QueueObject *q, Packet *p) {
     unfile_ungrouped(s, q, p);
     s->bytes_held -= HELD(p);
     if (!p->prio)
         s->unselectable_bytes -= HELD(p);
     s->held--;
-    return 0;
 }
 
 /* Pop q's best packet and up to max_pop - 1 of its key group (oldest first) into output as a
@@ -1076,17 +1095,19 @@ static int pop_out(StoreObject *s, QueueObject *q, Packet *p, PyObject *output) 
  * (emptied, or given the oldest packet left). Nothing selectable: the reply ``00 00`` if
  * ``empty_reply``, else nothing at all (a delivery). Returns how many packets, -1 on error
  * (out of memory before the first packet: nothing taken; after it, the rest of the group
- * stays queued and the reply says how many it holds). */
+ * stays queued and the reply says how many it holds). The output grows once for a lone key,
+ * once more per sibling (bytearray over-allocates, so that is amortised). */
 static Py_ssize_t pop_write(StoreObject *s, QueueObject *q, PyObject *output, int empty_reply) {
     Level *level = q != NULL ? best_level(q) : NULL;
     if (level == NULL && !empty_reply)
         return 0;
-    Py_ssize_t at = PyByteArray_GET_SIZE(output);
-    if (output_room(output, 2) == NULL)
+    Py_ssize_t at = PyByteArray_GET_SIZE(output), count = 0;
+    Packet *selected = level != NULL ? (Packet *)level->a[level->end - 1] : NULL;
+    /* room for the count and the selected packet: the whole reply, for a lone key */
+    unsigned char *b = output_room(output, selected ? 6 + selected->klen + selected->plen : 2);
+    if (b == NULL)
         return -1;
-    Py_ssize_t count = 0;
-    if (level != NULL) {
-        Packet *selected = (Packet *)level->a[level->end - 1];
+    if (selected != NULL) {
         prefetch_next_pops(q, level);
         uint64_t hash = hash_key(KEY(selected), selected->klen);
         /* a lone key (the common case) is its group's oldest: found by identity, reading no
@@ -1095,10 +1116,8 @@ static Py_ssize_t pop_write(StoreObject *s, QueueObject *q, PyObject *output, in
                             ? head_slot_hashed(q, selected, hash)
                             : group_slot_hashed(q, KEY(selected), selected->klen, hash);
         Packet *oldest = SLOT_PACKET(q->slots[slot]);
-        if (pop_out(s, q, selected, output) < 0) {
-            PyByteArray_Resize(output, at); /* shrinking: cannot fail */
-            return -1;
-        }
+        write_record(b + 2, selected);
+        take_popped(s, q, selected);
         count = 1;
         Packet *left = selected->gnext == selected ? NULL : selected->gnext;
         if (oldest == selected)
@@ -1108,10 +1127,13 @@ static Py_ssize_t pop_write(StoreObject *s, QueueObject *q, PyObject *output, in
         /* the siblings, oldest first; ``oldest`` is the oldest packet still in the group */
         while (oldest != NULL && count < s->max_pop) {
             Packet *next = oldest->gnext == oldest ? NULL : oldest->gnext;
-            if (pop_out(s, q, oldest, output) < 0) {
+            unsigned char *room = output_room(output, 4 + oldest->klen + oldest->plen);
+            if (room == NULL) {
                 PyErr_Clear(); /* a shorter reply: the rest of the group stays queued */
                 break;
             }
+            write_record(room, oldest);
+            take_popped(s, q, oldest);
             ring_unlink(oldest);
             PyMem_Free(oldest);
             count++;
@@ -1122,7 +1144,7 @@ static Py_ssize_t pop_write(StoreObject *s, QueueObject *q, PyObject *output, in
         else
             q->slots[slot] = SLOT_OF(oldest, hash);
     }
-    unsigned char *b = (unsigned char *)PyByteArray_AS_STRING(output) + at;
+    b = (unsigned char *)PyByteArray_AS_STRING(output) + at; /* the siblings may have moved it */
     b[0] = (unsigned char)(count >> 8);
     b[1] = (unsigned char)count;
     return count;
@@ -1725,7 +1747,7 @@ static PyObject *Store_purge(StoreObject *s, PyObject *name) {
     s->delayed_bytes -= q->delayed_bytes;
     s->purged += removed;
     s->held -= removed;
-    int failed = PyDict_DelItem(s->queues, name) < 0;
+    int failed = store_drop_queue(s, q) < 0;
     Py_DECREF(q); /* frees the records */
     return failed ? NULL : PyLong_FromLongLong(removed);
 }
@@ -2012,6 +2034,8 @@ static int Store_clear(StoreObject *s) {
 static void Store_dealloc(StoreObject *s) {
     PyObject_GC_UnTrack(s);
     Store_clear(s);
+    s->last_queue = NULL;
+    Py_CLEAR(s->last_name);
     Py_CLEAR(s->queues); /* queues free their records */
     Py_CLEAR(s->arrived);
     free_all(s);
