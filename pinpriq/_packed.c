@@ -10,7 +10,8 @@
  *   - groups: an open-addressing table (linear probing, backward-shift deletion) from key to
  *     the oldest packet of that key; a key's packets form a circular doubly-linked list in push
  *     order through gnext/gprev, so the oldest's gprev is the newest. A packet is live exactly
- *     while its group holds it, as in store.py.
+ *     while its group holds it, as in store.py. The table doubles past 3/4 full and halves
+ *     below 1/8, so a queue that drains gives its room back.
  *   - levels: per priority 0..255 present, an array of entries in push order (a deque: start,
  *     end); an entry is a packet pointer or, for a packet that left other than from the top
  *     (a sibling taken with its group, an expiry), a tombstone (seq << 1 | 1) that keeps the
@@ -28,8 +29,10 @@
  *   is stale.
  *
  * Packets that leave by pop become tuples (key, payload, prio, seq, deadline, leases): the
- * contract's QueuedPacket, which take/restore hand back and forth. ``pop_reply`` writes a pop's
- * reply bytes straight into the session's output instead, making no object per packet.
+ * contract's QueuedPacket, which take/restore hand back and forth. ``pop_reply`` (a pop
+ * frame) and ``pop_delivery`` (a plain subscriber's delivery) write the reply's bytes straight
+ * into the session's output instead, in one pass over the key group, making no object per
+ * packet. ``prefetch_pushes`` lets a batch's pushes ask for their cache lines ahead.
  */
 
 #define PY_SSIZE_T_CLEAN

@@ -709,6 +709,7 @@ class Session(Subscriber):
         leases end, their packets going back (decision 15). Idempotent."""
         if not self.closed:
             self.closed = True
+            self.take_from = None  # a bound method of this session: a reference cycle
             self.broker.subscriptions.remove(self)  # first: none of it comes back to itself
             self.broker.leases.close(self.holder)
             self.broker.settle()
