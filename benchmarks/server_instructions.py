@@ -9,6 +9,7 @@ depend on what else the machine is doing.
     python benchmarks/server_instructions.py -t push --ttl 65536   # pushes as 71 frames
     python benchmarks/server_instructions.py -P 1 --trio-null      # and the Trio null server
     python benchmarks/server_instructions.py -P 1 -c 1             # one client: every request waits
+    python benchmarks/server_instructions.py -t pop --group 10     # pops of key groups of 10
 
 Each measurement starts ``pinpriq-server`` under ``valgrind --tool=callgrind``, drives it with
 ``pinpriq-bench`` (4 client processes or ``-c``, pipeline 64 or ``-P``, 8-byte keys, 16-byte
@@ -20,6 +21,10 @@ first, so "pop" is a push and a pop.
 With ``--ttl MS`` every push carries that TTL. A TTL above 65,535 ms does not fit a ``70``, so
 the bench sends each push as a ``71`` with delay 0 (protocol 1.2): ``--ttl 65536`` against
 ``--ttl 65535`` is what a ``71`` costs against a ``70``, the TTL's own cost being the same.
+
+With ``--group G`` (pop only) the queue holds N key groups of G packets (``--keys N
+--prefill (G-1)N``, as ``compare_redis.py``'s ``pop-grouped``), so each of the N pops takes a
+whole group: an operation is one grouped pop and the G pushes that filled it.
 
 With ``--fsync POLICY`` each server runs with ``--data-dir`` on a fresh temporary directory and
 that policy, so the figure includes logging every push and pop (fsyncs themselves are the
@@ -73,11 +78,13 @@ def server_instructions(
     ttl_ms: int = 0,
     null: bool = False,
     clients: int = 4,
+    group: int = 1,
 ) -> int:
     """Instructions of one server process serving ``ops`` operations of ``scenario`` at
-    ``pipeline`` requests in flight per connection, pushes with TTL ``ttl_ms``; with a log on
-    a fresh directory if ``fsync`` names a policy; of the checkout's Trio null server instead
-    of ``pinpriq-server`` if ``null``; driven by ``clients`` connections."""
+    ``pipeline`` requests in flight per connection, pushes with TTL ``ttl_ms``, pops of key
+    groups of ``group``; with a log on a fresh directory if ``fsync`` names a policy; of the
+    checkout's Trio null server instead of ``pinpriq-server`` if ``null``; driven by
+    ``clients`` connections."""
     valgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     with tempfile.TemporaryFile() as log, tempfile.TemporaryDirectory() as data:
         if null:
@@ -96,6 +103,7 @@ def server_instructions(
             port = _port(log, server)
             bench = [str(BENCH), "--port", str(port), "-q", "--json", "-t", scenario]
             bench += ["--ttl", str(ttl_ms)] if ttl_ms else []
+            bench += ["--keys", str(ops), "--prefill", str((group - 1) * ops)] if group > 1 else []
             subprocess.run(
                 [
                     *bench,
@@ -154,11 +162,13 @@ def per_op(
     ttl_ms: int = 0,
     null: bool = False,
     clients: int = 4,
+    group: int = 1,
 ) -> float:
     """Instructions per operation: the difference between 2N and N operations, over N."""
+    options = (fsync, pipeline, ttl_ms, null, clients, group)
     return (
-        server_instructions(checkout, scenario, 2 * ops, fsync, pipeline, ttl_ms, null, clients)
-        - server_instructions(checkout, scenario, ops, fsync, pipeline, ttl_ms, null, clients)
+        server_instructions(checkout, scenario, 2 * ops, *options)
+        - server_instructions(checkout, scenario, ops, *options)
     ) / ops
 
 
@@ -190,8 +200,15 @@ def main() -> None:
         "--trio-null",
         action="store_true",
         help="measure each checkout's benchmarks/trio_null_server.py too",
+        "--group",
+        type=int,
+        default=1,
+        metavar="G",
+        help="pop scenario: each pop takes a key group of G packets (default: 1)",
     )
     args = parser.parse_args()
+    if args.group < 1 or (args.group > 1 and args.scenarios != "pop"):
+        parser.error("--group takes a G of 1 or more, with -t pop alone")
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind)")
     checkouts = [ROOT] + ([args.compare.resolve()] if args.compare else [])
@@ -211,6 +228,7 @@ def main() -> None:
                         args.ttl,
                         null,
                         args.clients,
+                        args.group,
                     )
                     for _ in range(args.runs)
                 ]

@@ -23,8 +23,9 @@ Theory of operation, as the driver sees it:
   store whose operations run in another process (``store_contract.BatchedStore``), the driver
   runs a batch's pushes and pops there first and passes the pops' results with the frames
   (``receive(frames, start, popped)``): the broker then answers each pop from them, in order.
-* **Deliveries.** A push may deliver to any session, this one included. ``Session.deliver``
-  appends to that session's ``output`` and files the session in ``Broker.dirty``; after each
+* **Deliveries.** A push may deliver to any session, this one included. A delivery's bytes go
+  to that session's ``output`` (on the packed store written by the store itself, as a pop
+  frame's reply is) and ``Session.deliver`` files the session in ``Broker.dirty``; after each
   ``receive`` the driver writes the output of every dirty session, before it reads the pusher's
   next chunk, so a delivery goes out before the pusher's next frame is read (decision 6), and
   never inside another reply (decision 8), since all of a session's bytes go through one buffer.
@@ -434,6 +435,8 @@ class Session(Subscriber):
         self.authenticated = broker.token is None
         #: Why the session was refused (``Blocked.REJECTED``), for the log; never a token.
         self.rejected: str | None = None
+        if broker.packed_store is not None:  # deliveries written by the store, as pops are
+            self.take_from = self._pop_delivery
 
     def receive(
         self,
@@ -484,6 +487,8 @@ class Session(Subscriber):
         # Annotated: the narrowed ``list`` alone would type the frames ``Any``, and mypyc would
         # then unpack a push through an iterator instead of reading the tuple's items.
         batch: list[ClientFrame] = frames if isinstance(frames, list) else list(frames)
+        if packed is not None:  # at depth, the pushes' cache misses overlap, not queue up
+            packed.prefetch_pushes(batch, start)
         try:
             for index in range(start, len(batch)):
                 frame = batch[index]
@@ -692,15 +697,25 @@ class Session(Subscriber):
         """How a leased subscriber takes from a queue (decision 17)."""
         return self.broker.leases.reserve(self.holder, queue, self.lease_ms)
 
+    def _pop_delivery(self, queue: bytes) -> int:
+        """How a plain subscriber takes from a queue on the packed store: the store writes the
+        delivery's bytes into ``output`` itself, making no object per packet, and says how
+        many packets (0: nothing was selectable, nothing written)."""
+        count: int = self.broker.packed_store.pop_delivery(queue, self.output)
+        return count
+
     def deliver(self, packets: Any) -> None:
         """Take a delivery the subscriptions made (``Subscriber``): queue its bytes. It is a
-        pop's packets, or on a leased connection the ``Lease`` that ``_take_lease`` made."""
+        pop's packets, on a leased connection the ``Lease`` that ``_take_lease`` made, or on
+        the packed store how many packets ``_pop_delivery`` already wrote."""
         broker = self.broker
         if self.leased:
             lease: Lease = packets
             self.output += encode_lease_reply(lease.lease_id, lease.attempt, lease.packets)
             if lease.due < broker.timer:
                 broker.timer = lease.due
+        elif isinstance(packets, int):  # written into output by the store
+            broker.delivered += packets
         else:
             append_reply(self.output, packets)
             broker.delivered += len(packets)
@@ -722,6 +737,7 @@ class Session(Subscriber):
         leases end, their packets going back (decision 15). Idempotent."""
         if not self.closed:
             self.closed = True
+            self.take_from = None  # a bound method of this session: a reference cycle
             self.broker.subscriptions.remove(self)  # first: none of it comes back to itself
             self.broker.leases.close(self.holder)
             self.broker.settle()

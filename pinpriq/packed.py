@@ -46,10 +46,13 @@ _Base: Any = _core.PackedCore if available else object
 class PackedStore(_Base):  # type: ignore[misc]
     """The packed store (``store_contract.Store``): ``QueueStore``'s behaviour, in C.
 
-    Beyond the contract, as ``QueueStore``: ``depth``, ``check_invariants``; and
-    ``pop_reply(queue, output)``, a pop that appends its reply's bytes to ``output`` (the
-    broker's pop frame), making no object per packet. Not ``load`` or ``holds``: the
-    log-backed store is built on ``QueueStore``.
+    Beyond the contract, as ``QueueStore``: ``depth``, ``check_invariants``; and for the
+    broker: ``pop_reply(queue, output)``, a pop that appends its reply's bytes to ``output``
+    (a pop frame), making no object per packet; ``pop_delivery(queue, output)``, the same for
+    a subscriber's delivery (nothing written when nothing is selectable);
+    ``prefetch_pushes(frames, start)``, which asks the memory for what a batch's pushes will
+    read. ``index_bytes(queue)``: what a queue's indexes hold (for tests and tools). Not
+    ``load`` or ``holds``: the log-backed store is built on ``QueueStore``.
     """
 
     def __init__(self, clock: Clock, *, max_pop: int = 0xFFFF) -> None:

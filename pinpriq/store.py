@@ -936,15 +936,19 @@ class QueueStore:
 
     def peek(self, queue: bytes, count: int) -> list[QueuedPacket]:
         """The next ``count`` packets (at most) that pops of ``queue`` would return, in that
-        order, without removing any: each pop's selected packet, then its key group.
+        order, without removing any: each pop's selected packet, then its key group. A
+        ``count`` of 0 shows nothing (as every store answers); a negative one is a
+        ``ValueError``.
 
         O(count + levels), plus the stale entries passed on the way.
         """
+        if count < 0:
+            raise ValueError("peek count must be 0 or more")
         expiry = self._expiry
         if expiry and expiry[0][0] <= self._clock():
             self.expire()
         q = self._queues.get(queue)
-        if q is None:
+        if q is None or count == 0:
             return []
         taken: set[int] = set()  # seqs already in the answer
         found: list[QueuedPacket] = []

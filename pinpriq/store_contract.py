@@ -188,7 +188,8 @@ class Store(Protocol):
 
     def peek(self, queue: bytes, count: int) -> Sequence[PeekedPacket]:
         """The next ``count`` packets (at most) that pops of ``queue`` would return, in that
-        order, removing nothing. O(count), plus what the store must skip on the way."""
+        order, removing nothing: none for a ``count`` of 0; ``ValueError`` for a negative
+        one. O(count), plus what the store must skip on the way."""
         ...
 
     def purge(self, queue: bytes) -> int:

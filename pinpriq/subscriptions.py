@@ -47,11 +47,12 @@ class Subscriber:
         #: kept; ``Subscriptions.resume`` clears it.
         self.paused = False
         #: How this subscriber takes from a queue: ``None`` for the store's pop; a leased
-        #: subscriber (decision 17) takes a lease instead. Whatever it returns, empty or None if
-        #: nothing was selectable, is what ``deliver`` is given.
-        self.take_from: Callable[[bytes], Sized | None] | None = None
+        #: subscriber (decision 17) takes a lease instead, and a session on the packed store
+        #: pops straight into its output (returning how many packets it wrote). Whatever it
+        #: returns, empty, 0 or None if nothing was selectable, is what ``deliver`` is given.
+        self.take_from: Callable[[bytes], Sized | int | None] | None = None
 
-    def deliver(self, packets: Sized) -> None:
+    def deliver(self, packets: Sized | int) -> None:
         """Take one delivery, a credit already spent: a popped packet and its key group, or
         what ``take_from`` returned."""
         raise NotImplementedError

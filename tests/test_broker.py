@@ -768,6 +768,42 @@ def test_the_packed_stores_pop_replies_are_the_reference_stores_bytes(
     assert outputs[0].endswith(reply() * 2)  # queue a ran dry; b"missing" never was
 
 
+@pytest.mark.skipif(not packed.available, reason="the packed store's C core is not built")
+@pytest.mark.parametrize("max_pop", [1, 3, 0xFFFF])
+def test_the_packed_stores_deliveries_are_the_reference_stores_bytes(
+    clock: FakeClock, max_pop: int
+) -> None:
+    # On the packed store a plain subscriber's delivery is written by the store
+    # (pop_delivery), not by wire.append_reply from tuples: the same conversation must give
+    # every session the same bytes and the broker the same count of deliveries, with key
+    # groups, prio-0 riders, credits, several subscribers and queues per subscriber.
+    rng = random.Random(max_pop)
+    script: list[tuple[int, list[ClientFrame]]] = []  # (session, frames it sends)
+    for n in range(800):
+        who = rng.randrange(4)  # 0: the pusher, 1-3: subscribers
+        queue = rng.choice([b"a", b"b"])
+        if who == 0:
+            key = rng.choice([b"k1", b"k2", b"", b"k%d" % n])
+            payload = b"p%d" % n * rng.choice([0, 1, 9])
+            script.append((0, [Push(queue, key, payload, 0, rng.choice([0, 1, 2, 255]))] * 2))
+        else:
+            frame = rng.choice([Subscribe(queue), READY, READY, Unsubscribe(queue), Pop(queue)])
+            script.append((who, [frame]))
+    outputs: list[list[bytes]] = []
+    for store in (QueueStore(clock, max_pop=max_pop), packed.PackedStore(clock, max_pop=max_pop)):
+        broker = Broker(store)
+        sessions = [broker.open_session() for _ in range(4)]
+        written = []
+        for who, frames in script:
+            assert sessions[who].receive(frames) == len(frames)
+            written += [take(session) for session in sessions]
+        outputs.append(written)
+        assert broker.delivered > 100
+        outputs[-1].append(b"%d" % broker.delivered)
+        store.check_invariants()
+    assert outputs[0] == outputs[1]
+
+
 def test_packets_that_fall_due_while_expire_offers_are_offered_too(clock: FakeClock) -> None:
     # The clock moves on while the timer's sweep delivers: a packet that falls due then is let
     # in by the delivery's pop, after the sweep, and no later timer stands for it.

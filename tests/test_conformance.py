@@ -727,9 +727,15 @@ def clock() -> float:
     return trio.current_time()
 
 
-def with_subscriptions(kind: type[Subscriptions]) -> Callable[[], PinpriqServer]:
+def with_subscriptions(
+    kind: type[Subscriptions], *, watches_pops: bool = False
+) -> Callable[[], PinpriqServer]:
+    """A server whose subscriptions are ``kind``. One that ``watches_pops`` (it learns what it
+    delivered from the store's ``pop``) runs on ``QueueStore``: on the packed store a plain
+    subscriber's delivery is written by the store itself (``pop_delivery``), never a pop."""
+
     def build() -> PinpriqServer:
-        server = PinpriqServer()
+        server = PinpriqServer(QueueStore(clock) if watches_pops else None)
         server.broker.subscriptions = kind(server.broker.store)
         return server
 
@@ -839,7 +845,7 @@ VARIANTS: dict[str, Variant] = {
         {"close-drops-subscription"},
     ),
     "delivered packets requeued when the connection closes": Variant(
-        with_subscriptions(RequeuesOnClose),
+        with_subscriptions(RequeuesOnClose, watches_pops=True),
         {"at-most-once"},
     ),
     "empty pop gets no reply": Variant(

@@ -490,6 +490,20 @@ def test_peek_skips_expired_packets_and_unselectable_queues(
     assert store.peek(b"missing", 10) == []
 
 
+def test_peek_of_zero_packets_shows_none_and_a_negative_count_is_refused(
+    store: QueueStore,
+) -> None:
+    """``count`` is at most how many: 0 shows nothing on every store (the Redis store's script
+    and the packed store always did; ``QueueStore`` once showed every packet)."""
+    push(store, b"a")
+    push(store, b"b", prio=2)
+    assert store.peek(b"q", 0) == []
+    with pytest.raises(ValueError, match="0 or more"):
+        store.peek(b"q", -1)
+    assert payloads(store.peek(b"q", 1)) == [b"a"]
+    assert store.depth(b"q") == 2
+
+
 def test_purge_removes_every_packet_prio_zero_included(store: QueueStore, clock: FakeClock) -> None:
     store.push(b"q", b"a", b"x", 0, 0)
     store.push(b"q", b"b", b"y", 250, 3)
@@ -849,7 +863,7 @@ class StoreVersusModel(RuleBasedStateMachine):
     def next_deadline(self) -> None:
         assert self.store.next_deadline() == self.model.next_deadline()
 
-    @rule(queue=st.sampled_from(QUEUES), count=st.sampled_from([1, 2, 5, 100]))
+    @rule(queue=st.sampled_from(QUEUES), count=st.sampled_from([0, 1, 2, 5, 100]))
     def peek(self, queue: bytes, count: int) -> None:
         peeked = described(self.store.peek(queue, count))
         assert peeked == described_model(self.model.peek(queue, count))
@@ -1155,6 +1169,25 @@ def _same_state(reference: QueueStore, other: QueueStore, taken: int) -> None:
         )
 
 
+def _same_pop(
+    reference: QueueStore, packed_store: packed.PackedStore, queue: bytes, how: str
+) -> None:
+    """A pop on both stores, the packed one popping as ``how`` says: ``pop`` (tuples), or
+    ``pop_reply`` / ``pop_delivery`` (bytes written after what the output held, which must be
+    what ``wire.append_reply`` makes of the reference's tuples; a delivery writes nothing when
+    nothing was popped)."""
+    popped = reference.pop(queue)
+    if how == "pop":
+        assert packed_store.pop(queue) == popped
+        return
+    expected, written = bytearray(b"earlier"), bytearray(b"earlier")
+    if popped or how == "reply":
+        wire.append_reply(expected, popped)
+    pop_into = packed_store.pop_reply if how == "reply" else packed_store.pop_delivery
+    assert pop_into(queue, written) == len(popped)
+    assert written == expected
+
+
 @pytest.mark.skipif(not packed.available, reason="the packed store's C core is not built")
 @pytest.mark.parametrize("seed", range(4))
 def test_packed_store_matches_queue_store_at_scale(seed: int) -> None:
@@ -1183,7 +1216,7 @@ def test_packed_store_matches_queue_store_at_scale(seed: int) -> None:
             )
             assert reference.push(*args) == packed_store.push(*args)
         elif roll < 0.72:
-            assert reference.pop(queue) == packed_store.pop(queue)
+            _same_pop(reference, packed_store, queue, rng.choice(["pop", "reply", "delivery"]))
         elif roll < 0.8:
             group = reference.take(queue)
             assert packed_store.take(queue) == group
@@ -1200,7 +1233,7 @@ def test_packed_store_matches_queue_store_at_scale(seed: int) -> None:
                 target = rng.choice([home, home + b".dead"])
                 assert reference.restore(target, group) == packed_store.restore(target, same)
         elif roll < 0.9:
-            count = rng.randrange(1, 20)
+            count = rng.randrange(20)
             assert described(packed_store.peek(queue, count)) == described(
                 reference.peek(queue, count)
             )
@@ -1237,6 +1270,50 @@ def test_packed_store_matches_queue_store_at_scale(seed: int) -> None:
         while reply := reference.pop(queue):
             assert packed_store.pop(queue) == reply
         assert packed_store.pop(queue) == []
+
+
+@pytest.mark.skipif(not packed.available, reason="the packed store's C core is not built")
+def test_a_drained_packed_queue_gives_its_index_memory_back(clock: FakeClock) -> None:
+    """A queue that held 50,000 keys and drained to 10 packets keeps indexes of its new size,
+    not of its peak: the group table halves as it empties, as levels and heaps do (read
+    through the store's own accounting, ``index_bytes``, not RSS)."""
+    store = packed.PackedStore(clock)
+    for i in range(50_000):
+        store.push(b"q", b"k%d" % i, b"p", 0, 1 + i % 3)
+    peak = store.index_bytes(b"q")
+    assert peak >= 50_000 * 8  # a slot and a level entry per packet at least
+    while store.depth(b"q") > 10:
+        store.pop(b"q")
+    store.check_invariants()
+    assert store.index_bytes(b"q") <= 4096  # about 64 slots and a level's minimum room
+    for i in range(20):  # and it grows again as it fills
+        store.push(b"q", b"again%d" % i, b"p", 0, 1)
+    store.check_invariants()
+    assert [p[PAYLOAD] for p in store.peek(b"q", 30)] == [b"p"] * 30
+
+
+@pytest.mark.skipif(not packed.available, reason="the packed store's C core is not built")
+def test_prefetching_a_batchs_pushes_changes_nothing(clock: FakeClock) -> None:
+    """``prefetch_pushes`` only reads (the broker calls it before each batch): on a table large
+    enough for it to probe, with frames of every shape, the store is as it was."""
+    store = packed.PackedStore(clock)
+    for i in range(40_000):
+        store.push(b"q", b"k%d" % i, b"p", 0, 1)
+    before = store.queued(b"q")
+    frames: list[object] = [
+        wire.Push(b"q", b"k7", b"p", 0, 1),  # a key already queued: its record is asked for
+        wire.Push(b"q", b"new", b"p", 0, 1),
+        wire.Push(b"other", b"k", b"p", 0, 1),  # no such queue
+        wire.Pop(b"q"),
+        wire.Sync(),
+        (b"q", 1, 2, 3, 4),  # push-shaped, but no key
+        "not a frame",
+    ]
+    for start in (0, 3, 100, -1):
+        assert store.prefetch_pushes(frames, start) is None
+    assert store.prefetch_pushes(tuple(frames), 0) is None  # not the codec's list: skipped
+    assert store.queued(b"q") == before
+    store.check_invariants()
 
 
 # --- delayed packets (decision 21) ---------------------------------------------------------------

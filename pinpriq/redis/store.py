@@ -500,7 +500,10 @@ class RedisStore:
 
     async def peek_async(self, queue: bytes, count: int) -> list[PeekedPacket]:
         """What the next pops of ``queue`` would return, at most ``count`` packets (after
-        promoting the delayed packets that are due: the peek itself writes nothing)."""
+        promoting the delayed packets that are due: the peek itself writes nothing); none
+        for a ``count`` of 0, ``ValueError`` for a negative one, as every store."""
+        if count < 0:
+            raise ValueError("peek count must be 0 or more")
         peek = ("peek", self._with_index(queue, 4), (count, self.max_pop))
         swept, reply = await self.call_all([self._sweep_call(queue), peek])
         self._swept(queue, swept, chained=False)
