@@ -200,6 +200,8 @@ def main() -> None:
         "--trio-null",
         action="store_true",
         help="measure each checkout's benchmarks/trio_null_server.py too",
+    )
+    parser.add_argument(
         "--group",
         type=int,
         default=1,
