@@ -47,7 +47,8 @@ available = _core is not None
 #: (docs/performance.md: resident memory per queued packet).
 PACKET_OVERHEAD: int = _core.PACKET_OVERHEAD if available else 0
 #: The estimate of ``default_store``'s store: what the memory cap counts per packet beyond its
-#: key and payload on a server without ``--data-dir`` (the log is built on ``QueueStore``).
+#: key and payload, with or without ``--data-dir`` (the log runs on the packed store too:
+#: ``persistence/packed_store.py``).
 DEFAULT_STORE_OVERHEAD: int = PACKET_OVERHEAD if available else store.PACKET_OVERHEAD
 
 _Base: Any = _core.PackedCore if available else object
@@ -58,8 +59,8 @@ class PackedStore(_Base):  # type: ignore[misc]
 
     Beyond the contract, as ``QueueStore``: ``depth``, ``check_invariants``; and
     ``pop_reply(queue, output)``, a pop that appends its reply's bytes to ``output`` (the
-    broker's pop frame), making no object per packet. Not ``load`` or ``holds``: the
-    log-backed store is built on ``QueueStore``.
+    broker's pop frame), making no object per packet; and the log's hooks (``attach_log``,
+    ``_load``, ``holds``), which ``persistence.packed_store.LoggedPackedStore`` uses.
     """
 
     def __init__(self, clock: Clock, *, max_pop: int = 0xFFFF) -> None:
