@@ -6,6 +6,7 @@ deletion."""
 from __future__ import annotations
 
 import ast
+import os
 import random
 import shutil
 import tempfile
@@ -390,6 +391,36 @@ def test_released_means_written_and_under_always_synced(
     assert journal.sync_due(101.0) is (policy is not FsyncPolicy.NO)
     settle(journal)
     assert journal.released
+    store.close()
+
+
+@each_log_store
+def test_a_block_written_in_part_is_written_again_whole(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short ``pwrite`` (a signal, a nearly full disk) of a block ``seal`` writes at once:
+    the block queues and is written whole, and not released before."""
+    store = open_store(tmp_path, clock)
+    journal = store.journal
+    real = os.pwrite
+    shorts: list[int] = []
+
+    def short_once(fd: int, data: bytes, offset: int) -> int:
+        if not shorts:
+            shorts.append(len(data))
+            return real(fd, bytes(data)[: len(data) // 2], offset)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", short_once)
+    store.push(b"q", b"k", b"v" * 100, 0, 1)
+    store.flush()
+    assert shorts
+    assert journal.written_pos == journal.sealed_pos
+    store.push(b"q", b"k2", b"w", 0, 2)
+    commit(store)
+    store.close()
+    store = open_store(tmp_path, clock)
+    assert [(p[0], p[1]) for p in store.queued(b"q")] == [(b"k", b"v" * 100), (b"k2", b"w")]
     store.close()
 
 
