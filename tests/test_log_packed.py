@@ -8,8 +8,12 @@ import random
 from pathlib import Path
 
 import pytest
+import trio
 
 from pinpriq import packed
+from pinpriq.cli.server import open_store as open_server_store
+from pinpriq.cli.server import server_parser
+from pinpriq.packed import DEFAULT_STORE_OVERHEAD
 from pinpriq.persistence.journal import MIN_SEGMENT_SIZE
 from pinpriq.persistence.packed_store import LoggedPackedStore
 from pinpriq.persistence.store import LoggedStore
@@ -153,3 +157,20 @@ def test_the_packed_store_writes_the_reference_log_byte_for_byte(tmp_path: Path,
     assert len(reference) > 1  # rotated: compaction and deletion took part
     for name in reference:
         assert packed_log[name] == reference[name], name
+
+
+async def test_a_data_dir_server_runs_on_the_packed_store_and_counts_its_overhead(
+    tmp_path: Path,
+) -> None:
+    """``pinpriq-server --data-dir`` opens the logged packed store, so the memory cap counts
+    the packed store's bookkeeping per packet (``DEFAULT_STORE_OVERHEAD``), not QueueStore's."""
+    args = server_parser().parse_args(["--data-dir", str(tmp_path)])
+    store = open_server_store(args)
+    assert isinstance(store, LoggedPackedStore)
+    try:
+        store.recover(trio.current_time(), FakeClock().wall_ms())
+        store.push(b"q", b"key", b"payload", 0, 1)
+        assert store.bytes_held == len(b"key") + len(b"payload") + DEFAULT_STORE_OVERHEAD
+        assert DEFAULT_STORE_OVERHEAD == packed.PACKET_OVERHEAD
+    finally:
+        store.close()
