@@ -375,10 +375,13 @@ class _Connection:
 
     def _wrote_all(self) -> bool:
         """Hand a batch's output to the kernel directly, with no coroutine or event, when the
-        log holds nothing back; whether it took everything. If not, the read loop awaits the
-        rest (``_send_output``), which is what stops it reading from a client that does not
-        read its replies."""
-        if self.server.journal is not None:
+        log holds nothing back (no log, or ``released``: ``after_batch`` has sealed and written
+        the batch's records, and under ``always`` they are synced too, which is the only case
+        that waits); whether it took everything. If not, the read loop awaits the rest
+        (``_send_output``), which is what stops it reading from a client that does not read
+        its replies."""
+        journal = self.server.journal
+        if journal is not None and not journal.released:
             return False
         session = self.session
         try:
