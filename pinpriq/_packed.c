@@ -127,6 +127,11 @@ typedef struct {
     long long pushed, held;
     uint64_t seq;
     Heap heap;
+    /* The log (attach_log; all NULL for a memory-only store): the journal's open block */
+    PyObject *log_pushes, *log_removals; /* bytearrays: push-kind entries, remove entries */
+    PyObject *log_removed;               /* list: seqs removed in the open block */
+    PyObject *wall_clock;                /* seconds since the epoch, for a move's deadlines */
+    double block_time;                   /* the store's clock at the open block's first push */
 } StoreObject;
 
 static PyTypeObject QueueType;
@@ -855,6 +860,137 @@ static PyObject *packet_tuple(const Packet *p) {
     return t;
 }
 
+
+/* ---------------------------------------------------------------------------------------- */
+/* Log hooks (persistence): the entries of persistence/records.py, byte for byte
+ *
+ * With a log attached (attach_log: the journal's open block, see persistence/packed_store.py)
+ * every push appends its entry (70, or 71 for a u32 TTL or a delay; 6d for a move's) to
+ * log_pushes, and every packet that leaves for good (pop, pop_reply, expiry, purge, a move's
+ * old seq) a remove entry (72) to log_removals and its seq to log_removed, here in C where
+ * the packet is: nothing is copied but into the block. A take logs nothing (decision 19). */
+
+#define LOG_PUSH 0x70
+#define LOG_OPTIONS 0x71
+#define LOG_MOVED 0x6D
+#define LOG_REMOVE 0x72
+#define LOG_MAX_PUSH_TTL 0xFFFF
+
+static inline unsigned char *put_be(unsigned char *b, uint64_t v, int bytes) {
+    for (int i = bytes - 1; i >= 0; i--)
+        *b++ = (unsigned char)(v >> (8 * i));
+    return b;
+}
+
+/* Room for size more bytes at the end of bytearray ba; where they go, or NULL. */
+static inline unsigned char *log_room(PyObject *ba, Py_ssize_t size) {
+    Py_ssize_t at = PyByteArray_GET_SIZE(ba);
+    if (PyByteArray_Resize(ba, at + size) < 0)
+        return NULL;
+    return (unsigned char *)PyByteArray_AS_STRING(ba) + at;
+}
+
+/* A queue name the log can hold (a u16 length), checked before anything changes. */
+static inline int log_queue_fits(StoreObject *s, PyObject *queue) {
+    if (s->log_pushes != NULL && PyBytes_Check(queue) && PyBytes_GET_SIZE(queue) > MAX_FIELD) {
+        PyErr_SetString(PyExc_ValueError, "a queue name longer than 65535 bytes");
+        return -1;
+    }
+    return 0;
+}
+
+/* Note the store's clock at the open block's first push (``now``: read already, or NAN). */
+static inline int log_block_start(StoreObject *s, double now) {
+    if (PyByteArray_GET_SIZE(s->log_pushes))
+        return 0;
+    if (now != now) {
+        now = store_now(s);
+        if (now != now)
+            return -1;
+    }
+    s->block_time = now;
+    return 0;
+}
+
+/* Append p's push-kind entry: kind LOG_PUSH (field: the TTL), LOG_OPTIONS (field: the TTL,
+ * delay: the delay) or LOG_MOVED (field: the wall-clock deadline in ms, 0: none). */
+static int log_push(StoreObject *s, int kind, PyObject *queue, const Packet *p, uint64_t field,
+                    uint32_t delay, double now) {
+    if (log_block_start(s, now) < 0)
+        return -1;
+    Py_ssize_t qlen = PyBytes_GET_SIZE(queue);
+    Py_ssize_t header = kind == LOG_PUSH ? 10 : 16;
+    unsigned char *b = log_room(s->log_pushes, header + qlen + p->klen + p->plen);
+    if (b == NULL)
+        return -1;
+    *b++ = (unsigned char)kind;
+    if (kind == LOG_PUSH) {
+        b = put_be(b, field, 2);
+    } else if (kind == LOG_OPTIONS) {
+        b = put_be(b, field, 4);
+        b = put_be(b, delay, 4);
+    } else {
+        b = put_be(b, field, 8);
+    }
+    *b++ = p->prio;
+    b = put_be(b, (uint64_t)qlen, 2);
+    b = put_be(b, p->klen, 2);
+    b = put_be(b, p->plen, 2);
+    memcpy(b, PyBytes_AS_STRING(queue), qlen);
+    memcpy(b + qlen, p->data, p->klen + p->plen);
+    return 0;
+}
+
+/* Append a remove entry for seq. */
+static int log_remove(StoreObject *s, uint64_t seq) {
+    unsigned char *b = log_room(s->log_removals, 9);
+    if (b == NULL)
+        return -1;
+    *b = LOG_REMOVE;
+    put_be(b + 1, seq, 8);
+    PyObject *number = PyLong_FromUnsignedLongLong(seq);
+    if (number == NULL)
+        return -1;
+    int failed = PyList_Append(s->log_removed, number);
+    Py_DECREF(number);
+    return failed;
+}
+
+/* Log p's removal, if the store logs (a pop's packet, gone for good). */
+static inline int log_popped(StoreObject *s, const Packet *p) {
+    return s->log_pushes == NULL ? 0 : log_remove(s, p->seq);
+}
+
+static int log_removals(StoreObject *s, Packet **packets, Py_ssize_t n) {
+    if (s->log_pushes == NULL)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (log_remove(s, packets[i]->seq) < 0)
+            return -1;
+    return 0;
+}
+
+/* attach_log(pushes, removals, removed, wall_clock): log into the journal's open block from now
+ * on (persistence/packed_store.py); the bytearrays and the list are kept by reference. */
+static PyObject *Store_attach_log(StoreObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyByteArray_Check(args[0]) || !PyByteArray_Check(args[1]) ||
+        !PyList_Check(args[2]) || !PyCallable_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "attach_log(pushes: bytearray, removals: bytearray, removed: list, "
+                        "wall_clock)");
+        return NULL;
+    }
+    Py_XSETREF(s->log_pushes, Py_NewRef(args[0]));
+    Py_XSETREF(s->log_removals, Py_NewRef(args[1]));
+    Py_XSETREF(s->log_removed, Py_NewRef(args[2]));
+    Py_XSETREF(s->wall_clock, Py_NewRef(args[3]));
+    Py_RETURN_NONE;
+}
+
+static PyObject *Store_get_block_time(StoreObject *s, void *unused) {
+    return PyFloat_FromDouble(s->block_time);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* Expiry and arrival */
 
@@ -898,20 +1034,43 @@ static Py_ssize_t store_expire(StoreObject *s) {
     if (now != now)
         return -1;
     Py_ssize_t removed = 0;
+    /* The log's remove entries: the expired packets', then those of delayed packets dropped
+     * as they arrived (store.py's order; the same log, byte for byte). */
+    uint64_t *late = NULL;
+    Py_ssize_t nlate = 0, late_cap = 0;
+    int failed = 0;
     while (s->heap.n && s->heap.a[0]->deadline <= now) {
         Packet *p = s->heap.a[0];
         QueueObject *q = p->queue;
         heap_remove(&s->heap, p, 0);
         if (p->flags & F_DELAYED) {
             int dropped = arrive(s, p, now);
-            if (dropped < 0)
-                return -1;
+            if (dropped < 0) {
+                failed = 1;
+                break;
+            }
             if (!dropped)
                 continue;
+            if (s->log_pushes != NULL) {
+                if (nlate == late_cap) {
+                    late_cap = late_cap ? 2 * late_cap : 16;
+                    uint64_t *grown = PyMem_Realloc(late, late_cap * sizeof(uint64_t));
+                    if (grown == NULL) {
+                        PyErr_NoMemory();
+                        failed = 1;
+                    } else {
+                        late = grown;
+                    }
+                }
+                if (!failed)
+                    late[nlate++] = p->seq;
+            }
         } else {
             unfile_packet(s, q, p);
             if (!p->prio)
                 s->unselectable_bytes -= HELD(p);
+            if (s->log_pushes != NULL && log_remove(s, p->seq) < 0)
+                failed = 1;
         }
         s->bytes_held -= HELD(p);
         s->held--;
@@ -919,13 +1078,18 @@ static Py_ssize_t store_expire(StoreObject *s) {
         PyMem_Free(p);
         if (q->size == 0 && q->delayed == 0) {
             if (store_forget_if_empty(s, q) < 0)
-                return -1;
+                failed = 1;
         } else {
             maybe_compact(q);
         }
+        if (failed)
+            break;
     }
+    for (Py_ssize_t i = 0; !failed && i < nlate; i++)
+        failed = log_remove(s, late[i]) < 0;
+    PyMem_Free(late);
     s->expired += removed;
-    return removed;
+    return failed ? -1 : removed;
 }
 
 /* Expire first if anything is due: every read does, so nothing expired is ever returned. */
@@ -1031,6 +1195,8 @@ static PyObject *pop_tuples(StoreObject *s, PyObject *name, int taking) {
     Py_INCREF(q);
     Py_ssize_t count = take_group(s, q, out, s->max_pop);
     PyObject *reply = PyList_New(count);
+    if (!taking && reply != NULL && log_removals(s, out, count) < 0)
+        Py_CLEAR(reply);
     int64_t held = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         Packet *p = out[i];
@@ -1119,6 +1285,10 @@ static Py_ssize_t pop_write(StoreObject *s, QueueObject *q, PyObject *output, in
                             ? head_slot_hashed(q, selected, hash)
                             : group_slot_hashed(q, KEY(selected), selected->klen, hash);
         Packet *oldest = SLOT_PACKET(q->slots[slot]);
+        if (log_popped(s, selected) < 0) {
+            PyByteArray_Resize(output, at); /* nothing taken, nothing written */
+            return -1;
+        }
         write_record(b + 2, selected);
         take_popped(s, q, selected);
         count = 1;
@@ -1130,8 +1300,11 @@ static Py_ssize_t pop_write(StoreObject *s, QueueObject *q, PyObject *output, in
         /* the siblings, oldest first; ``oldest`` is the oldest packet still in the group */
         while (oldest != NULL && count < s->max_pop) {
             Packet *next = oldest->gnext == oldest ? NULL : oldest->gnext;
+            Py_ssize_t end = PyByteArray_GET_SIZE(output);
             unsigned char *room = output_room(output, 4 + oldest->klen + oldest->plen);
-            if (room == NULL) {
+            if (room == NULL || log_popped(s, oldest) < 0) {
+                if (room != NULL)
+                    PyByteArray_Resize(output, end);
                 PyErr_Clear(); /* a shorter reply: the rest of the group stays queued */
                 break;
             }
@@ -1234,17 +1407,29 @@ static PyObject *Store_push(StoreObject *s, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     uint32_t ttl_ms;
+    if (log_queue_fits(s, args[0]) < 0)
+        return NULL;
     Packet *p = parse_push(s, args, &ttl_ms);
     if (p == NULL)
         return NULL;
     p->deadline = INFINITY;
+    double now = NAN;
     if (ttl_ms) {
-        double now = store_now(s);
+        now = store_now(s);
         if (now != now) {
             PyMem_Free(p);
+            s->seq--;
             return NULL;
         }
         p->deadline = now + ttl_ms / 1000.0;
+    }
+    if (s->log_pushes != NULL) {
+        int options = ttl_ms > LOG_MAX_PUSH_TTL;
+        if (log_push(s, options ? LOG_OPTIONS : LOG_PUSH, args[0], p, ttl_ms, 0, now) < 0) {
+            PyMem_Free(p);
+            s->seq--;
+            return NULL;
+        }
     }
     QueueObject *q = store_queue_make(s, args[0]);
     if (q == NULL || file_packet(s, q, p, 1) < 0) {
@@ -1273,7 +1458,7 @@ static PyObject *Store_push_delayed(StoreObject *s, PyObject *const *args, Py_ss
         return NULL;
     }
     uint32_t ttl_ms, delay_ms;
-    if (parse_u32(args[5], "delay_ms", &delay_ms) < 0)
+    if (parse_u32(args[5], "delay_ms", &delay_ms) < 0 || log_queue_fits(s, args[0]) < 0)
         return NULL;
     double now = store_now(s);
     if (now != now)
@@ -1281,6 +1466,11 @@ static PyObject *Store_push_delayed(StoreObject *s, PyObject *const *args, Py_ss
     Packet *p = parse_push(s, args, &ttl_ms);
     if (p == NULL)
         return NULL;
+    if (s->log_pushes != NULL && log_push(s, LOG_OPTIONS, args[0], p, ttl_ms, delay_ms, now) < 0) {
+        PyMem_Free(p);
+        s->seq--;
+        return NULL;
+    }
     QueueObject *q = store_queue_make(s, args[0]);
     p->deadline = now + delay_ms / 1000.0; /* its due time, while delayed */
     p->ttl_ms = ttl_ms;
@@ -1738,10 +1928,14 @@ static int64_t queue_unselectable(QueueObject *q) {
     return held;
 }
 
+static int log_purge(StoreObject *s, QueueObject *q);
+
 static PyObject *Store_purge(StoreObject *s, PyObject *name) {
     QueueObject *q = store_queue(s, name);
     if (q == NULL)
         return PyErr_Occurred() ? NULL : PyLong_FromLong(0);
+    if (log_purge(s, q) < 0)
+        return NULL;
     Py_INCREF(q);
     unheap_queue(s, q);
     int64_t removed = q->size + q->delayed;
@@ -1758,6 +1952,66 @@ static PyObject *Store_purge(StoreObject *s, PyObject *name) {
 static int by_seq(const void *a, const void *b) {
     uint64_t x = (*(Packet *const *)a)->seq, y = (*(Packet *const *)b)->seq;
     return x < y ? -1 : x > y;
+}
+
+
+/* A purge's remove entries, in seq order (queued and delayed packets alike). */
+static int log_purge(StoreObject *s, QueueObject *q) {
+    if (s->log_pushes == NULL)
+        return 0;
+    Py_ssize_t n = 0, total = q->size + q->delayed;
+    Packet **all = PyMem_Malloc((total ? total : 1) * sizeof(Packet *));
+    if (all == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (uint32_t i = 0; i < q->slot_cap; i++) {
+        Packet *head = SLOT_PACKET(q->slots[i]), *p = head;
+        if (head != NULL)
+            do {
+                all[n++] = p;
+                p = p->gnext;
+            } while (p != head);
+    }
+    if (q->delayed_head != NULL) {
+        Packet *p = q->delayed_head;
+        do {
+            all[n++] = p;
+            p = p->gnext;
+        } while (p != q->delayed_head);
+    }
+    qsort(all, n, sizeof(Packet *), by_seq);
+    int failed = log_removals(s, all, n);
+    PyMem_Free(all);
+    return failed;
+}
+
+/* Before a move files its packets (``moving``, in seq order, old seqs still theirs): their
+ * remove entries, and the offset from the store's clock to the wall clock for their deadlines
+ * (persistence/store.py's LoggedStore._moved). */
+static int log_move_start(StoreObject *s, Packet **moving, Py_ssize_t n, double *to_wall) {
+    if (s->log_pushes == NULL)
+        return 0;
+    if (log_removals(s, moving, n) < 0 || log_block_start(s, NAN) < 0)
+        return -1;
+    PyObject *wall = PyObject_CallNoArgs(s->wall_clock);
+    if (wall == NULL)
+        return -1;
+    double wall_now = PyFloat_AsDouble(wall);
+    Py_DECREF(wall);
+    double now = store_now(s);
+    if (wall_now == -1.0 && PyErr_Occurred())
+        return -1;
+    if (now != now)
+        return -1;
+    *to_wall = wall_now - now;
+    return 0;
+}
+
+/* A moved entry for p (its new seq given): a push made now, keeping its wall-clock deadline. */
+static int log_moved(StoreObject *s, PyObject *target, const Packet *p, double to_wall) {
+    uint64_t deadline_ms = p->deadline == INFINITY ? 0 : (uint64_t)((p->deadline + to_wall) * 1000);
+    return log_push(s, LOG_MOVED, target, p, deadline_ms, 0, NAN);
 }
 
 /* move(source, target, limit) (decision 22): queued packets of source enter target as pushes
@@ -1783,6 +2037,8 @@ static PyObject *Store_move(StoreObject *s, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "a queue cannot be moved into itself");
         return NULL;
     }
+    if (log_queue_fits(s, args[1]) < 0)
+        return NULL;
     if (expire_due(s) < 0)
         return NULL;
     QueueObject *q = store_queue(s, args[0]);
@@ -1826,15 +2082,18 @@ static PyObject *Store_move(StoreObject *s, PyObject *const *args, Py_ssize_t na
     s->unselectable_bytes = unselectable_before - (riders_before - queue_unselectable(q));
     int failed = 0;
     QueueObject *target = NULL;
+    double to_wall = 0.0;
     if (n) {
         qsort(moving, n, sizeof(Packet *), by_seq);
         target = store_queue_make(s, args[1]);
-        failed = target == NULL;
+        failed = target == NULL || log_move_start(s, moving, n, &to_wall) < 0;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         Packet *p = moving[i];
         p->seq = ++s->seq;
         p->leases = 0;
+        if (!failed && s->log_pushes != NULL && log_moved(s, args[1], p, to_wall) < 0)
+            failed = 1;
         if (failed || file_packet(s, target, p, 1) < 0) { /* out of memory: the packet is lost */
             failed = 1;
             s->bytes_held -= HELD(p);
@@ -1852,6 +2111,186 @@ static PyObject *Store_move(StoreObject *s, PyObject *const *args, Py_ssize_t na
     if (failed)
         return PyErr_Occurred() ? NULL : PyErr_NoMemory();
     return PyLong_FromSsize_t(n);
+}
+
+
+/* ---------------------------------------------------------------------------------------- */
+/* Load and holds (persistence: recovery's bulk insert, compaction's question) */
+
+/* Hold a loaded delayed packet until ``due`` (push_delayed's filing; ``deadline``: its TTL
+ * deadline, INFINITY for none, kept as the TTL counted from its due time). */
+static int load_delayed(StoreObject *s, QueueObject *q, Packet *p, double due, double deadline) {
+    p->deadline = due;
+    if (deadline != INFINITY) {
+        long long ttl = llround((deadline - due) * 1000);
+        p->ttl_ms = ttl < 1 ? 1 : ttl > 0xFFFFFFFFll ? 0xFFFFFFFFu : (uint32_t)ttl;
+    }
+    p->flags = F_DELAYED;
+    p->queue = q;
+    if (heap_push(&s->heap, p, 0) < 0)
+        return -1;
+    if (q->delayed_head == NULL)
+        q->delayed_head = p;
+    else
+        ring_insert_after(q->delayed_head->gprev, p);
+    q->delayed++;
+    q->delayed_bytes += HELD(p);
+    q->bytes += HELD(p);
+    s->delayed_bytes += HELD(p);
+    return 0;
+}
+
+/* A float from a dict of seq -> time, or ``otherwise`` if seq is not in it; -1 on error. */
+static int time_of(PyObject *times, PyObject *seq, double otherwise, double *out) {
+    *out = otherwise;
+    if (times == Py_None)
+        return 0;
+    PyObject *value = PyDict_GetItemWithError(times, seq);
+    if (value == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    *out = PyFloat_AsDouble(value);
+    return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* One loaded packet (queue, key, payload, prio, seq), filed as push or push_delayed would;
+ * ``last``: the previous one's seq, which it must follow. */
+static int load_one(StoreObject *s, PyObject *t, PyObject *deadlines, PyObject *delayed,
+                    uint64_t *last) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 5 || !PyBytes_Check(PyTuple_GET_ITEM(t, 0)) ||
+        !PyBytes_Check(PyTuple_GET_ITEM(t, 1)) || !PyBytes_Check(PyTuple_GET_ITEM(t, 2))) {
+        PyErr_SetString(PyExc_TypeError, "load takes (queue, key, payload, prio, seq) tuples");
+        return -1;
+    }
+    PyObject *queue = PyTuple_GET_ITEM(t, 0), *key = PyTuple_GET_ITEM(t, 1);
+    PyObject *payload = PyTuple_GET_ITEM(t, 2), *seq_obj = PyTuple_GET_ITEM(t, 4);
+    long prio = PyLong_AsLong(PyTuple_GET_ITEM(t, 3));
+    unsigned long long seq = PyLong_AsUnsignedLongLong(seq_obj);
+    if (PyErr_Occurred())
+        return -1;
+    if (prio < 0 || prio > 255) {
+        PyErr_SetString(PyExc_ValueError, "prio out of range");
+        return -1;
+    }
+    if (seq <= *last) {
+        PyErr_Format(PyExc_ValueError, "loading seq %llu after seq %llu: not in push order", seq,
+                     (unsigned long long)*last);
+        return -1;
+    }
+    double deadline, due;
+    if (time_of(deadlines, seq_obj, INFINITY, &deadline) < 0 ||
+        time_of(delayed, seq_obj, NAN, &due) < 0)
+        return -1;
+    QueueObject *q = store_queue_make(s, queue);
+    if (q == NULL)
+        return -1;
+    Packet *p = packet_new(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key),
+                           PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload));
+    if (p == NULL)
+        return -1;
+    p->prio = (uint8_t)prio;
+    p->seq = seq;
+    p->deadline = deadline;
+    int failed = due == due ? load_delayed(s, q, p, due, deadline) : file_packet(s, q, p, 1);
+    if (failed < 0) {
+        PyMem_Free(p);
+        store_forget_if_empty(s, q);
+        return -1;
+    }
+    if (due != due && !p->prio)
+        s->unselectable_bytes += HELD(p);
+    s->bytes_held += HELD(p);
+    s->pushed++;
+    s->held++;
+    *last = seq;
+    return 0;
+}
+
+/* _load(packets, deadlines, delayed, last_seq): store.QueueStore.load's filing (its docstring
+ * says what each argument holds; deadlines and delayed may be None), into a store no push
+ * has touched. Pushes then go on after last_seq. */
+static PyObject *Store_load(StoreObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || (args[1] != Py_None && !PyDict_Check(args[1])) ||
+        (args[2] != Py_None && !PyDict_Check(args[2]))) {
+        PyErr_SetString(PyExc_TypeError, "_load(packets, deadlines: dict, delayed: dict, last_seq)");
+        return NULL;
+    }
+    unsigned long long last_seq = PyLong_AsUnsignedLongLong(args[3]);
+    if (last_seq == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (s->seq) {
+        PyErr_SetString(PyExc_RuntimeError, "load is for a store no push has touched");
+        return NULL;
+    }
+    PyObject *it = PyObject_GetIter(args[0]), *t;
+    if (it == NULL)
+        return NULL;
+    uint64_t last = 0;
+    while ((t = PyIter_Next(it)) != NULL) {
+        int failed = load_one(s, t, args[1], args[2], &last);
+        Py_DECREF(t);
+        if (failed < 0)
+            break;
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred())
+        return NULL;
+    if (last_seq < last) {
+        PyErr_Format(PyExc_ValueError, "last_seq %llu is before the last packet's seq %llu",
+                     last_seq, (unsigned long long)last);
+        return NULL;
+    }
+    s->seq = last_seq;
+    Py_RETURN_NONE;
+}
+
+/* holds(queue, key, seq): whether packet seq, pushed to queue with key, is still queued, or
+ * delayed for queue. O(packets of its key), plus O(delayed packets of queue) if not queued. */
+static PyObject *Store_holds(StoreObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "holds(queue, key: bytes, seq)");
+        return NULL;
+    }
+    unsigned long long seq = PyLong_AsUnsignedLongLong(args[2]);
+    if (seq == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    QueueObject *q = store_queue(s, args[0]);
+    if (q == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_False);
+    Packet *head = NULL;
+    if (q->groups)
+        head = SLOT_PACKET(q->slots[group_slot(q, PyBytes_AS_STRING(args[1]),
+                                               PyBytes_GET_SIZE(args[1]))]);
+    for (Packet *p = head; p != NULL; p = p->gnext == head ? NULL : p->gnext)
+        if (p->seq == seq)
+            Py_RETURN_TRUE;
+    head = q->delayed_head;
+    for (Packet *p = head; p != NULL; p = p->gnext == head ? NULL : p->gnext)
+        if (p->seq == seq)
+            Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+}
+
+/* _live_seqs(): the seqs of every packet held, queued or delayed (not leased), in no order;
+ * for the log's check_invariants. */
+static PyObject *Store_live_seqs(StoreObject *s, PyObject *unused) {
+    PyObject *seqs = PyList_New(0), *name, *value;
+    Py_ssize_t pos = 0;
+    while (seqs != NULL && PyDict_Next(s->queues, &pos, &name, &value)) {
+        QueueObject *q = (QueueObject *)value;
+        for (uint32_t i = 0; i <= q->slot_cap; i++) { /* every key group, then the delayed */
+            Packet *head = i < q->slot_cap ? SLOT_PACKET(q->slots[i]) : q->delayed_head;
+            for (Packet *p = head; p != NULL; p = p->gnext == head ? NULL : p->gnext) {
+                PyObject *seq = PyLong_FromUnsignedLongLong(p->seq);
+                if (seq == NULL || PyList_Append(seqs, seq) < 0) {
+                    Py_XDECREF(seq);
+                    Py_CLEAR(seqs);
+                    return NULL;
+                }
+                Py_DECREF(seq);
+            }
+        }
+    }
+    return seqs;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -2025,12 +2464,20 @@ static void free_all(StoreObject *s) {
 static int Store_traverse(StoreObject *s, visitproc visit, void *arg) {
     Py_VISIT(s->clock);
     Py_VISIT(s->dict);
+    Py_VISIT(s->log_pushes);
+    Py_VISIT(s->log_removals);
+    Py_VISIT(s->log_removed);
+    Py_VISIT(s->wall_clock);
     return 0;
 }
 
 static int Store_clear(StoreObject *s) {
     Py_CLEAR(s->clock);
     Py_CLEAR(s->dict);
+    Py_CLEAR(s->log_pushes);
+    Py_CLEAR(s->log_removals);
+    Py_CLEAR(s->log_removed);
+    Py_CLEAR(s->wall_clock);
     return 0;
 }
 
@@ -2070,6 +2517,8 @@ static PyGetSetDef Store_getset[] = {
     {"queue_count", (getter)Store_get_queue_count, NULL, "Queues holding packets.", NULL},
     {"_seq", (getter)Store_get_seq, NULL, "The last seq given.", NULL},
     {"_max_pop", (getter)Store_get_max_pop, NULL, "Most packets one pop returns.", NULL},
+    {"_block_time", (getter)Store_get_block_time, NULL,
+     "The store's clock at the log's open block's first push.", NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
 };
@@ -2118,6 +2567,14 @@ static PyMethodDef Store_methods[] = {
     {"purge", (PyCFunction)Store_purge, METH_O, "purge(queue) -> how many"},
     {"move", (PyCFunction)(void (*)(void))Store_move, METH_FASTCALL,
      "move(source, target, limit) -> how many moved"},
+    {"attach_log", (PyCFunction)(void (*)(void))Store_attach_log, METH_FASTCALL,
+     "attach_log(pushes, removals, removed, wall_clock): log into a journal's open block"},
+    {"_load", (PyCFunction)(void (*)(void))Store_load, METH_FASTCALL,
+     "_load(packets, deadlines, delayed, last_seq): recovery's bulk insert"},
+    {"holds", (PyCFunction)(void (*)(void))Store_holds, METH_FASTCALL,
+     "holds(queue, key, seq) -> whether that packet is queued or delayed"},
+    {"_live_seqs", (PyCFunction)Store_live_seqs, METH_NOARGS,
+     "_live_seqs() -> the seqs of every packet held; for tests"},
     {"check_invariants", (PyCFunction)Store_check_invariants, METH_NOARGS,
      "assert the internal structures agree; for tests"},
     {NULL},

@@ -200,8 +200,12 @@ class Broker:
         #: The store again if it is the packed store (``packed.PackedStore``, the server's
         #: default where its C core is built), for ``Session.receive``'s pop: its
         #: ``pop_reply`` writes the reply straight into the session's output, making no object
-        #: per packet. Typed ``Any``: a C type mypyc knows nothing of.
-        self.packed_store: Any = store if store.__class__ is PackedStore else None
+        #: per packet (the log-backed packed store's too: its C core logs what ``pop_reply``
+        #: removes). Not a subclass with a ``pop`` of its own. Typed ``Any``: a C type mypyc
+        #: knows nothing of.
+        self.packed_store: Any = (
+            store if isinstance(store, PackedStore) and type(store).pop is PackedStore.pop else None
+        )
         self.token = token
         self.subscriptions = Subscriptions(store)
         self.leases = Leases(store, default_ms=lease_default_ms, max_deliveries=max_deliveries)

@@ -37,7 +37,8 @@ available = _core is not None
 #: (docs/performance.md: resident memory per queued packet).
 PACKET_OVERHEAD: int = _core.PACKET_OVERHEAD if available else 0
 #: The estimate of ``default_store``'s store: what the memory cap counts per packet beyond its
-#: key and payload on a server without ``--data-dir`` (the log is built on ``QueueStore``).
+#: key and payload, with or without ``--data-dir`` (the log runs on the packed store too:
+#: ``persistence/packed_store.py``).
 DEFAULT_STORE_OVERHEAD: int = PACKET_OVERHEAD if available else store.PACKET_OVERHEAD
 
 _Base: Any = _core.PackedCore if available else object
@@ -51,8 +52,9 @@ class PackedStore(_Base):  # type: ignore[misc]
     (a pop frame), making no object per packet; ``pop_delivery(queue, output)``, the same for
     a subscriber's delivery (nothing written when nothing is selectable);
     ``prefetch_pushes(frames, start)``, which asks the memory for what a batch's pushes will
-    read. ``index_bytes(queue)``: what a queue's indexes hold (for tests and tools). Not
-    ``load`` or ``holds``: the log-backed store is built on ``QueueStore``.
+    read. ``index_bytes(queue)``: what a queue's indexes hold (for tests and tools). And the
+    log's hooks (``attach_log``, ``_load``, ``holds``), which
+    ``persistence.packed_store.LoggedPackedStore`` uses.
     """
 
     def __init__(self, clock: Clock, *, max_pop: int = 0xFFFF) -> None:

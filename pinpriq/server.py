@@ -31,7 +31,7 @@ object. It owns only what needs an event loop or a limit:
 * the client memory budget (``client_memory.ClientMemory``): the incomplete frames and unsent
   output of all connections, counted where they linger, never per frame.
 * with a log-backed store (``--data-dir``), the log's ordering rule: after each batch the
-  driver has the store seal and write what the batch logged (``LoggedStore.flush``), and no
+  driver has the store seal and write what the batch logged (its ``flush``), and no
   byte of output (a reply or a delivery) is written to a socket before the journal says it is
   ``released``, that is, until every record sealed before it is stored as the fsync policy
   promises; output that must wait goes to the connection's writer task, which waits for the
@@ -64,7 +64,7 @@ from pinpriq.leases import DEFAULT_LEASE_MS, DEFAULT_MAX_DELIVERIES
 from pinpriq.packed import default_store
 from pinpriq.persistence.journal import Journal
 from pinpriq.persistence.keeper import Keeper
-from pinpriq.persistence.store import LoggedStore
+from pinpriq.persistence.packed_store import LogBacked, is_logged
 from pinpriq.store_contract import BatchedStore, Deliveries, Store
 from pinpriq.tls import describe_tls_error
 from pinpriq.wire import (
@@ -409,10 +409,13 @@ class _Connection:
 
     def _wrote_all(self) -> bool:
         """Hand a batch's output to the kernel directly, with no coroutine or event, when the
-        log holds nothing back; whether it took everything. If not, the read loop awaits the
-        rest (``_send_output``), which is what stops it reading from a client that does not
-        read its replies."""
-        if self.server.journal is not None:
+        log holds nothing back (no log, or ``released``: ``after_batch`` has sealed and written
+        the batch's records, and under ``always`` they are synced too, which is the only case
+        that waits); whether it took everything. If not, the read loop awaits the rest
+        (``_send_output``), which is what stops it reading from a client that does not read
+        its replies."""
+        journal = self.server.journal
+        if journal is not None and not journal.released:
             return False
         session = self.session
         output = session.output
@@ -718,8 +721,8 @@ class PinpriqServer:
         #: for a memory-only server.
         self.journal: Journal | None = None
         self.keeper: Keeper | None = None
-        self._logged: LoggedStore | None = None
-        if isinstance(store, LoggedStore):
+        self._logged: LogBacked | None = None
+        if is_logged(store):
             self._logged = store
             self.journal = store.journal
             self.keeper = Keeper(store.journal)

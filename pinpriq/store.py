@@ -209,6 +209,15 @@ def note_time(notes: list[tuple[int, float]], seq: int, now: float) -> None:
         notes[:half] = notes[:half:2]
 
 
+def load_time_notes(notes: list[tuple[int, float]], times: Sequence[tuple[int, float]]) -> None:
+    """Replace ``notes`` by ``times`` (a store's ``load``: recovered packets' ages), thinned as
+    ``note_time`` thins them. O(len(times))."""
+    notes[:] = times
+    while len(notes) > _MAX_TIME_NOTES:
+        half = len(notes) // 2
+        notes[:half] = notes[:half:2]
+
+
 def age(notes: Sequence[tuple[int, float]], seq: int, now: float) -> float | None:
     """Seconds since packet ``seq`` was pushed, at most: since the last note before it."""
     index = bisect_left(notes, (seq, -math.inf)) - 1  # the last note with a smaller seq
@@ -868,11 +877,7 @@ class QueueStore:
             if q.expiry:
                 heapq.heapify(q.expiry)
         # Notes taken while loading would date these packets to now.
-        notes = self._time_notes
-        notes[:] = times
-        while len(notes) > _MAX_TIME_NOTES:
-            half = len(notes) // 2
-            notes[:half] = notes[:half:2]
+        load_time_notes(self._time_notes, times)
 
     def holds(self, queue: bytes, key: bytes, seq: int) -> bool:
         """Whether packet ``seq``, pushed to ``queue`` with ``key``, is still queued, or

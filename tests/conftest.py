@@ -13,6 +13,7 @@ import trio.testing
 import trustme
 
 from pinpriq.server import PinpriqServer
+from tests import logtools
 from tests.rawpeer import Peer, auth
 from tests.redis_servers import RedisServer, need_redis
 
@@ -143,3 +144,13 @@ def redis_url(redis_server: RedisServer) -> str:
     """The session's Redis, emptied for this test."""
     redis_server.cli("FLUSHALL")
     return redis_server.url
+
+
+@pytest.fixture(params=logtools.LOGGED_STORES, ids=lambda store_class: store_class.__name__)
+def logged_store(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> type[logtools.LoggedStore]:
+    """Run a test on each log-backed store (``LoggedStore``, and ``LoggedPackedStore`` where the
+    packed store is built): ``logtools.open_store`` opens this one."""
+    monkeypatch.setattr(logtools, "default_store_class", request.param)
+    return request.param  # type: ignore[no-any-return]

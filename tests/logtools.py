@@ -7,9 +7,21 @@ import os
 import time
 from pathlib import Path
 
+from pinpriq import packed
 from pinpriq.persistence.journal import DEFAULT_SEGMENT_SIZE, FsyncPolicy, Journal
+from pinpriq.persistence.packed_store import LoggedPackedStore
 from pinpriq.persistence.segments import DataDir, create_segment
 from pinpriq.persistence.store import LoggedStore
+
+#: The log-backed stores: ``LoggedStore`` (on ``QueueStore``, the reference) and, where the
+#: packed store's C core is built, ``LoggedPackedStore``.
+LOGGED_STORES: list[type[LoggedStore]] = [
+    LoggedStore,
+    *([LoggedPackedStore] if packed.available else []),  # type: ignore[list-item]
+]
+#: What ``open_store`` opens when not told: the ``logged_store`` fixture runs a test module
+#: on each of ``LOGGED_STORES`` by setting it.
+default_store_class: type[LoggedStore] = LoggedStore
 
 #: The fake wall clock is the fake monotonic clock plus this (seconds): some day in 2026.
 WALL_OFFSET = 1_790_000_000.0
@@ -59,10 +71,13 @@ def open_store(
     segment_size: int = DEFAULT_SEGMENT_SIZE,
     policy: FsyncPolicy = FsyncPolicy.EVERYSEC,
     truncate_damaged: bool = False,
+    store_class: type[LoggedStore] | None = None,
 ) -> LoggedStore:
-    """A log-backed store on ``path``, recovered and settled, as a server has it at start."""
+    """A log-backed store on ``path`` (a ``store_class``), recovered and settled, as a server
+    has it at start."""
     journal = Journal(DataDir.open(path, write=True), policy=policy, segment_size=segment_size)
-    store = LoggedStore(clock, journal, truncate_damaged=truncate_damaged, wall_clock=clock.wall)
+    store_class = store_class or default_store_class
+    store = store_class(clock, journal, truncate_damaged=truncate_damaged, wall_clock=clock.wall)
     try:
         store.recover(clock(), clock.wall_ms())
     except BaseException:

@@ -23,6 +23,9 @@ from pinpriq.persistence.segments import (
 from pinpriq.persistence.store import LoggedStore
 from tests.logtools import FakeClock, commit, open_store
 
+#: Runs a test on each log-backed store (the ``logged_store`` fixture).
+each_log_store = pytest.mark.usefixtures("logged_store")
+
 Contents = dict[bytes, list[list[tuple[bytes, bytes]]]]
 
 
@@ -73,12 +76,14 @@ BEFORE_LAST: Contents = {b"q": [[(b"A", b"a")], [(b"B", b"b")]], b"q2": []}
 AFTER_LAST: Contents = {b"q": [[(b"B", b"b")]], b"q2": [[(b"C", b"c")]]}
 
 
+@each_log_store
 def test_both_batches_come_back(tmp_path: Path, clock: FakeClock) -> None:
     write_two_batches(tmp_path, clock)
     assert contents(open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)) == AFTER_LAST
 
 
 @pytest.mark.parametrize("zero_fill", [False, True], ids=["truncated", "zero-filled"])
+@each_log_store
 def test_a_torn_last_block_is_cut_at_every_byte(
     tmp_path: Path, clock: FakeClock, zero_fill: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -128,6 +133,7 @@ def write_three_batches(path: Path, clock: FakeClock) -> None:
     store.close()
 
 
+@each_log_store
 def test_a_flipped_bit_in_the_middle_stops_the_start(tmp_path: Path, clock: FakeClock) -> None:
     write_three_batches(tmp_path, clock)
     segment = segment_files(tmp_path)[0]
@@ -146,6 +152,7 @@ def test_a_flipped_bit_in_the_middle_stops_the_start(tmp_path: Path, clock: Fake
     assert any(line.startswith(f"DAMAGED: {segment} at offset {second[0]}") for line in lines)
 
 
+@each_log_store
 def test_truncating_at_damage_keeps_what_came_before(tmp_path: Path, clock: FakeClock) -> None:
     write_three_batches(tmp_path, clock)
     segment = segment_files(tmp_path)[0]
@@ -156,6 +163,7 @@ def test_truncating_at_damage_keeps_what_came_before(tmp_path: Path, clock: Fake
     store.close()
 
 
+@each_log_store
 def test_damage_in_an_older_segment_truncates_every_later_one(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -177,6 +185,7 @@ def test_damage_in_an_older_segment_truncates_every_later_one(
     store.close()
 
 
+@each_log_store
 def test_an_empty_directory_starts_a_new_log(tmp_path: Path, clock: FakeClock) -> None:
     store = open_store(tmp_path / "new", clock)
     assert len(store) == 0
@@ -185,12 +194,14 @@ def test_an_empty_directory_starts_a_new_log(tmp_path: Path, clock: FakeClock) -
     store.close()
 
 
+@each_log_store
 def test_a_directory_with_other_files_but_no_log_is_used(tmp_path: Path, clock: FakeClock) -> None:
     (tmp_path / "lost+found").mkdir()  # the root of a mounted volume
     open_store(tmp_path, clock).close()
     assert (tmp_path / "FORMAT").exists()
 
 
+@each_log_store
 def test_a_newer_format_is_refused(tmp_path: Path, clock: FakeClock) -> None:
     open_store(tmp_path, clock).close()
     (tmp_path / "FORMAT").write_text("pinpriq log format 3\n")
@@ -198,6 +209,7 @@ def test_a_newer_format_is_refused(tmp_path: Path, clock: FakeClock) -> None:
         DataDir.open(tmp_path, write=True)
 
 
+@each_log_store
 def test_a_segment_of_another_format_is_refused(tmp_path: Path, clock: FakeClock) -> None:
     store = open_store(tmp_path, clock)
     store.push(b"q", b"k", b"v", 0, 1)
@@ -216,6 +228,7 @@ def test_a_segment_of_another_format_is_refused(tmp_path: Path, clock: FakeClock
         open_store(tmp_path, clock)
 
 
+@each_log_store
 def test_segments_without_a_format_file_are_refused(tmp_path: Path, clock: FakeClock) -> None:
     open_store(tmp_path, clock).close()
     (tmp_path / "FORMAT").unlink()
@@ -223,6 +236,7 @@ def test_segments_without_a_format_file_are_refused(tmp_path: Path, clock: FakeC
         DataDir.open(tmp_path, write=True)
 
 
+@each_log_store
 def test_one_server_per_directory(tmp_path: Path, clock: FakeClock) -> None:
     store = open_store(tmp_path, clock)
     with pytest.raises(DataDirError, match="in use by another pinpriq-server"):
@@ -231,6 +245,7 @@ def test_one_server_per_directory(tmp_path: Path, clock: FakeClock) -> None:
     DataDir.open(tmp_path, write=True).close()
 
 
+@each_log_store
 def test_a_segment_whose_creation_was_cut_short_is_deleted(
     tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -244,6 +259,7 @@ def test_a_segment_whose_creation_was_cut_short_is_deleted(
     assert contents(store) == AFTER_LAST
 
 
+@each_log_store
 def test_check_report_says_what_a_start_recovers(tmp_path: Path, clock: FakeClock) -> None:
     write_two_batches(tmp_path, clock)
     data_dir = DataDir.open(tmp_path, write=False)
@@ -269,6 +285,7 @@ def check(path: Path, clock: FakeClock) -> tuple[list[str], bool]:
     return report(data_dir, scan(data_dir, now_ms=clock.wall_ms()))
 
 
+@each_log_store
 def test_a_missing_middle_segment_is_damage(tmp_path: Path, clock: FakeClock) -> None:
     """Only the oldest segments are ever deleted: a gap in the numbers lost records (removals
     of older packets among them, which would come back), so a start refuses."""
@@ -293,6 +310,7 @@ def test_a_missing_middle_segment_is_damage(tmp_path: Path, clock: FakeClock) ->
 
 @pytest.mark.parametrize("which", [0, 1], ids=["oldest", "middle"])
 @pytest.mark.parametrize("truncate", [False, True], ids=["refused", "truncated"])
+@each_log_store
 def test_an_older_segment_cut_to_its_header_is_damage(
     tmp_path: Path, clock: FakeClock, which: int, truncate: bool
 ) -> None:
@@ -322,6 +340,7 @@ def test_an_older_segment_cut_to_its_header_is_damage(
     assert check(tmp_path, clock)[1]
 
 
+@each_log_store
 def test_a_torn_first_block_of_the_newest_segment_is_cut(tmp_path: Path, clock: FakeClock) -> None:
     """A crash in the first write after a rotation: the newest segment holds one torn block."""
     write_segments(tmp_path, clock, count=13)  # one block in the second segment
@@ -339,6 +358,7 @@ def test_a_torn_first_block_of_the_newest_segment_is_cut(tmp_path: Path, clock: 
     store.close()
 
 
+@each_log_store
 def test_extra_spares_leave_no_gap_in_the_numbers(tmp_path: Path, clock: FakeClock) -> None:
     """Two spares after a crash (the second made while the first was the active segment,
     before any block): the extra one is deleted, and the next segment takes its number."""
@@ -352,6 +372,7 @@ def test_extra_spares_leave_no_gap_in_the_numbers(tmp_path: Path, clock: FakeClo
     store.close()
 
 
+@each_log_store
 def test_a_damage_report_does_not_count_the_spare_as_dropped(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -370,6 +391,7 @@ def format_1_segment(blocks: list[bytes]) -> bytes:
     return head + zlib.crc32(head).to_bytes(4, "big") + b"".join(blocks) + bytes(1000)
 
 
+@each_log_store
 def test_a_format_1_log_is_read_and_what_follows_is_format_2(
     tmp_path: Path, clock: FakeClock
 ) -> None:

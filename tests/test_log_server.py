@@ -16,6 +16,7 @@ from typing import cast
 import pytest
 import trio
 
+from pinpriq import server as server_module
 from pinpriq.admin import serve_admin
 from pinpriq.persistence import keeper as keeper_module
 from pinpriq.persistence.compaction import Compactor
@@ -214,6 +215,30 @@ async def test_everysec_replies_do_not_wait_for_fsyncs(running: Running, gate: G
             await trio.sleep(0.6)
     assert gate.calls >= 1
     gate.opened.set()
+
+
+async def test_everysec_replies_go_straight_to_the_socket_once_written(
+    running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under everysec a batch's replies go out from the read loop, as without a log, once
+    ``after_batch`` has written the batch's block: not through the connection's writer task,
+    a task switch and a second seal per request at -P 1 (issue 21)."""
+    sends: list[object] = []
+    real = server_module._Connection._send_output
+
+    async def counted(self: object) -> None:
+        sends.append(self)
+        await real(self)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(server_module._Connection, "_send_output", counted)
+    await running.start(FsyncPolicy.EVERYSEC)
+    peer = await running.connect()
+    with trio.fail_after(5):
+        for i in range(5):
+            await peer.send(push(b"q", b"%d" % i, b"v"))
+            assert await peer.request(SYNC) == []
+            assert await peer.request(pop(b"q")) == [(b"%d" % i, b"v")]
+    assert sends == []
 
 
 async def test_a_full_disk_stops_pushes_and_keeps_pops_going(

@@ -6,6 +6,7 @@ deletion."""
 from __future__ import annotations
 
 import ast
+import os
 import random
 import shutil
 import tempfile
@@ -16,10 +17,15 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pinpriq import persistence
+from pinpriq import packed, persistence
 from pinpriq.persistence.journal import MIN_SEGMENT_SIZE, FsyncPolicy
+from pinpriq.persistence.packed_store import LoggedPackedStore
+from pinpriq.persistence.store import LoggedStore
 from pinpriq.store import QueuedPacket, QueueStore
 from tests.logtools import FakeClock, commit, open_store, settle
+
+#: Runs a test on each log-backed store (the ``logged_store`` fixture).
+each_log_store = pytest.mark.usefixtures("logged_store")
 
 QUEUES = [b"a", b"b", b""]
 KEYS = [b"k1", b"k2", b"k3", b"k4", b"k5", b"k6"]
@@ -33,15 +39,24 @@ class LogMachine(RuleBasedStateMachine):
     instants the stores are compared at (a logged deadline may be up to a millisecond early).
     """
 
+    #: The log-backed store under test, and the memory store it must match (its base).
+    store_class: type[LoggedStore] = LoggedStore
+    model_class: type[QueueStore] = QueueStore
+
     def __init__(self) -> None:
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="pinpriq-log-"))
         self.clock = FakeClock()
-        self.model = QueueStore(self.clock)
-        self.store = open_store(self.dir, self.clock, segment_size=MIN_SEGMENT_SIZE)
+        self.model = self.model_class(self.clock)
+        self.store = self._open()
         self.batch = 0  # frames since the last commit
         #: Leases outstanding: the queue, and the packets the store and the model took.
         self.leases: list[tuple[bytes, list[QueuedPacket], list[QueuedPacket]]] = []
+
+    def _open(self) -> LoggedStore:
+        return open_store(
+            self.dir, self.clock, segment_size=MIN_SEGMENT_SIZE, store_class=self.store_class
+        )
 
     def teardown(self) -> None:
         self.store.close()
@@ -148,7 +163,7 @@ class LogMachine(RuleBasedStateMachine):
     def restart(self) -> None:
         commit(self.store)
         self.store.close()
-        self.store = open_store(self.dir, self.clock, segment_size=MIN_SEGMENT_SIZE)
+        self.store = self._open()
         self._leases_come_back()
 
     @rule()
@@ -159,7 +174,7 @@ class LogMachine(RuleBasedStateMachine):
         for segment in [*journal.segments, *([journal.spare] if journal.spare else [])]:
             segment.close()
         journal.data_dir.close()
-        self.store = open_store(self.dir, self.clock, segment_size=MIN_SEGMENT_SIZE)
+        self.store = self._open()
         self._leases_come_back()
 
     @invariant()
@@ -177,6 +192,18 @@ TestLogMachine = LogMachine.TestCase
 TestLogMachine.settings = settings(max_examples=30, stateful_step_count=50, deadline=None)
 
 
+class PackedLogMachine(LogMachine):
+    """The same against the log on the packed store, whose C core writes the entries."""
+
+    store_class = LoggedPackedStore  # type: ignore[assignment]
+    model_class = packed.PackedStore
+
+
+if packed.available:
+    TestPackedLogMachine = PackedLogMachine.TestCase
+    TestPackedLogMachine.settings = TestLogMachine.settings
+
+
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
@@ -189,6 +216,7 @@ def drain(store: QueueStore, queue: bytes) -> list[list[tuple[bytes, bytes]]]:
     return replies
 
 
+@each_log_store
 def test_a_restart_keeps_priorities_ties_groups_and_riders(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -217,6 +245,7 @@ def test_a_restart_keeps_priorities_ties_groups_and_riders(
     store.close()
 
 
+@each_log_store
 def test_ages_after_a_restart_and_a_quiet_spell(tmp_path: Path, clock: FakeClock) -> None:
     # A packet read back keeps its age (the log's blocks carry their time). One pushed after
     # the restart and 30 s of quiet is dated from the latest note, not from the first.
@@ -234,6 +263,7 @@ def test_ages_after_a_restart_and_a_quiet_spell(tmp_path: Path, clock: FakeClock
     store.close()
 
 
+@each_log_store
 def test_ttl_deadlines_are_wall_clock_and_keep_their_remaining_time(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -251,6 +281,7 @@ def test_ttl_deadlines_are_wall_clock_and_keep_their_remaining_time(
     store.close()
 
 
+@each_log_store
 def test_packets_expired_while_down_stay_gone_if_the_clock_goes_back(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -266,6 +297,7 @@ def test_packets_expired_while_down_stay_gone_if_the_clock_goes_back(
     store.close()
 
 
+@each_log_store
 def test_segments_are_deleted_oldest_first_and_only_when_dead(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -295,6 +327,7 @@ def test_segments_are_deleted_oldest_first_and_only_when_dead(
     store.close()
 
 
+@each_log_store
 def test_compaction_catches_up_with_a_backlog_while_fsyncs_lag_behind_the_writes(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -343,6 +376,7 @@ def test_compaction_catches_up_with_a_backlog_while_fsyncs_lag_behind_the_writes
 
 
 @pytest.mark.parametrize("policy", list(FsyncPolicy))
+@each_log_store
 def test_released_means_written_and_under_always_synced(
     tmp_path: Path, clock: FakeClock, policy: FsyncPolicy
 ) -> None:
@@ -360,6 +394,37 @@ def test_released_means_written_and_under_always_synced(
     store.close()
 
 
+@each_log_store
+def test_a_block_written_in_part_is_written_again_whole(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short ``pwrite`` (a signal, a nearly full disk) of a block ``seal`` writes at once:
+    the block queues and is written whole, and not released before."""
+    store = open_store(tmp_path, clock)
+    journal = store.journal
+    real = os.pwrite
+    shorts: list[int] = []
+
+    def short_once(fd: int, data: bytes, offset: int) -> int:
+        if not shorts:
+            shorts.append(len(data))
+            return real(fd, bytes(data)[: len(data) // 2], offset)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", short_once)
+    store.push(b"q", b"k", b"v" * 100, 0, 1)
+    store.flush()
+    assert shorts
+    assert journal.written_pos == journal.sealed_pos
+    store.push(b"q", b"k2", b"w", 0, 2)
+    commit(store)
+    store.close()
+    store = open_store(tmp_path, clock)
+    assert [(p[0], p[1]) for p in store.queued(b"q")] == [(b"k", b"v" * 100), (b"k2", b"w")]
+    store.close()
+
+
+@each_log_store
 def test_a_dead_letter_move_comes_back_in_its_new_queue_in_push_order(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -383,6 +448,7 @@ def test_a_dead_letter_move_comes_back_in_its_new_queue_in_push_order(
     store.close()
 
 
+@each_log_store
 def test_leased_packets_are_back_after_a_restart_and_acked_ones_gone(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -400,6 +466,7 @@ def test_leased_packets_are_back_after_a_restart_and_acked_ones_gone(
     store.close()
 
 
+@each_log_store
 def test_compaction_keeps_leased_packets(tmp_path: Path, clock: FakeClock) -> None:
     store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
     store.push(b"keep", b"leased", b"x" * 100, 0, 1)
@@ -419,6 +486,7 @@ def test_compaction_keeps_leased_packets(tmp_path: Path, clock: FakeClock) -> No
     store.close()
 
 
+@each_log_store
 def test_a_packet_whose_ttl_passed_while_leased_is_logged_removed(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -437,6 +505,7 @@ def test_a_packet_whose_ttl_passed_while_leased_is_logged_removed(
     store.close()
 
 
+@each_log_store
 def test_totals_add_up_after_a_restart(tmp_path: Path, clock: FakeClock) -> None:
     store = open_store(tmp_path, clock)
     for i in range(5):
@@ -452,6 +521,7 @@ def test_totals_add_up_after_a_restart(tmp_path: Path, clock: FakeClock) -> None
     store.close()
 
 
+@each_log_store
 def test_a_purge_is_logged(tmp_path: Path, clock: FakeClock) -> None:
     store = open_store(tmp_path, clock)
     store.push(b"q", b"a", b"", 0, 1)
@@ -472,6 +542,7 @@ def allocated(path: Path) -> int:
     return sum(entry.stat().st_blocks * 512 for entry in path.iterdir() if entry.is_file())
 
 
+@each_log_store
 def test_disk_use_stays_within_twice_the_live_data_plus_four_segments(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -506,6 +577,7 @@ def test_disk_use_stays_within_twice_the_live_data_plus_four_segments(
     store.close()
 
 
+@each_log_store
 def test_the_log_modules_import_one_way() -> None:
     """Each module of ``pinpriq/persistence`` imports only those listed before it in the
     package's docstring, type-checking imports included (compaction once imported journal
@@ -524,6 +596,7 @@ def test_the_log_modules_import_one_way() -> None:
         assert imported <= set(order[:index]), f"{name} imports {imported - set(order[:index])}"
 
 
+@each_log_store
 def test_recovered_packets_keep_their_ages(tmp_path: Path, clock: FakeClock) -> None:
     """Ages come from the blocks' base_ms, to within a second (the running store's notes are
     about a second apart too), and are never younger than the packets are."""
@@ -544,6 +617,7 @@ def test_recovered_packets_keep_their_ages(tmp_path: Path, clock: FakeClock) -> 
     store.close()
 
 
+@each_log_store
 def test_packets_keep_their_ages_through_compaction(tmp_path: Path, clock: FakeClock) -> None:
     """A packet copied forward, its push's segment deleted: its copy entry carries its push
     time, so after a restart its age is still known."""
@@ -570,6 +644,7 @@ def test_packets_keep_their_ages_through_compaction(tmp_path: Path, clock: FakeC
 # Protocol 1.2 in the log (decisions 21-22): delayed packets, long TTLs and moves.
 
 
+@each_log_store
 def test_a_delayed_packet_survives_a_restart_still_delayed(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -596,6 +671,7 @@ def test_a_delayed_packet_survives_a_restart_still_delayed(
     store.close()
 
 
+@each_log_store
 def test_a_packet_due_while_down_arrives_at_once_in_its_place_in_push_order(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -613,6 +689,7 @@ def test_a_packet_due_while_down_arrives_at_once_in_its_place_in_push_order(
     store.close()
 
 
+@each_log_store
 def test_a_delayed_packet_whose_ttl_passed_while_down_is_dropped_for_good(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -632,6 +709,7 @@ def test_a_delayed_packet_whose_ttl_passed_while_down_is_dropped_for_good(
     store.close()
 
 
+@each_log_store
 def test_a_ttl_above_65535_ms_is_logged_whole(tmp_path: Path, clock: FakeClock) -> None:
     store = open_store(tmp_path, clock)
     store.push(b"q", b"k", b"", 7_200_000, 1)  # 2 h: a u32 TTL (protocol 1.2)
@@ -647,6 +725,7 @@ def test_a_ttl_above_65535_ms_is_logged_whole(tmp_path: Path, clock: FakeClock) 
     store.close()
 
 
+@each_log_store
 def test_a_purge_logs_the_removal_of_delayed_packets(tmp_path: Path, clock: FakeClock) -> None:
     store = open_store(tmp_path, clock)
     store.push(b"q", b"a", b"", 0, 1)
@@ -661,6 +740,7 @@ def test_a_purge_logs_the_removal_of_delayed_packets(tmp_path: Path, clock: Fake
     store.close()
 
 
+@each_log_store
 def test_a_move_is_logged_and_comes_back_in_its_new_order(tmp_path: Path, clock: FakeClock) -> None:
     """Decision 22: moved packets are pushes made now (newer than what the target held),
     keeping prio and TTL deadline; delayed packets stay."""
@@ -685,6 +765,7 @@ def test_a_move_is_logged_and_comes_back_in_its_new_order(tmp_path: Path, clock:
     store.close()
 
 
+@each_log_store
 def test_compaction_keeps_delayed_packets(tmp_path: Path, clock: FakeClock) -> None:
     store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE)
     store.push_delayed(b"keep", b"waiting", b"x" * 100, 0, 1, 3_600_000)

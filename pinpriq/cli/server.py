@@ -47,12 +47,11 @@ from pinpriq.persistence.journal import (
     Journal,
 )
 from pinpriq.persistence.keeper import LogFailure
+from pinpriq.persistence.packed_store import LogBacked, logged_store
 from pinpriq.persistence.recovery import report, scan
 from pinpriq.persistence.segments import DataDir, DataDirError
-from pinpriq.persistence.store import LoggedStore
 from pinpriq.redis.spec import StoreError, StoreSpec, parse_store
 from pinpriq.server import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_CONNECTIONS, PinpriqServer
-from pinpriq.store import PACKET_OVERHEAD
 from pinpriq.tls import TlsError, server_context
 from pinpriq.wire import DEFAULT_PORT, MAX_LEASE_MS
 
@@ -97,7 +96,7 @@ def server_parser() -> argparse.ArgumentParser:
         default="1GiB",
         metavar="SIZE",
         help="cap on the memory queued packets may hold (keys, payloads and about "
-        f"{DEFAULT_STORE_OVERHEAD} bytes of bookkeeping each, {PACKET_OVERHEAD} with --data-dir), "
+        f"{DEFAULT_STORE_OVERHEAD} bytes of bookkeeping each), "
         "e.g. 512MiB or 2GB; when reached, "
         "pushes wait until pops or expiry free room. 0 for no cap (default: 1GiB). With a "
         "Redis store, Redis's maxmemory is the cap instead",
@@ -400,7 +399,7 @@ def check_log(path: Path) -> int:
     return 0 if would_start else 1
 
 
-def open_store(args: argparse.Namespace) -> LoggedStore | None:
+def open_store(args: argparse.Namespace) -> LogBacked | None:
     """The log-backed store ``--data-dir`` asks for, its directory checked and locked; exits
     with one line if it cannot be used."""
     if args.data_dir is None:
@@ -414,7 +413,7 @@ def open_store(args: argparse.Namespace) -> LoggedStore | None:
         policy=FsyncPolicy(args.fsync or FsyncPolicy.EVERYSEC.value),
         segment_size=args.log_segment_size or DEFAULT_SEGMENT_SIZE,
     )
-    return LoggedStore(trio.current_time, journal, truncate_damaged=args.truncate_damaged_log)
+    return logged_store(trio.current_time, journal, truncate_damaged=args.truncate_damaged_log)
 
 
 def _check_durability_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -109,9 +109,12 @@ class Compactor:
     def step(self, sealed: int) -> None:
         """Read the next slice of the segment under way, copying its live packets into the
         block being sealed (``sealed`` bytes so far), if compaction is due or under way."""
-        if self._journal.disk_full:
-            return  # copies would eat the reserve the pops' removals need; pops free space
+        journal = self._journal
         segment = self._segment
+        if segment is None and len(journal.segments) < 3:
+            return  # nothing under way, and a log this small is never due: the common case
+        if journal.disk_full:
+            return  # copies would eat the reserve the pops' removals need; pops free space
         if segment is None:
             segment = self._next_segment()
             if segment is None:

@@ -308,28 +308,56 @@ class Journal:
             except (OSError, LogFormatError) as error:
                 # EIO, or a block that no longer reads as written: the log cannot be trusted.
                 self.fail(f"compaction's read of {self.segments[0].path} failed", error)
-        copies = self._copies
+        copies, copied, removed = self._copies, self._copied, self.removed
         data = encode_block(self._sealed_seq, base_ms, pushes, copies, removals)
-        copied = self._copied
-        self._pending.append(
-            _Sealed(
-                data,
-                seq,
-                seq - self._sealed_seq,
-                seq - self._sealed_seq + len(copied),
-                len(pushes) + len(copies),
-                self.removed.copy(),
-                copied,
+        pushed = seq - self._sealed_seq
+        entry_bytes = len(pushes) + len(copies)
+        self.sealed_pos += len(data)
+        self._sealed_seq = seq
+        if not self._write_at_once(data, seq, pushed, entry_bytes, removed, copied):
+            # Behind other blocks, held, or written in part: it queues, with its own copies
+            # of what the open block's buffers held (they are cleared below).
+            block = _Sealed(
+                data, seq, pushed, pushed + len(copied), entry_bytes, removed.copy(), copied
             )
-        )
+            self._pending.append(block)
+            self.write()
         pushes.clear()
         removals.clear()
-        self.removed.clear()
+        removed.clear()
         copies.clear()
         self._copied = []
-        self._sealed_seq = seq
-        self.sealed_pos += len(data)
-        self.write()
+
+    def _write_at_once(
+        self,
+        data: bytes,
+        seq: int,
+        pushed: int,
+        entry_bytes: int,
+        removed: list[int],
+        copied: list[int],
+    ) -> bool:
+        """The common case of ``seal`` at pipeline 1, where each request is a block: nothing
+        is queued or held and the block fits the active segment, so it is written here, with
+        one ``pwrite``, and no ``_Sealed`` is made. Whether it was written whole (else the
+        caller queues it: a short write is finished by ``write``)."""
+        if self._pending or self.hold is not None:
+            return False
+        segment = self.segments[-1]
+        at = segment.end
+        if at + len(data) > segment.size or segment.fd is None:
+            return False  # a rotation first: ``write`` does it
+        try:
+            done = os.pwrite(segment.fd, data, at)
+        except OSError:
+            return False  # ``write`` tries again and handles the error
+        if done != len(data):
+            return False  # nothing counted: ``write`` writes the block again, whole
+        self._written(
+            len(data), seq, pushed, pushed + len(copied), entry_bytes, removed, copied, segment
+        )
+        self._update_released()
+        return True
 
     # -- writing --------------------------------------------------------------------------
 
@@ -352,28 +380,48 @@ class Journal:
                 break
             if block.done == size:
                 pending.popleft()
-                self._written(block, segment)
+                self._written(
+                    size,
+                    block.seq,
+                    block.pushes,
+                    block.entries,
+                    block.entry_bytes,
+                    block.removed,
+                    block.copied,
+                    segment,
+                )
         self._update_released()
 
-    def _written(self, block: _Sealed, segment: Segment) -> None:
-        size = len(block.data)
+    def _written(
+        self,
+        size: int,
+        seq: int,
+        pushes: int,
+        entries: int,
+        entry_bytes: int,
+        removed: list[int],
+        copied: list[int],
+        segment: Segment,
+    ) -> None:
+        """A block of ``size`` bytes is written whole into ``segment``: count it (its fields
+        as ``_Sealed``'s)."""
         segment.end += size
         self.used_bytes += size
         self.written_pos += size
         self.blocks_written += 1
         self.bytes_written += size
-        self._written_seq = block.seq
-        segment.live += block.pushes
-        segment.entries += block.entries
-        segment.entry_bytes += block.entry_bytes
+        self._written_seq = seq
+        segment.live += pushes
+        segment.entries += entries
+        segment.entry_bytes += entry_bytes
         copied_to = self._copied_to
-        for seq in block.copied:
-            source = self.where(seq)
+        for copy in copied:
+            source = self.where(copy)
             source.live -= 1
             source.copies_at = self.written_pos
             segment.live += 1
-            copied_to[seq] = segment
-        self._count_removals(block.removed)
+            copied_to[copy] = segment
+        self._count_removals(removed)
         if self._always or self.written_pos - size == self.synced_pos:
             self.wake()  # a sync is due now (always), or in a second (everysec)
         if len(self.segments) > 1 and not self.segments[0].live:

@@ -27,8 +27,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Final, Protocol
 
 from mypy_extensions import mypyc_attr
 
@@ -45,11 +45,19 @@ from pinpriq.store import (
     PRIO,
     SEQ,
     Clock,
+    LoadedPacket,
     QueuedPacket,
     QueueStore,
 )
 
-__all__ = ["LoggedStore"]
+__all__ = [
+    "LoggedStore",
+    "block_base_ms",
+    "check_live_counts",
+    "log_copy",
+    "log_removed",
+    "recover",
+]
 
 log = logging.getLogger("pinpriq.persistence")
 
@@ -64,6 +72,10 @@ _OPTIONS: Final = int(Kind.PUSH_OPTIONS)
 _MOVED: Final = int(Kind.MOVED)
 #: The largest TTL a push entry (``70``) holds; a longer one is logged with options (``71``).
 _MAX_PUSH_TTL: Final = 0xFFFF
+
+
+def _seq_of(packet: QueuedPacket) -> int:
+    return packet[SEQ]
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -206,10 +218,12 @@ class LoggedStore(QueueStore):
         return queue
 
     def purge(self, queue: bytes) -> int:
-        """Remove every packet of ``queue``, delayed ones too, and log each removal."""
+        """Remove every packet of ``queue``, delayed ones too, and log each removal, in seq
+        order (as the packed store does: one log for one history)."""
         q = self._queues.get(queue)
         packets = list(q.packets()) if q is not None else []
         packets += self.delayed_packets(queue)
+        packets.sort(key=_seq_of)
         purged = QueueStore.purge(self, queue)
         self.record_removed(packets)
         return purged
@@ -218,11 +232,7 @@ class LoggedStore(QueueStore):
         """Log that these packets left the store for good: the removal path of anything other
         than pop and expiry (a purge, an ack, a TTL that ran out on a lease). Call it in the
         same batch as the removal, before ``flush``."""
-        removals, removed = self._removals, self._removed
-        for packet in packets:
-            seq = packet[SEQ]
-            removals += _pack_remove(_REMOVE, seq)
-            removed.append(seq)
+        log_removed(self.journal, packets)
 
     def record_moved(self, packet: QueuedPacket, queue: bytes, deadline: float) -> None:
         """Log that a live packet now lives in ``queue`` with its seq (its place in push
@@ -230,12 +240,15 @@ class LoggedStore(QueueStore):
         move (decision 19). It is written whole, as a copy entry naming its new queue. Call it
         in the same batch as the move, before ``flush``."""
         now = self._clock()
-        to_wall = self._wall_clock() - now  # seconds from the store's clock to the wall clock
-        key, payload, prio, seq = packet[KEY], packet[PAYLOAD], packet[PRIO], packet[SEQ]
-        age = self._age(seq, now)  # at most: from the store's time notes
-        pushed_ms = 0 if age is None else _wall_ms(now - age, to_wall)  # 0: unknown
-        deadline_ms = _wall_ms(deadline, to_wall)
-        self.journal.add_copy(seq, deadline_ms, pushed_ms, prio, queue, key, payload)
+        log_copy(
+            self.journal,
+            packet,
+            queue,
+            deadline,
+            now,
+            self._wall_clock() - now,
+            self._age(packet[SEQ], now),
+        )
 
     def locate(self, queue: bytes, key: bytes, seq: int) -> bytes | None:
         """The queue live packet ``seq`` is in now, ``None`` if it is gone (compaction asks
@@ -247,35 +260,22 @@ class LoggedStore(QueueStore):
 
     def flush(self) -> None:
         """Seal what this batch logged into a block and write it (see ``Journal.seal``)."""
-        base_ms = 0
-        if self._pushes:
-            # The block's first push, on the wall clock, rounded down: a logged deadline is
-            # never later than the real one.
-            base_ms = int((self._block_time + self._wall_clock() - self._clock()) * 1000)
-        self.journal.seal(self._seq, base_ms)
+        self.journal.seal(
+            self._seq, block_base_ms(self.journal, self._block_time, self._wall_clock, self._clock)
+        )
 
     def check_invariants(self) -> None:
         """Also check the journal's counts: each segment's ``live`` is the number of queued
         packets whose latest entry it holds. For tests; O(n log n)."""
         super().check_invariants()
-        journal = self.journal
-        if not journal.segments:
-            return
-        counted = {id(segment): 0 for segment in journal.segments}
+        live: list[int] = []
         for q in self._queues.values():
             for group in q.groups.values():
                 for packet in group.values() if isinstance(group, dict) else (group,):
-                    counted[id(journal.where(packet[SEQ]))] += 1
-        for seq in self._taken:  # leased packets are live in the log
-            counted[id(journal.where(seq))] += 1
+                    live.append(packet[SEQ])
         for name, _, _ in list(self.sizes()):  # and delayed ones
-            for packet in self.delayed_packets(name):
-                counted[id(journal.where(packet[SEQ]))] += 1
-        for segment in journal.segments:
-            assert segment.live == counted[id(segment)], (
-                f"{segment.path.name}: live {segment.live}, but {counted[id(segment)]} "
-                "queued packets have their entry there"
-            )
+            live += [packet[SEQ] for packet in self.delayed_packets(name)]
+        check_live_counts(self.journal, live + list(self._taken))
 
     def close(self) -> None:
         """Write what is logged, fsync, close the log's files and release its directory (a
@@ -290,49 +290,129 @@ class LoggedStore(QueueStore):
         read together by the caller: this may run in a worker thread, where the store's clock
         cannot be read. Raises ``segments.DataDirError`` for damage unless
         ``truncate_damaged``."""
-        started = time.monotonic()
-        journal = self.journal
-        journal.recovering = True
+        recover(self, self.journal, now, now_ms, truncate_damaged=self.truncate_damaged)
+
+
+# What the log-backed stores share (this one, and ``packed_store.LoggedPackedStore``).
+
+
+class Recoverable(Protocol):
+    """What ``recover`` needs of a log-backed store."""
+
+    @property
+    def queue_count(self) -> int: ...
+
+    @property
+    def _seq(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def load(
+        self,
+        packets: Iterable[LoadedPacket],
+        deadlines: Mapping[int, float],
+        last_seq: int,
+        *,
+        times: Sequence[tuple[int, float]] = (),
+        delayed: Mapping[int, float] | None = None,
+    ) -> None: ...
+
+
+def recover(
+    store: Recoverable, journal: Journal, now: float, now_ms: int, *, truncate_damaged: bool
+) -> None:
+    """A log-backed store's ``recover``: read ``journal``'s directory, cut a torn tail, load
+    the live packets into ``store`` and open the journal for writing."""
+    started = time.monotonic()
+    journal.recovering = True
+    try:
         try:
-            try:
-                result = scan(journal.data_dir, now_ms=now_ms)
-                apply(journal.data_dir, result, truncate_damaged=self.truncate_damaged)
-            except OSError as error:
-                raise DataDirError(
-                    f"cannot read the log in {journal.data_dir.path}: {error}"
-                ) from None
-            self.load(
-                result.packets.values(),
-                {seq: now + (ms - now_ms) / 1000 for seq, ms in result.deadlines.items()},
-                result.last_seq,
-                times=[(seq, now + (ms - now_ms) / 1000) for seq, ms in result.times],
-                delayed={seq: now + (ms - now_ms) / 1000 for seq, ms in result.dues.items()},
-            )
-            try:
-                journal.open(result)
-            except OSError as error:  # a full disk for the first segment, among others
-                raise DataDirError(
-                    f"cannot write to data directory {journal.data_dir.path}: "
-                    f"{error.strerror or error}"
-                ) from None
-            for seq in result.expired:  # gone for good, whatever the clock says next time
-                self._removals += _pack_remove(_REMOVE, seq)
-                self._removed.append(seq)
-            journal.seal(self._seq, 0)
-        finally:
-            journal.recovering = False
-            journal.recovery_seconds = time.monotonic() - started
-        log.info(
-            "recovered %d packets in %d queues from %s in %.2f s (%d segments, %d blocks%s)",
-            len(self),
-            self.queue_count,
-            journal.data_dir.path,
-            journal.recovery_seconds,
-            len(result.segments),
-            result.blocks,
-            f"; {len(result.expired)} packets expired while the server was down"
-            if result.expired
-            else "",
+            result = scan(journal.data_dir, now_ms=now_ms)
+            apply(journal.data_dir, result, truncate_damaged=truncate_damaged)
+        except OSError as error:
+            raise DataDirError(f"cannot read the log in {journal.data_dir.path}: {error}") from None
+        store.load(
+            result.packets.values(),
+            {seq: now + (ms - now_ms) / 1000 for seq, ms in result.deadlines.items()},
+            result.last_seq,
+            times=[(seq, now + (ms - now_ms) / 1000) for seq, ms in result.times],
+            delayed={seq: now + (ms - now_ms) / 1000 for seq, ms in result.dues.items()},
+        )
+        try:
+            journal.open(result)
+        except OSError as error:  # a full disk for the first segment, among others
+            raise DataDirError(
+                f"cannot write to data directory {journal.data_dir.path}: {error.strerror or error}"
+            ) from None
+        for seq in result.expired:  # gone for good, whatever the clock says next time
+            journal.removals += _pack_remove(_REMOVE, seq)
+            journal.removed.append(seq)
+        journal.seal(store._seq, 0)
+    finally:
+        journal.recovering = False
+        journal.recovery_seconds = time.monotonic() - started
+    log.info(
+        "recovered %d packets in %d queues from %s in %.2f s (%d segments, %d blocks%s)",
+        len(store),
+        store.queue_count,
+        journal.data_dir.path,
+        journal.recovery_seconds,
+        len(result.segments),
+        result.blocks,
+        f"; {len(result.expired)} packets expired while the server was down"
+        if result.expired
+        else "",
+    )
+
+
+def log_removed(journal: Journal, packets: Sequence[QueuedPacket]) -> None:
+    """Remove entries for ``packets`` in ``journal``'s open block."""
+    removals, removed = journal.removals, journal.removed
+    for packet in packets:
+        seq = packet[SEQ]
+        removals += _pack_remove(_REMOVE, seq)
+        removed.append(seq)
+
+
+def log_copy(
+    journal: Journal,
+    packet: QueuedPacket,
+    queue: bytes,
+    deadline: float,
+    now: float,
+    to_wall: float,
+    age: float | None,
+) -> None:
+    """A copy entry for ``packet``, now in ``queue`` with ``deadline`` (store's clock), in
+    ``journal``'s open block: ``now`` is the store's clock, ``to_wall`` the seconds from it to
+    the wall clock, ``age`` the packet's (at most; ``None``: unknown)."""
+    pushed_ms = 0 if age is None else _wall_ms(now - age, to_wall)  # 0: unknown
+    deadline_ms = _wall_ms(deadline, to_wall)
+    key, payload, prio, seq = packet[KEY], packet[PAYLOAD], packet[PRIO], packet[SEQ]
+    journal.add_copy(seq, deadline_ms, pushed_ms, prio, queue, key, payload)
+
+
+def block_base_ms(journal: Journal, block_time: float, wall_clock: Clock, clock: Clock) -> int:
+    """The open block's ``base_ms``: its first push (``block_time``, on the store's clock) on
+    the wall clock, rounded down, so a logged deadline is never later than the real one; 0
+    for a block without pushes."""
+    if not journal.pushes:
+        return 0
+    return int((block_time + wall_clock() - clock()) * 1000)
+
+
+def check_live_counts(journal: Journal, live: Iterable[int]) -> None:
+    """Assert each segment's ``live`` is the number of ``live`` seqs (queued, delayed and
+    leased packets) whose latest entry it holds. For tests."""
+    if not journal.segments:
+        return
+    counted = {id(segment): 0 for segment in journal.segments}
+    for seq in live:
+        counted[id(journal.where(seq))] += 1
+    for segment in journal.segments:
+        assert segment.live == counted[id(segment)], (
+            f"{segment.path.name}: live {segment.live}, but {counted[id(segment)]} "
+            "queued packets have their entry there"
         )
 
 

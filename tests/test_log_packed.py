@@ -1,0 +1,176 @@
+"""The log on the packed store (``LoggedPackedStore``, whose C core writes the entries) against
+the reference, ``LoggedStore`` on ``QueueStore``: the same operations write the same log, byte
+for byte, and recover the same queues."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import trio
+
+from pinpriq import packed
+from pinpriq.cli.server import open_store as open_server_store
+from pinpriq.cli.server import server_parser
+from pinpriq.packed import DEFAULT_STORE_OVERHEAD
+from pinpriq.persistence.journal import MIN_SEGMENT_SIZE
+from pinpriq.persistence.packed_store import LoggedPackedStore
+from pinpriq.persistence.store import LoggedStore
+from pinpriq.store import QueuedPacket
+from pinpriq.wire import append_reply
+from tests.logtools import FakeClock, commit, open_store
+
+pytestmark = pytest.mark.skipif(not packed.available, reason="the packed store is not built")
+
+QUEUES = [b"a", b"b", b"a.dead"]
+KEYS = [b"k%d" % i for i in range(8)]
+
+
+class Twins:
+    """A ``LoggedStore`` and a ``LoggedPackedStore``, each in its own directory on its own
+    fake clock, given the same operations; every result must agree."""
+
+    def __init__(self, root: Path) -> None:
+        self.clocks = [FakeClock(), FakeClock()]
+        self.dirs = [root / "reference", root / "packed"]
+        self.stores = [self._open(i) for i in range(2)]
+        #: Leases outstanding: the queue, and what each store's take returned.
+        self.leases: list[tuple[bytes, list[list[QueuedPacket]]]] = []
+
+    def _open(self, i: int) -> LoggedStore:
+        store_class = LoggedStore if i == 0 else LoggedPackedStore
+        return open_store(
+            self.dirs[i], self.clocks[i], segment_size=MIN_SEGMENT_SIZE, store_class=store_class
+        )
+
+    def both(self, method: str, *args: object) -> object:
+        reference, packed_result = (getattr(store, method)(*args) for store in self.stores)
+        assert packed_result == reference, method
+        return reference
+
+    def step(self, rng: random.Random) -> None:
+        """One random operation (all of the contract's changes that log something)."""
+        op = rng.choice(
+            ["push"] * 6
+            + ["pop"] * 3
+            + ["delayed", "lease", "end", "move", "purge", "time", "commit", "churn"]
+        )
+        queue, key = rng.choice(QUEUES[:2]), rng.choice(KEYS)
+        if op == "push":
+            ttl_ms = rng.choice([0, 0, 500, 5500, 100_000])  # 100 s: a push with options
+            payload = bytes([rng.randrange(256)]) * rng.choice([0, 10, 1500])
+            self.both("push", queue, key, payload, ttl_ms, rng.randrange(4))
+        elif op == "pop" and rng.random() < 0.5:
+            self.both("pop", queue)
+        elif op == "pop":  # the broker's pop on the packed store: the reply's bytes
+            expected, got = bytearray(), bytearray()
+            append_reply(expected, self.stores[0].pop(queue))
+            self.stores[1].pop_reply(queue, got)
+            assert got == expected
+        elif op == "delayed":
+            self.both(
+                "push_delayed",
+                queue,
+                key,
+                b"d",
+                rng.choice([0, 500, 9000]),
+                rng.randrange(4),
+                rng.choice([500, 2500]),
+            )
+        elif op == "lease":
+            taken = [store.take(queue) for store in self.stores]
+            assert taken[0] == taken[1]
+            if taken[0]:
+                self.leases.append((queue, taken))
+        elif op == "end" and self.leases:
+            queue, taken = self.leases.pop(rng.randrange(len(self.leases)))
+            end = rng.choice(["ack", "release", "dead letter"])
+            if end == "ack":
+                for store, packets in zip(self.stores, taken, strict=True):
+                    store.discard(packets)
+            else:
+                into = queue if end == "release" else queue + b".dead"
+                back = [s.restore(into, p) for s, p in zip(self.stores, taken, strict=True)]
+                assert back[0] == back[1]
+        elif op == "move":
+            source = rng.choice(QUEUES)
+            target = rng.choice([q for q in QUEUES if q != source])
+            self.both("move", source, target, rng.choice([0, 1, 3]))
+        elif op == "purge":
+            if rng.random() < 0.2:
+                self.both("purge", queue)
+        elif op == "time":
+            self.commit()
+            seconds = rng.choice([0.3, 1.0, 7.0])
+            for clock in self.clocks:
+                clock.now += seconds
+            self.both("expire")
+        elif op == "churn":  # dead bytes, so compaction becomes due
+            for i in range(30):
+                self.both("push", b"churn", b"%d" % i, bytes(1500), 0, 1)
+            self.commit()
+            for _ in range(30):
+                self.both("pop", b"churn")
+        self.commit() if op == "commit" else None
+
+    def commit(self) -> None:
+        for store in self.stores:
+            commit(store)
+
+    def restart(self) -> None:
+        self.commit()
+        for store in self.stores:
+            store.close()
+        self.stores = [self._open(i) for i in range(2)]
+        self.leases.clear()  # leased packets are back in their queues
+
+    def close(self) -> None:
+        for store in self.stores:
+            store.close()
+
+    def logs(self) -> list[dict[str, bytes]]:
+        return [{p.name: p.read_bytes() for p in sorted(d.glob("*.log"))} for d in self.dirs]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_packed_store_writes_the_reference_log_byte_for_byte(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    twins = Twins(tmp_path)
+    try:
+        for round_ in range(4):
+            for _ in range(300):
+                twins.step(rng)
+            twins.commit()
+            for store in twins.stores:
+                store.check_invariants()
+            if round_ < 3:
+                twins.restart()
+                queues = [sorted(name for name, _, _ in s.sizes()) for s in twins.stores]
+                assert queues[0] == queues[1]
+                for name in queues[0]:
+                    twins.both("queued", name)
+    finally:
+        twins.close()
+    reference, packed_log = twins.logs()
+    assert reference.keys() == packed_log.keys()
+    assert len(reference) > 1  # rotated: compaction and deletion took part
+    for name in reference:
+        assert packed_log[name] == reference[name], name
+
+
+async def test_a_data_dir_server_runs_on_the_packed_store_and_counts_its_overhead(
+    tmp_path: Path,
+) -> None:
+    """``pinpriq-server --data-dir`` opens the logged packed store, so the memory cap counts
+    the packed store's bookkeeping per packet (``DEFAULT_STORE_OVERHEAD``), not QueueStore's."""
+    args = server_parser().parse_args(["--data-dir", str(tmp_path)])
+    store = open_server_store(args)
+    assert isinstance(store, LoggedPackedStore)
+    try:
+        store.recover(trio.current_time(), FakeClock().wall_ms())
+        store.push(b"q", b"key", b"payload", 0, 1)
+        assert store.bytes_held == len(b"key") + len(b"payload") + DEFAULT_STORE_OVERHEAD
+        assert DEFAULT_STORE_OVERHEAD == packed.PACKET_OVERHEAD
+    finally:
+        store.close()
