@@ -68,13 +68,13 @@ def test_logs_one_line_with_address_and_port(server: ServerProcess) -> None:
 
 def test_the_first_lines_say_which_store_serves(tmp_path: Path) -> None:
     # The build line says what is installed; a --data-dir server runs on the logged store.
-    from pinpriq.packed import default_store
-    from pinpriq.persistence.store import LoggedStore
+    from pinpriq import packed
 
-    in_memory = type(default_store(time.monotonic)).__name__
+    in_memory = type(packed.default_store(time.monotonic)).__name__
+    logged = "LoggedPackedStore" if packed.available else "LoggedStore"
     for args, expected in [
         ((), f"; store: {in_memory} in memory"),
-        (("--data-dir", str(tmp_path / "data")), f"; store: {LoggedStore.__name__} logged"),
+        (("--data-dir", str(tmp_path / "data")), f"; store: {logged} logged"),
     ]:
         process = ServerProcess("--port", "0", "--http-port", "off", *args)
         status, _, stderr = process.stop(signal.SIGTERM)
