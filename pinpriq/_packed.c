@@ -1451,6 +1451,19 @@ static PyObject *Store_push(StoreObject *s, PyObject *const *args, Py_ssize_t na
 }
 
 /* push_delayed(queue, key, payload, ttl_ms, prio, delay_ms) -> due time (decision 21). */
+/* File a delayed packet p (already in the expiry heap) at the end of q's delayed ring, in
+ * push order, and count it: a push_delayed's and a recovered delayed packet's filing. */
+static void file_delayed(StoreObject *s, QueueObject *q, Packet *p) {
+    if (q->delayed_head == NULL)
+        q->delayed_head = p;
+    else
+        ring_insert_after(q->delayed_head->gprev, p);
+    q->delayed++;
+    q->delayed_bytes += HELD(p);
+    q->bytes += HELD(p);
+    s->delayed_bytes += HELD(p);
+}
+
 static PyObject *Store_push_delayed(StoreObject *s, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError,
@@ -1482,14 +1495,7 @@ static PyObject *Store_push_delayed(StoreObject *s, PyObject *const *args, Py_ss
             store_forget_if_empty(s, q);
         return NULL;
     }
-    if (q->delayed_head == NULL)
-        q->delayed_head = p;
-    else
-        ring_insert_after(q->delayed_head->gprev, p);
-    q->delayed++;
-    q->delayed_bytes += HELD(p);
-    q->bytes += HELD(p);
-    s->delayed_bytes += HELD(p);
+    file_delayed(s, q, p);
     s->bytes_held += HELD(p);
     s->pushed++;
     s->held++;
@@ -2129,14 +2135,7 @@ static int load_delayed(StoreObject *s, QueueObject *q, Packet *p, double due, d
     p->queue = q;
     if (heap_push(&s->heap, p, 0) < 0)
         return -1;
-    if (q->delayed_head == NULL)
-        q->delayed_head = p;
-    else
-        ring_insert_after(q->delayed_head->gprev, p);
-    q->delayed++;
-    q->delayed_bytes += HELD(p);
-    q->bytes += HELD(p);
-    s->delayed_bytes += HELD(p);
+    file_delayed(s, q, p);
     return 0;
 }
 
