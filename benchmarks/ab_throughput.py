@@ -2,10 +2,11 @@
 
     python benchmarks/ab_throughput.py --other ../baseline              # push and pop, 5 rounds
     python benchmarks/ab_throughput.py --other ../baseline -t push --rounds 9
+    python benchmarks/ab_throughput.py --other ../baseline -P 1 -n 20000   # one request a wait
 
 Each round starts a fresh ``pinpriq-server`` from each checkout (its own ``.venv``), in
 alternating order, drives each with this checkout's ``pinpriq-bench`` (4 client processes,
-pipeline 64, 400,000 operations, 8-byte keys, 16-byte payloads, priorities 1..255, as
+pipeline 64 and 400,000 operations unless told, 8-byte keys, 16-byte payloads, priorities 1..255, as
 ``server_instructions.py``) and stops it. A ratio is taken within each round, so the two
 servers of a round see the same machine load; the figure is the median of those ratios. On a
 shared machine the spread is wide: ``server_instructions.py`` gives the load-independent view.
@@ -26,14 +27,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(sys.executable).parent / "pinpriq-bench"
-WORKLOAD = ["-c", "4", "-P", "64", "-n", "400000", "--key-size", "8", "--payload-size", "16"]
-WORKLOAD += ["--prio-levels", "255"]
+WORKLOAD = ["-c", "4", "--key-size", "8", "--payload-size", "16", "--prio-levels", "255"]
 LISTENING = re.compile(rb"listening on \S+ port (\d+)")
 
 
-def throughput(checkout: Path, scenario: str) -> tuple[float, float]:
+def throughput(checkout: Path, scenario: str, shape: list[str]) -> tuple[float, float]:
     """Operations per second of one fresh server of ``checkout``, and its CPU microseconds per
-    operation (less sensitive than the rate to what else the machine runs)."""
+    operation (less sensitive than the rate to what else the machine runs). ``shape`` is the
+    load generator's pipeline and count options."""
     server = str(checkout / ".venv" / "bin" / "pinpriq-server")
     usage = subprocess.run([server, "--help"], capture_output=True, text=True, check=True).stdout
     admin = ["--http-port", "0"] if "--http-port" in usage else []
@@ -43,7 +44,7 @@ def throughput(checkout: Path, scenario: str) -> tuple[float, float]:
             port = _port(log, process)
             bench = [str(BENCH), "--port", str(port), "--server-pid", str(process.pid)]
             done = subprocess.run(
-                [*bench, "-q", "--json", "-t", scenario, *WORKLOAD],
+                [*bench, "-q", "--json", "-t", scenario, *WORKLOAD, *shape],
                 check=True,
                 capture_output=True,
                 text=True,
@@ -73,23 +74,28 @@ def main() -> None:
     parser.add_argument("--other", type=Path, required=True, help="a checkout with its .venv")
     parser.add_argument("-t", dest="scenarios", default="push,pop", help="(default: push,pop)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("-P", dest="pipeline", type=int, default=64, help="(default: 64)")
+    parser.add_argument("-n", dest="count", type=int, default=400_000, help="(default: 400,000)")
     args = parser.parse_args()
+    shape = ["-P", str(args.pipeline), "-n", str(args.count)]
     checkouts = [ROOT, args.other.resolve()]
     for scenario in args.scenarios.split(","):
         ratios, cpu_ratios = [], []
         for round_number in range(args.rounds):
             order = checkouts if round_number % 2 == 0 else checkouts[::-1]
-            figures = {checkout: throughput(checkout, scenario) for checkout in order}
+            figures = {checkout: throughput(checkout, scenario, shape) for checkout in order}
             (ours, our_cpu), (theirs, their_cpu) = figures[ROOT], figures[checkouts[1]]
             ratios.append(ours / theirs)
             cpu_ratios.append(our_cpu / their_cpu)
             print(
-                f"{scenario} round {round_number + 1}: this {ours:,.0f}/s ({our_cpu} us/op), "
+                f"{scenario} -P {args.pipeline} round {round_number + 1}: "
+                f"this {ours:,.0f}/s ({our_cpu} us/op), "
                 f"other {theirs:,.0f}/s ({their_cpu} us/op), ratio {ratios[-1]:.3f}",
                 flush=True,
             )
         print(
-            f"{scenario}: median throughput ratio {statistics.median(ratios):.3f} "
+            f"{scenario} -P {args.pipeline}: "
+            f"median throughput ratio {statistics.median(ratios):.3f} "
             f"(range {min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} rounds); server CPU "
             f"per op, this / other: {statistics.median(cpu_ratios):.3f}",
             flush=True,
