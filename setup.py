@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -38,11 +39,30 @@ def _pure_requested() -> bool:
     return os.environ.get(PURE_VARIABLE, "") not in ("", "0")
 
 
+def _remove_stale(modules: list[str]) -> None:
+    """Removes the shared libraries an earlier in-place build (an editable install) left for
+    ``modules``: a build that installs their ``.py`` must not leave an older compiled copy
+    beside it, which Python would import first and so run code the ``.py`` no longer says."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    for module in modules:
+        stale = HERE / f"{module.replace('.', '/')}{suffix}"
+        if stale.exists():
+            _say(f"removing {stale.relative_to(HERE)}, left by an earlier compiled build")
+            stale.unlink()
+
+
+def _mypyc_outputs() -> list[str]:
+    """The modules a mypyc build writes in place: one per compiled file, and the shared
+    library that holds them all (``group_name`` below)."""
+    return [path.removesuffix(".py").replace("/", ".") for path in COMPILED] + ["pinpriq__mypyc"]
+
+
 def packed_extension() -> list[Extension]:
     """The packed store's C core (pinpriq/_packed.c, issue 20): plain C on Python's C API, so
     it needs only the compiler and headers mypyc's modules need. Without it (or with
     PINPRIQ_PURE_PYTHON=1) the server uses store.QueueStore."""
     if _pure_requested():
+        _remove_stale(["pinpriq._packed"])
         return []
     return [Extension("pinpriq._packed", ["pinpriq/_packed.c"], extra_compile_args=["-O2"])]
 
@@ -52,12 +72,20 @@ def codec_extension() -> list[Extension]:
     wire.FrameDecoder uses where it is built; without it (or with PINPRIQ_PURE_PYTHON=1) the
     decoder runs wire.py's own code for them."""
     if _pure_requested():
+        _remove_stale(["pinpriq._codec"])
         return []
     return [Extension("pinpriq._codec", ["pinpriq/_codec.c"], extra_compile_args=["-O2"])]
 
 
 def compiled_extensions() -> list[Extension]:
     """The mypyc extensions, or none when the build is to be plain Python."""
+    extensions = _mypyc_extensions()
+    if not extensions:
+        _remove_stale(_mypyc_outputs())
+    return extensions
+
+
+def _mypyc_extensions() -> list[Extension]:
     if _pure_requested():
         _say(f"{PURE_VARIABLE} is set: installing the plain-Python modules")
         return []
@@ -98,8 +126,11 @@ class OptionalBuildExt(build_ext):
             self.extensions = []
 
     def _remove_outputs(self) -> None:
-        for ext in self.extensions:  # in the build tree, or in place for an editable install
+        for ext in self.extensions:  # in the build tree...
             Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
+        # ...and the copies in the source tree, which an editable install imports (setuptools
+        # builds in the build tree, then copies there); an up-to-date one was not even rebuilt.
+        _remove_stale([ext.name for ext in self.extensions])
 
 
 setup(

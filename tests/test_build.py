@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -23,22 +24,26 @@ from tests.test_packaging import REPO, dockerfile_sources, pip
 SERVER = Path(sys.executable).parent / "pinpriq-server"
 
 
-def run(argv: list[str | Path], env: dict[str, str] | None = None, cwd: Path = REPO) -> str:
+def run(
+    argv: list[str | Path],
+    env: dict[str, str] | None = None,
+    cwd: Path = REPO,
+    timeout: float = 60,
+) -> str:
     done = subprocess.run(
         list(map(str, argv)),
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
         env={**os.environ, **(env or {})},
         check=True,
     )
     return done.stdout
 
 
-def build_wheel(out: Path, env: dict[str, str]) -> Path:
-    """A wheel of the sources the Dockerfile copies, built with ``env`` added to the
-    environment setup.py sees."""
+def copy_sources(out: Path) -> Path:
+    """The sources the Dockerfile copies, without build outputs, in ``out/source``."""
     source = out / "source"
     source.mkdir()
     for name in dockerfile_sources():
@@ -47,6 +52,13 @@ def build_wheel(out: Path, env: dict[str, str]) -> Path:
             shutil.copytree(REPO / name, source / name, ignore=ignore)
         else:
             shutil.copy2(REPO / name, source / name)
+    return source
+
+
+def build_wheel(out: Path, env: dict[str, str]) -> Path:
+    """A wheel of the sources the Dockerfile copies, built with ``env`` added to the
+    environment setup.py sees."""
+    source = copy_sources(out)
     wheel = ["wheel", "--no-deps", "--no-index", "--no-build-isolation", "-w", out, source]
     pip(*wheel, env=env)
     [built] = out.glob("*.whl")
@@ -81,6 +93,42 @@ def test_a_build_whose_compiler_fails_installs_plain_python(tmp_path: Path) -> N
 def test_the_variable_at_build_time_compiles_nothing(tmp_path: Path) -> None:
     wheel = build_wheel(tmp_path, {PURE_VARIABLE: "1"})
     assert extensions(wheel) == []  # neither the mypyc modules nor the packed store
+
+
+def stale_libraries(source: Path) -> list[Path]:
+    """Shared libraries as an earlier in-place (editable) compiled build leaves them."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    names = [*COMPILED, "pinpriq._packed", "pinpriq._codec", "pinpriq__mypyc"]
+    stale = [source / f"{name.replace('.', '/')}{suffix}" for name in names]
+    for path in stale:
+        path.write_bytes(b"an older build")
+    return stale
+
+
+# mypy checks the modules before it fails: about a minute.
+@pytest.mark.timeout(300)
+def test_a_plain_build_in_place_removes_an_older_compiled_build(tmp_path: Path) -> None:
+    # The trap of an editable install: a later build that falls back to plain Python (here:
+    # mypy finds an error) left the older .so files, which shadowed the edited .py files.
+    source = copy_sources(tmp_path)
+    wire = source / "pinpriq" / "wire.py"
+    wire.write_text(wire.read_text() + '\n_BROKEN: int = "not an int"\n')
+    stale = stale_libraries(source)
+    build = [sys.executable, "setup.py", "-q", "build_ext", "--inplace"]
+    run(build, env={PURE_VARIABLE: ""}, cwd=source, timeout=280)
+    left = {path.name: path.read_bytes() for path in stale if path.exists()}
+    # mypyc's outputs are gone; the two C cores, which need no mypy, were rebuilt.
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    assert sorted(left) == [f"_codec{suffix}", f"_packed{suffix}"]
+    assert b"an older build" not in left.values()
+
+
+def test_the_variable_at_build_time_removes_an_older_compiled_build(tmp_path: Path) -> None:
+    source = copy_sources(tmp_path)
+    stale = stale_libraries(source)
+    build = [sys.executable, "setup.py", "-q", "build_ext", "--inplace"]
+    run(build, env={PURE_VARIABLE: "1"}, cwd=source)
+    assert [path.name for path in stale if path.exists()] == []
 
 
 def test_the_variable_at_run_time_loads_the_plain_modules() -> None:
