@@ -4,7 +4,7 @@ fails exactly the callers in flight (against a real redis-server)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -32,16 +32,16 @@ async def connection(redis_server: RedisServer) -> AsyncIterator[DirectConnectio
             shared.close()
 
 
-def count_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many commands each write to Redis carried, in order."""
-    writes: list[int] = []
-    send = direct._Link.send
+def count_writes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every write to Redis, in order."""
+    writes: list[bytes] = []
+    write = direct._Link.write
 
-    async def counted(link: direct._Link, commands: Sequence[tuple[Any, ...]]) -> None:
-        writes.append(len(commands))
-        await send(link, commands)
+    async def counted(link: direct._Link, data: bytes) -> None:
+        writes.append(data)
+        await write(link, data)
 
-    monkeypatch.setattr(direct._Link, "send", counted)
+    monkeypatch.setattr(direct._Link, "write", counted)
     return writes
 
 
@@ -60,7 +60,8 @@ async def test_the_pipelines_of_tasks_ready_in_one_turn_go_in_one_write(
             async with trio.open_nursery() as nursery:
                 for n in range(8):  # all ready in this turn: they queue before the sender runs
                     nursery.start_soon(caller, n, shared)
-    assert writes == [24]  # one write for the eight; each task once wrote its own
+    assert len(writes) == 1  # one write for the eight; each task once wrote its own
+    assert writes[0].count(b"ECHO") == 24
     assert replies == {n: [b"%d-%d" % (n, i) for i in range(3)] for n in range(8)}
 
 

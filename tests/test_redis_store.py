@@ -312,6 +312,47 @@ async def test_a_subscriber_on_another_front_end_is_woken_at_once(redis_url: str
                 assert await subscriber.reply() == [(b"k%d" % n, b"p")]
 
 
+async def test_the_message_handler_sends_the_delivery_pop_itself(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A push through another front end wakes a lone-queue waiter here with a pop written by
+    the task that read the pub/sub message (``RedisStore.pop_early``), whose result the
+    delivery takes: none is left over, and none is sent for a queue nobody waits on."""
+    early: list[bytes] = []
+    pop_early = RedisStore.pop_early
+
+    def counted(store: RedisStore, queue: bytes) -> None:
+        early.append(queue)
+        pop_early(store, queue)
+
+    monkeypatch.setattr(RedisStore, "pop_early", counted)
+    async with front_end(redis_url) as (_, a), front_end(redis_url) as (server, b):
+        store = server.batched
+        assert isinstance(store, RedisStore)
+        subscriber, pusher = await connect(b), await connect(a)
+        await subscriber.send(subscribe(b"jobs") + READY * 3)
+        await subscriber.request(SYNC)
+        for n in range(3):
+            await pusher.send(push(b"jobs", b"k%d" % n, b"p"))
+            with trio.fail_after(10):
+                assert await subscriber.reply() == [(b"k%d" % n, b"p")]
+        assert early == [b"jobs"] * 3
+        assert not store._early  # each taken by its delivery
+
+
+async def test_an_early_pop_nobody_took_goes_back_to_its_queue(redis_url: str) -> None:
+    """The waiter a message woke may leave before its delivery runs: the packets its early
+    pop took go back (``drop_early``), and the next pop gets them."""
+    async with front_end(redis_url) as (server, port):
+        store = server.batched
+        assert isinstance(store, RedisStore)
+        client = await connect(port)
+        await client.request(push(b"jobs", b"k", b"kept", prio=3) + SYNC)
+        store.pop_early(b"jobs")  # as if a waiter were woken, then left
+        assert await store.drop_early(keep=()) == [b"jobs"]
+        assert await client.request(pop(b"jobs")) == [(b"k", b"kept")]
+
+
 async def test_rediss_reaches_a_tls_redis_through_the_direct_connections(
     tmp_path: Path, ca: trustme.CA, monkeypatch: pytest.MonkeyPatch
 ) -> None:

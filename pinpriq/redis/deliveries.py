@@ -125,6 +125,10 @@ class RedisSubscriptions(Subscriptions):
                         _, sub = waiters.peekitem(0)
                         if not await self._serve_one(sub):
                             break
+                # Early pops no delivery took (``_heard``) but for queues due next round: their
+                # packets go back, offered again.
+                returned = await self.redis.drop_early(keep=self._due_queues)
+                self._due_queues.update(dict.fromkeys(returned))
         self.flush()
 
     async def _serve_one(self, sub: Subscriber) -> bool:
@@ -287,9 +291,14 @@ class RedisSubscriptions(Subscriptions):
             return
         if data:
             self.redis.schedule_sweep(queue, float(data))
-        else:
-            self._due_queues[queue] = None
-            self._wake.set()
+            return
+        self._due_queues[queue] = None
+        self._wake.set()
+        # Its first waiter's delivery will pop this queue (it waits on no other, so nothing
+        # to rank first): send that pop now, from this task (``RedisStore.pop_early``).
+        _, first = self.waiting_queues[queue].peekitem(0)
+        if len(first.queues) == 1 and not getattr(first, "leased", False):
+            self.redis.pop_early(queue)
 
     async def _dispatch_loop(self) -> None:
         while True:

@@ -18,7 +18,6 @@ its slot's node and these are not used. Every script call of the store goes this
 
 from __future__ import annotations
 
-import contextlib
 import os
 import ssl
 from collections import deque
@@ -30,7 +29,7 @@ from coredis._packer import Packer
 from coredis.exceptions import ConnectionError as RedisConnectionError
 from coredis.parser import NotEnoughData, Parser
 
-__all__ = ["DirectConnection", "DirectSubscriber"]
+__all__ = ["DirectConnection", "DirectSubscriber", "Pending"]
 
 _ENCODING = "utf-8"
 _CHUNK = 65536
@@ -97,17 +96,33 @@ class _Link:
         if isinstance(stream, trio.SocketStream):
             stream.socket.close()
 
+    def pack(self, commands: Sequence[tuple[Any, ...]]) -> bytes:
+        return b"".join(self.packer.pack_commands(list(commands)))
+
     async def send(self, commands: Sequence[tuple[Any, ...]]) -> None:
+        await self.write(self.pack(commands))
+
+    async def write(self, data: bytes) -> None:
+        """Write ``data`` (on plain TCP, what the kernel takes at once in this task)."""
         assert self.stream is not None
-        data = b"".join(self.packer.pack_commands(list(commands)))
-        try:
-            sent = 0
-            if self.fileno is not None:  # what the kernel takes now, in this task, at once
-                with contextlib.suppress(BlockingIOError):
-                    sent = os.write(self.fileno, data)
-            if sent < len(data):
+        sent = self.write_now(data)
+        if sent < len(data):
+            try:
                 await self.stream.send_all(memoryview(data)[sent:])
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
+                self.close()
+                raise RedisConnectionError(f"lost the direct connection: {error}") from error
+
+    def write_now(self, data: bytes) -> int:
+        """Write what the kernel takes of ``data`` now, without waiting (nothing over TLS);
+        returns how many bytes."""
+        if self.fileno is None:
+            return 0
+        try:
+            return os.write(self.fileno, data)
+        except BlockingIOError:
+            return 0
+        except OSError as error:
             self.close()
             raise RedisConnectionError(f"lost the direct connection: {error}") from error
 
@@ -146,7 +161,7 @@ class _Link:
         return [await self.receive() for _ in commands]
 
 
-class _Pending:
+class Pending:
     """One caller's pipeline: its commands, then their replies, or why it failed."""
 
     __slots__ = ("commands", "done", "error", "replies")
@@ -172,17 +187,48 @@ class DirectConnection:
 
     def __init__(self, host: str, port: int, **options: Any) -> None:
         self._link = _Link(host, port, **options)
-        self._queued: list[_Pending] = []  # not written yet
-        self._in_flight: deque[_Pending] = deque()  # written, replies owed, in order
+        self._queued: list[Pending] = []  # not written yet
+        self._in_flight: deque[Pending] = deque()  # written, replies owed, in order
         self._work = trio.Event()  # something is queued: the sender's wake-up
+        self._writing = False  # the sender is in a write: nobody else writes meanwhile
+        self._unsent = b""  # the rest of a ``send_now`` the kernel did not take at once
 
     async def pipeline(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Send ``commands`` and return their replies, in order; an error reply is returned as
         its exception. Raises coredis's ``ConnectionError`` if Redis cannot be reached (the
         next call connects again)."""
-        pending = _Pending(commands)
+        pending = Pending(commands)
         self._queued.append(pending)
         self._work.set()
+        return await self.replies(pending)
+
+    def send_now(self, commands: Sequence[tuple[Any, ...]]) -> Pending:
+        """Write ``commands`` at once, in this task (queued for the sender as ``pipeline``'s
+        when it is writing, or the socket is not open or speaks TLS); ``replies`` awaits
+        their replies. For a caller that has nobody to wait for: a pub/sub message's
+        delivery, whose pop then skips the sender's turn."""
+        pending = Pending(commands)
+        link = self._link
+        if self._queued or self._writing or self._unsent or link.fileno is None:
+            self._queued.append(pending)
+            self._work.set()
+            return pending
+        data = link.pack(commands)
+        try:
+            sent = link.write_now(data)
+        except RedisConnectionError as error:  # the socket is closed: the reader fails the rest
+            pending.error = error
+            pending.done.set()
+            return pending
+        self._in_flight.append(pending)
+        if sent < len(data):
+            self._unsent = data[sent:]  # the sender writes the rest before anything else
+            self._work.set()
+        return pending
+
+    @staticmethod
+    async def replies(pending: Pending) -> list[Any]:
+        """The replies of a pipeline sent (``send_now``); raises as ``pipeline``."""
         await pending.done.wait()
         if pending.error is not None:
             raise pending.error
@@ -216,6 +262,7 @@ class DirectConnection:
         failed = [*self._in_flight, *self._queued]
         self._in_flight.clear()
         self._queued.clear()
+        self._unsent = b""
         self._work = trio.Event()
         for pending in failed:
             pending.error = error
@@ -228,7 +275,13 @@ class DirectConnection:
             self._work = trio.Event()
             batch, self._queued = self._queued, []
             self._in_flight.extend(batch)  # before the write: replies may come at once
-            await link.send([command for pending in batch for command in pending.commands])
+            commands = [command for pending in batch for command in pending.commands]
+            data, self._unsent = self._unsent + link.pack(commands), b""
+            self._writing = True
+            try:
+                await link.write(data)
+            finally:
+                self._writing = False
 
     async def _read_loop(self) -> None:
         """Hand each reply to its caller; returns never, raises when the socket fails."""
