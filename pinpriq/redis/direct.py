@@ -197,22 +197,26 @@ class DirectConnection:
         """Send ``commands`` and return their replies, in order; an error reply is returned as
         its exception. Raises coredis's ``ConnectionError`` if Redis cannot be reached (the
         next call connects again)."""
+        # Never written here, even with nothing on its way: the tasks ready in this turn after
+        # this one then share the sender's write (measured: writing at once when idle cost
+        # the front end 1.3-1.4x the CPU per packet at P64, in more writes and wake-ups).
+        return await self.replies(self._enqueue(commands))
+
+    def _enqueue(self, commands: Sequence[tuple[Any, ...]]) -> Pending:
         pending = Pending(commands)
         self._queued.append(pending)
         self._work.set()
-        return await self.replies(pending)
+        return pending
 
     def send_now(self, commands: Sequence[tuple[Any, ...]]) -> Pending:
         """Write ``commands`` at once, in this task (queued for the sender as ``pipeline``'s
         when it is writing, or the socket is not open or speaks TLS); ``replies`` awaits
         their replies. For a caller that has nobody to wait for: a pub/sub message's
         delivery, whose pop then skips the sender's turn."""
-        pending = Pending(commands)
         link = self._link
         if self._queued or self._writing or self._unsent or link.fileno is None:
-            self._queued.append(pending)
-            self._work.set()
-            return pending
+            return self._enqueue(commands)
+        pending = Pending(commands)
         data = link.pack(commands)
         try:
             sent = link.write_now(data)
