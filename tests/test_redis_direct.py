@@ -103,3 +103,15 @@ async def test_a_broken_socket_fails_the_callers_in_flight_and_the_next_call_rec
             assert len(outcomes) == 2
             assert all(isinstance(outcome, RedisConnectionError) for outcome in outcomes), outcomes
             assert await shared.pipeline([(b"ECHO", b"again")]) == [b"again"]
+
+
+async def test_a_socket_closed_under_the_sender_fails_its_callers_not_the_front_end(
+    redis_server: RedisServer,
+) -> None:
+    with trio.fail_after(10):
+        async with connection(redis_server) as shared:
+            for _ in range(20):  # the sender or the reader meets the closed socket first
+                assert await shared.pipeline([(b"PING",)]) == [b"PONG"]
+                shared._link.close()  # as the reader does when Redis goes away
+                with pytest.raises(RedisConnectionError):
+                    await shared.pipeline([(b"PING",)])

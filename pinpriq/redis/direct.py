@@ -96,6 +96,13 @@ class _Link:
         if isinstance(stream, trio.SocketStream):
             stream.socket.close()
 
+    def _open_stream(self) -> trio.abc.Stream:
+        """The stream; coredis's ``ConnectionError`` if the link was closed meanwhile (by the
+        other of the two tasks that use it, which met an error first)."""
+        if self.stream is None:
+            raise RedisConnectionError("the direct connection is closed")
+        return self.stream
+
     def pack(self, commands: Sequence[tuple[Any, ...]]) -> bytes:
         return b"".join(self.packer.pack_commands(list(commands)))
 
@@ -104,11 +111,11 @@ class _Link:
 
     async def write(self, data: bytes) -> None:
         """Write ``data`` (on plain TCP, what the kernel takes at once in this task)."""
-        assert self.stream is not None
+        stream = self._open_stream()
         sent = self.write_now(data)
         if sent < len(data):
             try:
-                await self.stream.send_all(memoryview(data)[sent:])
+                await stream.send_all(memoryview(data)[sent:])
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
                 self.close()
                 raise RedisConnectionError(f"lost the direct connection: {error}") from error
@@ -116,10 +123,12 @@ class _Link:
     def write_now(self, data: bytes) -> int:
         """Write what the kernel takes of ``data`` now, without waiting (nothing over TLS);
         returns how many bytes."""
-        if self.fileno is None:
+        fileno = self.fileno
+        if fileno is None:
+            self._open_stream()  # over TLS: nothing now; closed: raises
             return 0
         try:
-            return os.write(self.fileno, data)
+            return os.write(fileno, data)
         except BlockingIOError:
             return 0
         except OSError as error:
@@ -147,8 +156,7 @@ class _Link:
         reply is never there before its request was written, so a read first would fail)."""
         fileno = self.fileno
         if fileno is None:
-            assert self.stream is not None
-            return await self.stream.receive_some(_CHUNK)
+            return await self._open_stream().receive_some(_CHUNK)
         while True:
             await trio.lowlevel.wait_readable(fileno)
             try:
