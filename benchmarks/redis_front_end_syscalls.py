@@ -55,7 +55,8 @@ def redis_server() -> Iterator[int]:
 def front_end(checkout: str, redis_port: int) -> Iterator[tuple[int, int]]:
     """A front end of ``checkout`` on that Redis: its port and process id."""
     port = free_port()
-    command = [sys.executable, "-c", SERVER, "--port", str(port), "--http-port", "off",
+    # -P: the current directory (a checkout, perhaps) must not come before PYTHONPATH.
+    command = [sys.executable, "-P", "-c", SERVER, "--port", str(port), "--http-port", "off",
                "--log-level", "error", "--store", f"redis://127.0.0.1:{redis_port}/0"]  # fmt: skip
     with contextlib.ExitStack() as stack:
         os.environ["PYTHONPATH"] = checkout  # the server's only: not the load generator's
