@@ -507,6 +507,43 @@ async def test_a_full_redis_holds_pushes_and_still_serves_pops(tmp_path: Path) -
         redis.stop()
 
 
+#: A script that holds Redis for a second: past ``busy-reply-threshold``, Redis answers every
+#: other command with BUSY meanwhile.
+_BUSY_SECOND = """
+local started = redis.call('TIME')
+while true do
+  local now = redis.call('TIME')
+  if (now[1] - started[1]) * 1000000 + now[2] - started[2] > 1000000 then return 1 end
+end
+"""
+
+
+async def test_a_script_holding_redis_busy_makes_calls_wait_not_fail(tmp_path: Path) -> None:
+    """While a script runs past ``busy-reply-threshold`` (a long move, a huge pop on a slow
+    machine, another application's script), Redis answers BUSY to every other command, which
+    it has not run: the front end waits and sends them again, as for a Redis that is loading,
+    and its clients get their answers once the script ends."""
+    need_redis()
+    redis = RedisServer(tmp_path / "busy", "--appendonly", "no", "--busy-reply-threshold", "10")
+    redis.start()
+    try:
+        async with front_end(redis.url) as (_, port):
+            client = await connect(port)
+            await client.request(push(b"q", b"k", b"p") + SYNC)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    partial(trio.to_thread.run_sync, redis.cli, "EVAL", _BUSY_SECOND, "0")
+                )
+                while True:  # Redis is the one who can tell when it is busy
+                    if (await trio.to_thread.run_sync(redis.cli, "PING")).startswith("BUSY"):
+                        break
+                    await trio.sleep(0.01)
+                with trio.fail_after(10):
+                    assert await client.request(pop(b"q")) == [(b"k", b"p")]
+    finally:
+        redis.stop()
+
+
 async def test_redis_restarted_under_load_loses_nothing_synced(tmp_path: Path) -> None:
     need_redis()
     redis = RedisServer(tmp_path / "aof", "--appendonly", "yes", "--appendfsync", "always")

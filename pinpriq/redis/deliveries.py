@@ -27,9 +27,10 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
+from coredis.exceptions import ResponseError
 
 from pinpriq.redis.direct import DirectSubscriber
-from pinpriq.redis.store import _TRANSIENT, Popped, RedisStore
+from pinpriq.redis.store import _TRANSIENT, Popped, RedisStore, busy
 from pinpriq.subscriptions import Subscriber, Subscriptions
 
 __all__ = ["RedisSubscriptions"]
@@ -204,9 +205,12 @@ class RedisSubscriptions(Subscriptions):
             if self._pubsub is not None:
                 await self._pubsub.subscribe(*channels)
             await self._mark_waiting(queues, due_times=True)
-        except _TRANSIENT as error:
-            # Redis went away: the subscription is remade with every watched channel, and the
-            # marks renewed (``_refresh_loop``), once it is back; pops wait for it meanwhile.
+        except (*_TRANSIENT, ResponseError) as error:
+            if isinstance(error, ResponseError) and not busy(error):
+                raise
+            # Redis went away (or is busy with a long script): the subscription is remade with
+            # every watched channel, and the marks renewed (``_refresh_loop``), once it is
+            # back; pops wait for it meanwhile.
             log.warning("cannot mark queues waited on in Redis now (%s); retrying", error)
 
     async def _mark_waiting(self, queues: list[bytes], *, due_times: bool = False) -> None:
@@ -321,7 +325,9 @@ class RedisSubscriptions(Subscriptions):
                     for channel in stale:
                         del self._watched[channel]
                     await self._pubsub.unsubscribe(*stale)
-            except _TRANSIENT as error:
+            except (*_TRANSIENT, ResponseError) as error:
+                if isinstance(error, ResponseError) and not busy(error):
+                    raise
                 log.warning("cannot renew waiting marks in Redis (%s); retrying", error)
                 continue
             self._due_queues.update(dict.fromkeys(waited))

@@ -62,7 +62,7 @@ from pinpriq.wire import (
 if TYPE_CHECKING:
     from pinpriq.broker import Session
 
-__all__ = ["DEFAULT_MAX_POP", "Popped", "RedisStore"]
+__all__ = ["DEFAULT_MAX_POP", "Popped", "RedisStore", "busy"]
 
 log = logging.getLogger("pinpriq.redis")
 
@@ -881,7 +881,7 @@ class RedisStore:
                 elif isinstance(reply, ResponseError) and "Function not found" in str(reply):
                     await self._reload_scripts()  # a Redis restarted without persistence
                     retry.append(index)
-                elif isinstance(reply, _TRANSIENT):
+                elif isinstance(reply, _TRANSIENT) or busy(reply):
                     self._trouble(f"Redis cannot run scripts now ({reply}); retrying")
                     retry.append(index)
                 elif isinstance(reply, ResponseError) and str(reply).startswith("OOM"):
@@ -987,6 +987,10 @@ class RedisStore:
                     await self.finish_moves()
             except _TRANSIENT as error:
                 self._trouble(f"Redis is unreachable ({error}); retrying")
+            except ResponseError as error:
+                if not busy(error):
+                    raise
+                self._trouble(f"Redis cannot answer now ({error}); retrying")
             await trio.sleep(SNAPSHOT_INTERVAL)
 
     async def refresh_snapshot(self) -> None:
@@ -1073,6 +1077,13 @@ class RedisStore:
             head = await first
             if head:
                 self.schedule_lease_sweep(name, float(head[0][1]))
+
+
+def busy(reply: object) -> bool:
+    """Whether Redis refused a command, without running it, because a script or function has
+    run past ``busy-reply-threshold`` (it answers every other command so until that ends):
+    the command is sent again later, as to a Redis that is loading."""
+    return isinstance(reply, ResponseError) and str(reply).startswith("BUSY ")
 
 
 def _command(call: _Call) -> tuple[Any, ...]:
