@@ -24,31 +24,19 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_redis_store import BIN, WORKLOAD, free_port, started
+from compare_redis_store import BIN, WORKLOAD, free_port, redis_server, started
 
 #: Starts a checkout's server with this interpreter (its console script would import ours).
 SERVER = (
     "import sys; from pinpriq.cli.server import main; sys.argv[0] = 'pinpriq-server'; "
     "sys.exit(main())"
 )
-
-
-@contextlib.contextmanager
-def redis_server() -> Iterator[int]:
-    port = free_port()
-    with tempfile.TemporaryDirectory() as directory:
-        command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir",
-                   directory, "--save", "", "--appendonly", "no", "--maxmemory-policy",
-                   "noeviction", "--loglevel", "warning"]  # fmt: skip
-        with started(command, port):
-            yield port
 
 
 @contextlib.contextmanager
