@@ -71,7 +71,8 @@ def measure(port: int, pid: int, scenario: str, depth: int, n: int) -> tuple[flo
     report = perf.communicate(timeout=30)[1]
     line = next(line for line in report.splitlines() if "sys_enter" in line)
     result = json.loads(done.stdout)["results"][0]
-    return int(line.split(",")[0]) / n, result["ops_per_sec"], result["server_cpu_us_per_op"]
+    rate = result.get("ops_per_sec", result.get("deliveries_per_sec"))  # subscribe: deliveries
+    return int(line.split(",")[0]) / n, rate, result["server_cpu_us_per_op"]
 
 
 def main(argv: list[str] | None = None) -> int:
