@@ -311,6 +311,47 @@ async def test_a_subscriber_on_another_front_end_is_woken_at_once(redis_url: str
                 assert await subscriber.reply() == [(b"k%d" % n, b"p")]
 
 
+async def test_the_message_handler_sends_the_delivery_pop_itself(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A push through another front end wakes a lone-queue waiter here with a pop written by
+    the task that read the pub/sub message (``RedisStore.pop_early``), whose result the
+    delivery takes: none is left over, and none is sent for a queue nobody waits on."""
+    early: list[bytes] = []
+    pop_early = RedisStore.pop_early
+
+    def counted(store: RedisStore, queue: bytes) -> None:
+        early.append(queue)
+        pop_early(store, queue)
+
+    monkeypatch.setattr(RedisStore, "pop_early", counted)
+    async with front_end(redis_url) as (_, a), front_end(redis_url) as (server, b):
+        store = server.batched
+        assert isinstance(store, RedisStore)
+        subscriber, pusher = await connect(b), await connect(a)
+        await subscriber.send(subscribe(b"jobs") + READY * 3)
+        await subscriber.request(SYNC)
+        for n in range(3):
+            await pusher.send(push(b"jobs", b"k%d" % n, b"p"))
+            with trio.fail_after(10):
+                assert await subscriber.reply() == [(b"k%d" % n, b"p")]
+        assert early == [b"jobs"] * 3
+        assert not store._early  # each taken by its delivery
+
+
+async def test_an_early_pop_nobody_took_goes_back_to_its_queue(redis_url: str) -> None:
+    """The waiter a message woke may leave before its delivery runs: the packets its early
+    pop took go back (``drop_early``), and the next pop gets them."""
+    async with front_end(redis_url) as (server, port):
+        store = server.batched
+        assert isinstance(store, RedisStore)
+        client = await connect(port)
+        await client.request(push(b"jobs", b"k", b"kept", prio=3) + SYNC)
+        store.pop_early(b"jobs")  # as if a waiter were woken, then left
+        assert await store.drop_early(keep=()) == [b"jobs"]
+        assert await client.request(pop(b"jobs")) == [(b"k", b"kept")]
+
+
 async def test_rediss_reaches_a_tls_redis_through_the_direct_connections(
     tmp_path: Path, ca: trustme.CA, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -461,6 +502,43 @@ async def test_a_full_redis_holds_pushes_and_still_serves_pops(tmp_path: Path) -
             with trio.fail_after(5):
                 assert await pusher.reply() == []  # the sync after the held push
             assert redis.cli("HLEN", queue_keys(b"big").data.decode()) == str(stuck + 1 - 10)
+    finally:
+        redis.stop()
+
+
+#: A script that holds Redis for a second: past ``busy-reply-threshold``, Redis answers every
+#: other command with BUSY meanwhile.
+_BUSY_SECOND = """
+local started = redis.call('TIME')
+while true do
+  local now = redis.call('TIME')
+  if (now[1] - started[1]) * 1000000 + now[2] - started[2] > 1000000 then return 1 end
+end
+"""
+
+
+async def test_a_script_holding_redis_busy_makes_calls_wait_not_fail(tmp_path: Path) -> None:
+    """While a script runs past ``busy-reply-threshold`` (a long move, a huge pop on a slow
+    machine, another application's script), Redis answers BUSY to every other command, which
+    it has not run: the front end waits and sends them again, as for a Redis that is loading,
+    and its clients get their answers once the script ends."""
+    need_redis()
+    redis = RedisServer(tmp_path / "busy", "--appendonly", "no", "--busy-reply-threshold", "10")
+    redis.start()
+    try:
+        async with front_end(redis.url) as (_, port):
+            client = await connect(port)
+            await client.request(push(b"q", b"k", b"p") + SYNC)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    partial(trio.to_thread.run_sync, redis.cli, "EVAL", _BUSY_SECOND, "0")
+                )
+                while True:  # Redis is the one who can tell when it is busy
+                    if (await trio.to_thread.run_sync(redis.cli, "PING")).startswith("BUSY"):
+                        break
+                    await trio.sleep(0.01)
+                with trio.fail_after(10):
+                    assert await client.request(pop(b"q")) == [(b"k", b"p")]
     finally:
         redis.stop()
 

@@ -72,6 +72,8 @@ async def open_store(spec: StoreSpec) -> AsyncIterator[tuple[RedisStore, RedisSu
                 subscriber = DirectSubscriber(*spec.nodes[0], **_direct_options(spec))
             subscriptions = RedisSubscriptions(store, subscriber)
             async with trio.open_nursery() as nursery:
+                if store.direct is not None:
+                    nursery.start_soon(store.direct.run)
                 await nursery.start(subscriptions.run)
                 nursery.start_soon(store.sweep_loop)
                 nursery.start_soon(store.snapshot_loop)

@@ -27,9 +27,10 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
+from coredis.exceptions import ResponseError
 
 from pinpriq.redis.direct import DirectSubscriber
-from pinpriq.redis.store import _TRANSIENT, Popped, RedisStore
+from pinpriq.redis.store import _TRANSIENT, Popped, RedisStore, busy
 from pinpriq.subscriptions import Subscriber, Subscriptions
 
 __all__ = ["RedisSubscriptions"]
@@ -125,6 +126,10 @@ class RedisSubscriptions(Subscriptions):
                         _, sub = waiters.peekitem(0)
                         if not await self._serve_one(sub):
                             break
+                # Early pops no delivery took (``_heard``) but for queues due next round: their
+                # packets go back, offered again.
+                returned = await self.redis.drop_early(keep=self._due_queues)
+                self._due_queues.update(dict.fromkeys(returned))
         self.flush()
 
     async def _serve_one(self, sub: Subscriber) -> bool:
@@ -200,9 +205,12 @@ class RedisSubscriptions(Subscriptions):
             if self._pubsub is not None:
                 await self._pubsub.subscribe(*channels)
             await self._mark_waiting(queues, due_times=True)
-        except _TRANSIENT as error:
-            # Redis went away: the subscription is remade with every watched channel, and the
-            # marks renewed (``_refresh_loop``), once it is back; pops wait for it meanwhile.
+        except (*_TRANSIENT, ResponseError) as error:
+            if isinstance(error, ResponseError) and not busy(error):
+                raise
+            # Redis went away (or is busy with a long script): the subscription is remade with
+            # every watched channel, and the marks renewed (``_refresh_loop``), once it is
+            # back; pops wait for it meanwhile.
             log.warning("cannot mark queues waited on in Redis now (%s); retrying", error)
 
     async def _mark_waiting(self, queues: list[bytes], *, due_times: bool = False) -> None:
@@ -287,9 +295,14 @@ class RedisSubscriptions(Subscriptions):
             return
         if data:
             self.redis.schedule_sweep(queue, float(data))
-        else:
-            self._due_queues[queue] = None
-            self._wake.set()
+            return
+        self._due_queues[queue] = None
+        self._wake.set()
+        # Its first waiter's delivery will pop this queue (it waits on no other, so nothing
+        # to rank first): send that pop now, from this task (``RedisStore.pop_early``).
+        _, first = self.waiting_queues[queue].peekitem(0)
+        if len(first.queues) == 1 and not getattr(first, "leased", False):
+            self.redis.pop_early(queue)
 
     async def _dispatch_loop(self) -> None:
         while True:
@@ -312,7 +325,9 @@ class RedisSubscriptions(Subscriptions):
                     for channel in stale:
                         del self._watched[channel]
                     await self._pubsub.unsubscribe(*stale)
-            except _TRANSIENT as error:
+            except (*_TRANSIENT, ResponseError) as error:
+                if isinstance(error, ResponseError) and not busy(error):
+                    raise
                 log.warning("cannot renew waiting marks in Redis (%s); retrying", error)
                 continue
             self._due_queues.update(dict.fromkeys(waited))

@@ -41,7 +41,7 @@ from coredis.exceptions import ConnectionError as RedisConnectionError
 
 from pinpriq.leases import DEAD_SUFFIX
 from pinpriq.redis import lua
-from pinpriq.redis.direct import DirectConnection
+from pinpriq.redis.direct import DirectConnection, Pending
 from pinpriq.redis.keys import PREFIX, QueueKeys, hash_tag, name_of, queue_keys
 from pinpriq.redis.leases import RedisLeases
 from pinpriq.store import QueuedPacket
@@ -62,7 +62,7 @@ from pinpriq.wire import (
 if TYPE_CHECKING:
     from pinpriq.broker import Session
 
-__all__ = ["DEFAULT_MAX_POP", "Popped", "RedisStore"]
+__all__ = ["DEFAULT_MAX_POP", "Popped", "RedisStore", "busy"]
 
 log = logging.getLogger("pinpriq.redis")
 
@@ -191,6 +191,8 @@ class RedisStore:
         #: Connections to Redis that answer in the calling task, for every script call
         #: (standalone Redis only; ``connect.open_store`` makes them), or ``None``.
         self.direct: DirectConnection | None = None
+        #: Pops sent for deliveries by ``pop_early``, by queue, until a delivery takes them.
+        self._early: dict[bytes, tuple[_Call, Pending]] = {}
 
     # -- the Store contract, as the broker calls it ------------------------------------------
 
@@ -476,11 +478,54 @@ class RedisStore:
             self._snapshot.sizes.pop(queue, None)
 
     async def pop_for_delivery(self, queue: bytes) -> tuple[list[Popped], bool]:
-        """Pop ``queue`` now, for a delivery; and whether it holds more selectable packets."""
-        call = self._pop_call(queue, full=1)
-        (reply,) = await self.call_all([call])
+        """Pop ``queue`` now, for a delivery (or take the result of the pop ``pop_early`` sent);
+        and whether it holds more selectable packets."""
+        early = self._early.pop(queue, None)
+        if early is None:
+            call = self._pop_call(queue, full=1)
+            (reply,) = await self.call_all([call])
+        else:
+            call, reply = early[0], await self._early_reply(*early)
         self._took(queue, call[2], reply)
         return _popped(reply[0]), bool(reply[1])
+
+    def pop_early(self, queue: bytes) -> None:
+        """Send a delivery's pop of ``queue`` now, from the task that heard packets entered it
+        (``RedisSubscriptions._heard``): written in that task, it reaches Redis without waiting
+        for the delivering task's turn and then the sender's; ``pop_for_delivery`` of the queue
+        takes its result, and ``drop_early`` puts back what nobody took. One per queue at a
+        time; standalone Redis only (the direct connection)."""
+        if self.direct is None or queue in self._early:
+            return
+        call = self._pop_call(queue, full=1)
+        self._early[queue] = (call, self.direct.send_now([_command(call)]))
+
+    async def _early_reply(self, call: _Call, pending: Pending) -> Any:
+        """An early pop's reply; if Redis could not answer it, the pop sent again as
+        ``call_all`` sends it (it may have run: with its call id, it answers what it took)."""
+        try:
+            (reply,) = await DirectConnection.replies(pending)
+        except _TRANSIENT:
+            reply = None
+        if reply is None or isinstance(reply, Exception):
+            (reply,) = await self.call_all([_retried(call)])
+        return reply
+
+    async def drop_early(self, keep: Container[bytes] = ()) -> list[bytes]:
+        """Put back the packets of early pops no delivery took (their waiter left meanwhile),
+        but for the queues in ``keep`` (a delivery may take those still); returns the queues
+        packets went back to."""
+        dropped = [queue for queue in self._early if queue not in keep]
+        returned = []
+        for queue in dropped:
+            call, pending = self._early.pop(queue)
+            reply = await self._early_reply(call, pending)
+            self._took(queue, call[2], reply)
+            packets = _popped(reply[0])
+            if packets:
+                await self.put_back(queue, packets)
+                returned.append(queue)
+        return returned
 
     async def put_back(self, queue: bytes, packets: Sequence[Popped]) -> int:
         """Put popped packets back as they were (a delivery nobody could take)."""
@@ -836,7 +881,7 @@ class RedisStore:
                 elif isinstance(reply, ResponseError) and "Function not found" in str(reply):
                     await self._reload_scripts()  # a Redis restarted without persistence
                     retry.append(index)
-                elif isinstance(reply, _TRANSIENT):
+                elif isinstance(reply, _TRANSIENT) or busy(reply):
                     self._trouble(f"Redis cannot run scripts now ({reply}); retrying")
                     retry.append(index)
                 elif isinstance(reply, ResponseError) and str(reply).startswith("OOM"):
@@ -862,9 +907,7 @@ class RedisStore:
         """One round trip: through the direct connections where there are (``direct.py``
         says why), else coredis's pipeline."""
         if self.direct is not None:
-            return await self.direct.pipeline(
-                [(b"FCALL", _FUNCTIONS[n], len(keys), *keys, *args) for n, keys, args in calls]
-            )
+            return await self.direct.pipeline([_command(call) for call in calls])
         async with self.client.pipeline(transaction=False, raise_on_error=False) as pipe:
             requests = [
                 pipe.fcall(_FUNCTIONS[name], keys=keys, args=args) for name, keys, args in calls
@@ -944,6 +987,10 @@ class RedisStore:
                     await self.finish_moves()
             except _TRANSIENT as error:
                 self._trouble(f"Redis is unreachable ({error}); retrying")
+            except ResponseError as error:
+                if not busy(error):
+                    raise
+                self._trouble(f"Redis cannot answer now ({error}); retrying")
             await trio.sleep(SNAPSHOT_INTERVAL)
 
     async def refresh_snapshot(self) -> None:
@@ -1030,6 +1077,19 @@ class RedisStore:
             head = await first
             if head:
                 self.schedule_lease_sweep(name, float(head[0][1]))
+
+
+def busy(reply: object) -> bool:
+    """Whether Redis refused a command, without running it, because a script or function has
+    run past ``busy-reply-threshold`` (it answers every other command so until that ends):
+    the command is sent again later, as to a Redis that is loading."""
+    return isinstance(reply, ResponseError) and str(reply).startswith("BUSY ")
+
+
+def _command(call: _Call) -> tuple[Any, ...]:
+    """A call as the ``FCALL`` command the direct connection sends."""
+    name, keys, args = call
+    return (b"FCALL", _FUNCTIONS[name], len(keys), *keys, *args)
 
 
 def _retried(call: _Call) -> _Call:
