@@ -19,6 +19,7 @@ import trustme
 from coredis.exceptions import ConnectionError as RedisConnectionError
 
 from pinpriq.conformance import DEFAULT_FIXTURES, Requires, load_fixtures, run_suite
+from pinpriq.redis import lua
 from pinpriq.redis.connect import open_store
 from pinpriq.redis.keys import queue_keys
 from pinpriq.redis.spec import parse_store
@@ -255,7 +256,7 @@ async def test_a_packet_pushed_while_others_are_leased_pops_before_them(
         store = server.batched
         assert isinstance(store, RedisStore)
         ahead = b"%016d" % ((time.time() + 3600) * 1_000_000)
-        await store.client.set(queue_keys(b"q").seq, ahead)
+        await store.client.hset(queue_keys(b"q").data, {lua.META: ahead})
         worker = await connect(port)
         rest = b"" if emptied_by == "reserve" else push(b"q", b"b", b"rest", prio=9)
         await worker.send(push(b"q", b"a", b"leased", prio=5) + rest)
@@ -269,6 +270,14 @@ async def test_a_packet_pushed_while_others_are_leased_pops_before_them(
         assert await worker.lease() == (1, 1, [])
         assert await worker.request(pop(b"q")) == [(b"c", b"new")]
         assert await worker.request(pop(b"q")) == [(b"a", b"leased")]
+
+
+def packets_held(redis: RedisServer, queue: bytes) -> int:
+    """The packets ``queue`` holds, read from Redis (layout 5: its ``:d`` hash's fields less
+    its meta field and key-group markers)."""
+    data = queue_keys(queue).data.decode()
+    meta = redis.cli("HGET", data, lua.META.decode())
+    return lua.packets_held(int(redis.cli("HLEN", data)), meta.encode() or None)
 
 
 async def connect(port: int) -> Peer:
@@ -407,7 +416,7 @@ async def test_ttl_runs_on_redis_and_expired_packets_are_swept(
         await pusher.request(SYNC)
         await trio.sleep(0.2)  # a Redis-side deadline: a short, bounded wait
         # Swept by the pushing front end's timer, without a pop: only one packet is held.
-        assert redis_server.cli("HLEN", queue_keys(b"t").data.decode()) == "1"
+        assert packets_held(redis_server, b"t") == 1
         assert await popper.request(pop(b"t")) == [(b"stays", b"")]
 
 
@@ -461,7 +470,7 @@ async def test_a_full_redis_holds_pushes_and_still_serves_pops(tmp_path: Path) -
                 assert len(await popper.request(pop(b"big"))) == 1
             with trio.fail_after(5):
                 assert await pusher.reply() == []  # the sync after the held push
-            assert redis.cli("HLEN", queue_keys(b"big").data.decode()) == str(stuck + 1 - 10)
+            assert packets_held(redis, b"big") == stuck + 1 - 10
     finally:
         redis.stop()
 
