@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -23,8 +24,9 @@ from pinpriq.redis import lua
 from pinpriq.redis.connect import open_store
 from pinpriq.redis.keys import queue_keys
 from pinpriq.redis.spec import parse_store
-from pinpriq.redis.store import RedisStore
+from pinpriq.redis.store import RedisStore, redis_client
 from pinpriq.server import PinpriqServer
+from pinpriq.wire import Pop, Push
 from tests.rawpeer import (
     Peer,
     ack,
@@ -635,3 +637,38 @@ async def test_pipelined_lease_frames_answer_in_order(redis_url: str) -> None:
         assert await worker.lease() == (2, 1, [])
         assert await worker.lease() == (4, 2, [(b"k2", b"2")])  # back, its second attempt
         assert await worker.reply() == []  # the sync
+
+
+def commands_run(redis: RedisServer) -> int:
+    """Commands Redis has run, by ``INFO commandstats``, less its FCALLs (the functions'
+    ``redis.call``s count themselves) and INFO itself."""
+    total = 0
+    for line in redis.cli("INFO", "commandstats").splitlines():
+        name, _, fields = line.removeprefix("cmdstat_").partition(":")
+        if line.startswith("cmdstat_") and name not in ("fcall", "info"):
+            total += int(fields.split(",")[0].removeprefix("calls="))
+    return total
+
+
+async def test_one_packet_calls_make_few_redis_calls(
+    redis_url: str, redis_server: RedisServer
+) -> None:
+    """Issue 22: at one packet a call, each ``redis.call`` costs Redis about what a whole ZADD
+    does, so a call's count is its cost. Layout 5 makes six for a push (TIME, one HMGET and one
+    HSET of the queue's hash, ZADD, EXISTS of the waiting mark, HLEN for the figures) and eight
+    for a pop of a lone key whose previous result the front end confirms (EXISTS, ZRANGE, HMGET,
+    HDEL, ZREM, HLEN, HSET and HDEL of the kept results; no PEXPIRE); layout 4 made nine and
+    eleven. No background task runs: the store is driven directly."""
+    async with redis_client("127.0.0.1", redis_server.port) as client:
+        store = RedisStore(client, cluster=False)
+        await store.load_scripts()
+        await store.run([Push(b"q", b"k%d" % n, b"p", 0, 5) for n in range(3)])
+        before = commands_run(redis_server)
+        await store.run([Push(b"q", b"k3", b"p", 0, 5)])
+        pushed = commands_run(redis_server)
+        assert pushed - before == 6
+        assert await store.run([Pop(b"q")]) == deque([[(b"k3", b"p")]])
+        popped = commands_run(redis_server)
+        assert await store.run([Pop(b"q")]) == deque([[(b"k2", b"p")]])
+        assert commands_run(redis_server) - popped == 8
+        assert await client.pttl(queue_keys(b"q").results) > 0  # the first pop's PEXPIRE
