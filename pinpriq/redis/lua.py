@@ -144,9 +144,11 @@ local function meta_of(v)
   if not v then return 0, 0 end
   return tonumber(string.sub(v, 1, 16)), tonumber(string.sub(v, 17)) or 0
 end
+-- The meta field's value: ``last``, the last seq's digits (as written: no number formatted
+-- again), and the marker count.
 local function meta_value(last, markers)
-  if markers == 0 then return digits(last) end
-  return digits(last) .. markers
+  if markers == 0 then return last end
+  return last .. markers
 end
 -- Read into ``state`` (field -> value, false for none) the values of ``fields`` of the hash
 -- ``d`` it does not hold yet, and the meta field: one HMGET.
@@ -197,6 +199,7 @@ local function filed(f, d, s, g, x, clock)
   local fields = f.fields
   local state = read_state(d, fields, {})
   local last, markers = meta_of(state[META])
+  local last_digits = state[META] and string.sub(state[META], 1, 16)
   local data, members, levels, deadlines = {}, {}, {}, {}
   local seq, head = clock, nil
   if clock and seq <= last then seq = last + 1 end
@@ -206,9 +209,10 @@ local function filed(f, d, s, g, x, clock)
     if clock then
       sq, head = seq_digits(seq, head)
       seq = seq + 1
+      last_digits = sq
     else
       sq = f.seqs[i]
-      if tonumber(sq) > last then last = tonumber(sq) end
+      if tonumber(sq) > last then last, last_digits = tonumber(sq), sq end
     end
     local rec = record(sq, prio, deadline, f.payloads[i])
     local v = state[field]
@@ -231,7 +235,6 @@ local function filed(f, d, s, g, x, clock)
     if prio > 0 then levels[#levels + 1], levels[#levels + 2] = -prio, ref end
     if deadline > 0 then deadlines[#deadlines + 1], deadlines[#deadlines + 2] = deadline, ref end
   end
-  if clock then last = seq - 1 end
   local written = {}
   for i = 1, n do
     local field = fields[i]
@@ -240,7 +243,7 @@ local function filed(f, d, s, g, x, clock)
       data[#data + 1], data[#data + 2] = field, state[field]
     end
   end
-  data[#data + 1], data[#data + 2] = META, meta_value(last, markers)
+  data[#data + 1], data[#data + 2] = META, meta_value(last_digits, markers)
   bulk('HSET', d, data)
   bulk('ZADD', g, members)
   bulk('ZADD', s, levels)
@@ -285,7 +288,7 @@ local function unfile(d, s, g, x, refs, state, expiring)
   local fields = {}
   for i, ref in ipairs(refs) do fields[i] = string.sub(ref, 17) end
   read_state(d, fields, state)
-  local last, markers = meta_of(state[META])
+  local _, markers = meta_of(state[META])
   local was = markers
   local gone, members, counts, order, left = {}, {}, {}, {}, {}
   for i, ref in ipairs(refs) do
@@ -317,7 +320,7 @@ local function unfile(d, s, g, x, refs, state, expiring)
     end
   end
   if markers ~= was then
-    state[META] = meta_value(last, markers)
+    state[META] = meta_value(string.sub(state[META], 1, 16), markers)
     left[#left + 1], left[#left + 2] = META, state[META]
   end
   bulk('HDEL', d, gone)
@@ -478,7 +481,7 @@ for i = 1, #ARGV, 5 do
 end
 bulk('HSET', KEYS[2], data)
 bulk('ZADD', KEYS[3], dues)
-redis.call('HSET', KEYS[1], META, meta_value(seq - 1, markers))
+redis.call('HSET', KEYS[1], META, meta_value(s, markers))
 if redis.call('EXISTS', KEYS[4]) == 1 then
   redis.call('PUBLISH', channel_of(KEYS[4]), string.format('%.3f', earliest))
 end
@@ -639,7 +642,7 @@ local n, delayed = held_count(KEYS[1], state), redis.call('HLEN', KEYS[5])
 if state[META] == nil then state[META] = redis.call('HGET', KEYS[1], META) or false end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
 if state[META] and seqs_held() then
-  redis.call('HSET', KEYS[1], META, meta_value(meta_of(state[META]), 0))
+  redis.call('HSET', KEYS[1], META, string.sub(state[META], 1, 16))
 end
 return {n, delayed}
 """
