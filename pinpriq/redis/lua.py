@@ -75,13 +75,19 @@ end
 local function clock_us(t) return tonumber(t[1]) * 1000000 + tonumber(t[2]) end
 local function digits(n) return string.format('%016.0f', n) end
 -- Tables made at a library's first call (no string library while Redis loads one) and kept:
--- CHAR[b] the byte b as a string, LAST3[i] i in three digits, LEN2[n] n as a u16. A string
--- function a packet (a ``string.format``, a ``struct.pack``) costs more than a table lookup.
-local CHAR, LAST3, LEN2
+-- CHAR[b] the byte b as a string, LAST3[i] i in three digits, LEN2[n] n as a u16, PRIO[s]
+-- the prio written ``s`` as a number, SCORE[p] prio p's score in ``:s`` as a string. A string
+-- function or a number conversion a packet (a ``string.format``, a ``tonumber``, a number
+-- argument to ``redis.call``) costs more than a table lookup.
+local CHAR, LAST3, LEN2, PRIO, SCORE
 local function tables()
   if CHAR then return end
-  CHAR, LAST3, LEN2 = {}, {}, {}
-  for i = 0, 255 do CHAR[i] = string.char(i) end
+  CHAR, LAST3, LEN2, PRIO, SCORE = {}, {}, {}, {}, {}
+  for i = 0, 255 do
+    CHAR[i] = string.char(i)
+    PRIO[tostring(i)] = i
+    SCORE[i] = tostring(-i)
+  end
   for i = 0, 999 do LAST3[i] = string.format('%03d', i) end
 end
 -- The digits of ``seq``, the next of consecutive sequence numbers: ``head``, their first 13
@@ -232,7 +238,7 @@ local function filed(f, d, s, g, x, clock)
       members[#members + 1], members[#members + 2] = 0, field .. sq
     end
     local ref = sq .. field
-    if prio > 0 then levels[#levels + 1], levels[#levels + 2] = -prio, ref end
+    if prio > 0 then levels[#levels + 1], levels[#levels + 2] = SCORE[prio], ref end
     if deadline > 0 then deadlines[#deadlines + 1], deadlines[#deadlines + 2] = deadline, ref end
   end
   local written = {}
@@ -437,13 +443,12 @@ PUSH = r"""
 local now, t = now_ms()
 local f, earliest = filing(), 0
 for i = 3, #ARGV, 4 do
-  local ttl, prio = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
-  local deadline = 0
-  if ttl > 0 then
-    deadline = now + ttl
+  local ttl, deadline = ARGV[i + 2], 0
+  if ttl ~= '0' then
+    deadline = now + tonumber(ttl)
     if earliest == 0 or deadline < earliest then earliest = deadline end
   end
-  file_packet(f, field_of(ARGV[i]), nil, prio, deadline, ARGV[i + 1])
+  file_packet(f, field_of(ARGV[i]), nil, PRIO[ARGV[i + 3]], deadline, ARGV[i + 1])
 end
 local selectable, markers = filed(f, KEYS[1], KEYS[2], KEYS[3], KEYS[4], clock_us(t))
 if selectable and redis.call('EXISTS', KEYS[5]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
