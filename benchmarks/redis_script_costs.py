@@ -17,7 +17,8 @@ ZADD / ZPOPMIN; usec per call over packets per call is the cost per packet. ``--
 protocol 1.2's functions (``delayed_costs``). ``--instructions``: what ``--scripts`` measures,
 counted in instructions by callgrind (``redis-server`` under valgrind, its counters zeroed
 before and dumped after each measurement): the same on a loaded machine as on a quiet one, so
-two checkouts compare by it when their CPU times are lost in the noise.
+two checkouts compare by it when their CPU times are lost in the noise. It adds "pop,
+confirming": a pop that confirms a kept result, as a front end's next pop does (no ``PEXPIRE``).
 """
 
 from __future__ import annotations
