@@ -448,7 +448,8 @@ for i = 3, #ARGV, 4 do
     deadline = now + tonumber(ttl)
     if earliest == 0 or deadline < earliest then earliest = deadline end
   end
-  file_packet(f, field_of(ARGV[i]), nil, PRIO[ARGV[i + 3]], deadline, ARGV[i + 1])
+  local prio = PRIO[ARGV[i + 3]] or tonumber(ARGV[i + 3])  -- the table knows '0'..'255'
+  file_packet(f, field_of(ARGV[i]), nil, prio, deadline, ARGV[i + 1])
 end
 local selectable, markers = filed(f, KEYS[1], KEYS[2], KEYS[3], KEYS[4], clock_us(t))
 if selectable and redis.call('EXISTS', KEYS[5]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
