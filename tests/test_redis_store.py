@@ -672,3 +672,31 @@ async def test_one_packet_calls_make_few_redis_calls(
         assert await store.run([Pop(b"q")]) == deque([[(b"k2", b"p")]])
         assert commands_run(redis_server) - popped == 8
         assert await client.pttl(queue_keys(b"q").results) > 0  # the first pop's PEXPIRE
+
+
+def command_calls(redis: RedisServer, command: str) -> int:
+    """How many times Redis has run ``command`` (``INFO commandstats``)."""
+    for line in redis.cli("INFO", "commandstats").splitlines():
+        if line.startswith(f"cmdstat_{command}:"):
+            return int(line.split(":")[1].split(",")[0].removeprefix("calls="))
+    return 0
+
+
+async def test_a_batch_counts_each_queue_it_pushes_to_once(
+    redis_url: str, redis_server: RedisServer
+) -> None:
+    """Issue 22, per pipeline, not per call: of a batch's push calls only each queue's last
+    counts the queue (``HLEN``) for the figures, which still come out right."""
+    async with redis_client("127.0.0.1", redis_server.port) as client:
+        store = RedisStore(client, cluster=False)
+        await store.load_scripts()
+        before = command_calls(redis_server, "hlen")
+        await store.run(
+            [
+                Push(b"a", b"1", b"p", 0, 5),
+                Push(b"b", b"2", b"p", 0, 5),
+                Push(b"a", b"3", b"p", 0, 5),
+            ]
+        )
+        assert command_calls(redis_server, "hlen") - before == 2  # a's second call, and b's
+        assert {name: packets for name, packets, _ in store.sizes()} == {b"a": 2, b"b": 1}
