@@ -17,7 +17,8 @@ ZADD / ZPOPMIN; usec per call over packets per call is the cost per packet. ``--
 protocol 1.2's functions (``delayed_costs``). ``--instructions``: what ``--scripts`` measures,
 counted in instructions by callgrind (``redis-server`` under valgrind, its counters zeroed
 before and dumped after each measurement): the same on a loaded machine as on a quiet one, so
-two checkouts compare by it when their CPU times are lost in the noise.
+two checkouts compare by it when their CPU times are lost in the noise. It adds "pop,
+confirming": a pop that confirms a kept result, as a front end's next pop does (no ``PEXPIRE``).
 """
 
 from __future__ import annotations
@@ -59,32 +60,25 @@ def load(port: int) -> None:
 
 
 def push_call(packets: list[tuple[str, str, int, int]]) -> list[str]:
-    """An FCALL of the push function: (key, payload, ttl ms, prio) a packet."""
+    """An FCALL of the push function: (key, payload, ttl ms, prio) a packet; counting the
+    queue's packets, as a front end's last push call of a queue in a batch does."""
     fields = [str(f) for packet in packets for f in packet]
-    keys = [*KEYS[:6], *optional("key_index")]
-    return ["FCALL", lua.function_name("push"), str(len(keys)), *keys, KEYS[6], *fields]
+    keys = keys_of(QUEUE, *_D4, "waiting")
+    return ["FCALL", lua.function_name("push"), str(len(keys)), *keys, KEYS[5], "1", *fields]
 
 
-def pop_call(pops: int) -> list[str]:
-    """An FCALL of the pop function, ``pops`` pops (as a front end's call for a batch)."""
-    keys = [*KEYS[:5], *optional("results"), *timed_keys(), *lease_key(), *optional("key_index")]
-    call_id = ["bench:1", "0"] if optional("results") else []
-    args = ["65535", str(pops), "0", *call_id]
+def pop_call(pops: int, *confirmed: str) -> list[str]:
+    """An FCALL of the pop function, ``pops`` pops (as a front end's call for a batch),
+    confirming the results ``confirmed``."""
+    keys = [*keys_of(QUEUE, *_D4, "results"), *timed_keys()]
+    args = ["65535", str(pops), "0", "bench:1", "0", "0", *confirmed]
     return ["FCALL", lua.function_name("pop"), str(len(keys)), *keys, *args]
 
 
 def timed_keys(queue: bytes = QUEUE) -> list[str]:
-    """The delayed packets' keys a pop or sweep takes, in a layout that has them (3 on)."""
-    k = queue_keys(queue)
-    if not hasattr(k, "delayed"):
-        return []
-    return [k.delayed.decode(), k.due.decode(), k.waiting.decode()]  # type: ignore[attr-defined]
-
-
-def lease_key(queue: bytes = QUEUE) -> list[str]:
-    """The lease table a function that may forget the queue takes, in a layout that passes it
-    (4 on)."""
-    return keys_of(queue, "leases") if lua.LAYOUT >= 4 else []
+    """The keys a pop, sweep or rank takes after ``:d`` ``:s`` ``:g`` ``:x`` (and a pop's
+    ``:r``): the delayed packets, their due times, the waiting mark, the lease table."""
+    return keys_of(queue, "delayed", "due", "waiting", "leases")
 
 
 def keys_of(queue: bytes, *fields: str) -> list[str]:
@@ -92,7 +86,7 @@ def keys_of(queue: bytes, *fields: str) -> list[str]:
     return [getattr(k, field).decode() for field in fields]
 
 
-_D5 = ("data", "selectable", "groups", "expiry", "seq")
+_D4 = ("data", "selectable", "groups", "expiry")
 
 
 def fcall(port: int, operation: str, keys: list[str], args: list[object]) -> str:
@@ -102,7 +96,7 @@ def fcall(port: int, operation: str, keys: list[str], args: list[object]) -> str
 
 def fcalls(port: int, calls: list[list[str]]) -> None:
     """One FCALL each (function, then keys, then arguments), over one connection, in turn."""
-    keys = {"sweep": 9 + len(lease_key()), "push": 7, "push_delayed": 4}
+    keys = {"sweep": 8, "push": 5, "push_delayed": 4}
     lines = []
     for call in calls:
         count = keys[call[0].removeprefix(lua.LIBRARY_NAME + "_")]
@@ -122,19 +116,19 @@ def delayed_costs(port: int, queues: int) -> dict[str, float]:
     for per_call in (1, 64):
         redis_cli(port, "FLUSHALL")
         command = ["FCALL", lua.function_name("push_delayed"), "4",
-                   *keys_of(QUEUE, "seq", "delayed", "due", "waiting"),
+                   *keys_of(QUEUE, "data", "delayed", "due", "waiting"),
                    *(str(f) for f in packet * per_call)]  # fmt: skip
         measure(port, result, f"push_delayed P{per_call}", per_call, 64_000 // per_call, command)
         # The same per call on ``queues`` queues, then a sweep of each once they are due.
         redis_cli(port, "FLUSHALL")
         names = [b"d%d" % i for i in range(queues)]
-        sweeps = [[lua.function_name("sweep"), *keys_of(name, *_D5), *timed_keys(name),
-                   *lease_key(name), *keys_of(name, "key_index")] for name in names]  # fmt: skip
-        pushes = [[lua.function_name("push"), *keys_of(name, *_D5, "waiting", "key_index"),
-                   "c", *(str(f) for f in packet[:4])] for name in names]  # fmt: skip
+        sweeps = [[lua.function_name("sweep"), *keys_of(name, *_D4), *timed_keys(name)]
+                  for name in names]  # fmt: skip
+        pushes = [[lua.function_name("push"), *keys_of(name, *_D4, "waiting"),
+                   "c", "1", *(str(f) for f in packet[:4])] for name in names]  # fmt: skip
         fields = [str(f) for f in packet * per_call]
         delayed = [[lua.function_name("push_delayed"),
-                    *keys_of(name, "seq", "delayed", "due", "waiting"), *fields]
+                    *keys_of(name, "data", "delayed", "due", "waiting"), *fields]
                    for name in names]  # fmt: skip
         fcalls(port, delayed)
         time.sleep(0.05)
@@ -145,9 +139,8 @@ def delayed_costs(port: int, queues: int) -> dict[str, float]:
             fcalls(port, calls)
             result[f"{label} (commandstats)"] = commandstats(port)["fcall"][1] / per
     source, target = queue_keys(QUEUE), queue_keys(b"other")
-    move_keys = [*keys_of(QUEUE, *_D5, "results"), *timed_keys(), *lease_key(),
-                 *keys_of(QUEUE, "key_index", "attempts"),
-                 *keys_of(b"other", *_D5, "waiting", "key_index")]  # fmt: skip
+    move_keys = [*keys_of(QUEUE, *_D4), *timed_keys(), *keys_of(QUEUE, "attempts"),
+                 *keys_of(b"other", *_D4, "waiting")]  # fmt: skip
     for per_call, label in ((64, "move n=64"), (0, "move all of 64,000")):
         redis_cli(port, "FLUSHALL")
         for start in range(0, 64_000, 8_000):  # an argument list the shell takes
@@ -160,12 +153,6 @@ def delayed_costs(port: int, queues: int) -> dict[str, float]:
         result[f"{label} (commandstats)"] = commandstats(port)["fcall"][1] * calls / moved
     del source, target
     return result
-
-
-def optional(field: str) -> list[str]:
-    """A key the functions of this checkout take (layouts differ; the harness measures any)."""
-    key = getattr(queue_keys(QUEUE), field, None)
-    return [key.decode()] if key is not None else []
 
 
 def commandstats(port: int) -> dict[str, tuple[int, float]]:
@@ -308,10 +295,15 @@ def script_instructions(n: int) -> dict[str, float]:
             packet = ("k__rand_int__", "p" * 16, 0, 7)
             # redis-benchmark sends whole pipelines: 4 connections of 64 calls, 256 at least.
             calls = 256 * max(1, n // (256 * per_call))
+            # A front end's pop confirms the result its previous pop kept; here each confirms
+            # its own (the same HSET and HDEL of ``:r``), then the next has none to confirm.
             for name, command in (("push", push_call([packet] * per_call)),
-                                  ("pop", pop_call(per_call))):  # fmt: skip
+                                  ("pop", pop_call(per_call)),
+                                  ("push", push_call([packet] * per_call)),
+                                  ("pop, confirming", pop_call(per_call, "bench:1"))):  # fmt: skip
                 spent = count(partial(redis_benchmark, port, calls, *command))
-                result[f"{name} P{per_call}"] = spent / (calls * per_call)
+                if name != "push" or f"push P{per_call}" not in result:
+                    result[f"{name} P{per_call}"] = spent / (calls * per_call)
         for name, command in (("ZADD", ["ZADD", "plain", "__rand_int__", "k__rand_int__"]),
                               ("ZPOPMIN", ["ZPOPMIN", "plain"])):  # fmt: skip
             calls = 256 * max(1, n // 256)

@@ -103,6 +103,22 @@ def test_a_redis_holding_another_layouts_functions_is_refused(tmp_path: Path) ->
     assert "Traceback" not in done.stderr
 
 
+def test_a_redis_holding_queues_of_an_older_layout_is_refused(tmp_path: Path) -> None:
+    """Layout 5 would misread a queue that a front end of layout 4 or older left (its
+    sequence number in a ``:q`` string): refused, even once that build's library is gone."""
+    need_redis()
+    redis = RedisServer(tmp_path).start()
+    try:
+        redis.cli("SET", "pq:{qjobs}jobs:q", "1764000000000000")
+        done = run("--port", "0", "--store", redis.url)
+    finally:
+        redis.stop()
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert "holds queues of an older pinpriq key layout (pq:{qjobs}jobs:q" in last
+    assert "Traceback" not in done.stderr
+
+
 async def test_the_admin_listener_reads_and_purges_a_redis_store(redis_url: str) -> None:
     async with front_end(redis_url) as (server, port):
         pusher = await connect(port)

@@ -12,7 +12,6 @@ sync on both connections, and everything read is compared."""
 from __future__ import annotations
 
 import random
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 import trio
 
+from pinpriq.redis import lua
 from pinpriq.redis.keys import queue_keys
 from pinpriq.redis.store import RedisStore
 from pinpriq.server import PinpriqServer
@@ -225,26 +225,35 @@ async def test_the_redis_store_leases_as_the_built_in_one(redis_url: str, seed: 
 SMALL_MAX_POP = 3
 
 
-async def check_key_index(client: Any, queue: bytes) -> None:
-    """The key index (``:k``) says what the packets (``:d``) are: a key with one packet maps
-    to its seq and has no group index entry, or a key with n packets maps to '#n' and has
-    them in the group index (``:g``); nothing else is there."""
+async def check_layout(client: Any, queue: bytes) -> None:
+    """Layout 5's structures agree (``lua.py``): in ``:d`` a key with one packet has its field
+    -> the packet's record and no group entry; a key with n > 0 packets has its field -> '#n'
+    and them under their seqs, each with its entry in ``:g``; the meta field holds the last
+    seq (none older than a packet's) and the marker count; ``:s`` holds the ref of every
+    selectable packet and nothing else."""
     k = queue_keys(queue)
-    packets = await client.hgetall(k.data)
-    by_key: dict[bytes, list[bytes]] = {}
-    for seq, record in packets.items():
-        key_length = struct.unpack(">H", record[9:11])[0]
-        by_key.setdefault(record[11 : 11 + key_length], []).append(seq)
-    index = await client.hgetall(k.key_index)
-    assert set(index) == set(by_key)
-    expected_groups = set()
-    for key, seqs in by_key.items():
-        if index[key] == b"#%d" % len(seqs):
-            prefix = struct.pack(">H", len(key)) + key
-            expected_groups |= {prefix + seq for seq in seqs}
-        else:  # one packet, not grouped; a group pops down to '#1' and stays grouped
-            assert [index[key]] == seqs
-    assert set(await client.zrange(k.groups, 0, -1)) == expected_groups
+    fields = await client.hgetall(k.data)
+    meta = fields.pop(lua.META, None)
+    group_of = {m[-16:]: m[:-16] for m in await client.zrange(k.groups, 0, -1)}
+    records: dict[bytes, tuple[bytes, bytes]] = {}  # seq -> (field, record)
+    markers: dict[bytes, int] = {}
+    for field, value in fields.items():
+        if len(field) == 16 and field[0] >= 0x30:  # a grouped packet, under its seq
+            records[field] = (group_of[field], value)
+        elif value.startswith(b"#"):
+            markers[field] = int(value[1:])
+        else:
+            assert value[:16] not in group_of
+            records[value[:16]] = (field, value)
+    assert set(group_of) <= set(records)
+    for field, count in markers.items():
+        assert count == sum(1 for f in group_of.values() if f == field) > 0
+    if records:
+        assert meta is not None
+        assert int(meta[:16]) >= max(int(seq) for seq in records)
+        assert int(meta[16:] or 0) == len(markers)
+    selectable = {seq + field for seq, (field, record) in records.items() if record[16]}
+    assert set(await client.zrange(k.selectable, 0, -1)) == selectable
 
 
 async def batched_pops(port: int, seed: int, client: Any = None) -> list[object]:
@@ -259,11 +268,11 @@ async def batched_pops(port: int, seed: int, client: Any = None) -> list[object]
     try:
         await peer.request(pushes + SYNC)
         if client is not None:
-            await check_key_index(client, b"q")
+            await check_layout(client, b"q")
         await peer.send(pop(b"q") * 100)
         replies = [await peer.reply() for _ in range(100)]
         if client is not None:
-            await check_key_index(client, b"q")
+            await check_layout(client, b"q")
         await peer.send(pop(b"q") * 50)
         return replies + [await peer.reply() for _ in range(50)]
     finally:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -19,11 +20,13 @@ import trustme
 from coredis.exceptions import ConnectionError as RedisConnectionError
 
 from pinpriq.conformance import DEFAULT_FIXTURES, Requires, load_fixtures, run_suite
+from pinpriq.redis import lua
 from pinpriq.redis.connect import open_store
 from pinpriq.redis.keys import queue_keys
 from pinpriq.redis.spec import parse_store
-from pinpriq.redis.store import RedisStore
+from pinpriq.redis.store import RedisStore, redis_client
 from pinpriq.server import PinpriqServer
+from pinpriq.wire import Pop, Push
 from tests.rawpeer import (
     Peer,
     ack,
@@ -254,7 +257,7 @@ async def test_a_packet_pushed_while_others_are_leased_pops_before_them(
         store = server.batched
         assert isinstance(store, RedisStore)
         ahead = b"%016d" % ((time.time() + 3600) * 1_000_000)
-        await store.client.set(queue_keys(b"q").seq, ahead)
+        await store.client.hset(queue_keys(b"q").data, {lua.META: ahead})
         worker = await connect(port)
         rest = b"" if emptied_by == "reserve" else push(b"q", b"b", b"rest", prio=9)
         await worker.send(push(b"q", b"a", b"leased", prio=5) + rest)
@@ -268,6 +271,14 @@ async def test_a_packet_pushed_while_others_are_leased_pops_before_them(
         assert await worker.lease() == (1, 1, [])
         assert await worker.request(pop(b"q")) == [(b"c", b"new")]
         assert await worker.request(pop(b"q")) == [(b"a", b"leased")]
+
+
+def packets_held(redis: RedisServer, queue: bytes) -> int:
+    """The packets ``queue`` holds, read from Redis (layout 5: its ``:d`` hash's fields less
+    its meta field and key-group markers)."""
+    data = queue_keys(queue).data.decode()
+    meta = redis.cli("HGET", data, lua.META.decode())
+    return lua.packets_held(int(redis.cli("HLEN", data)), meta.encode() or None)
 
 
 async def connect(port: int) -> Peer:
@@ -447,7 +458,7 @@ async def test_ttl_runs_on_redis_and_expired_packets_are_swept(
         await pusher.request(SYNC)
         await trio.sleep(0.2)  # a Redis-side deadline: a short, bounded wait
         # Swept by the pushing front end's timer, without a pop: only one packet is held.
-        assert redis_server.cli("HLEN", queue_keys(b"t").data.decode()) == "1"
+        assert packets_held(redis_server, b"t") == 1
         assert await popper.request(pop(b"t")) == [(b"stays", b"")]
 
 
@@ -501,7 +512,7 @@ async def test_a_full_redis_holds_pushes_and_still_serves_pops(tmp_path: Path) -
                 assert len(await popper.request(pop(b"big"))) == 1
             with trio.fail_after(5):
                 assert await pusher.reply() == []  # the sync after the held push
-            assert redis.cli("HLEN", queue_keys(b"big").data.decode()) == str(stuck + 1 - 10)
+            assert packets_held(redis, b"big") == stuck + 1 - 10
     finally:
         redis.stop()
 
@@ -703,3 +714,66 @@ async def test_pipelined_lease_frames_answer_in_order(redis_url: str) -> None:
         assert await worker.lease() == (2, 1, [])
         assert await worker.lease() == (4, 2, [(b"k2", b"2")])  # back, its second attempt
         assert await worker.reply() == []  # the sync
+
+
+def commands_run(redis: RedisServer) -> int:
+    """Commands Redis has run, by ``INFO commandstats``, less its FCALLs (the functions'
+    ``redis.call``s count themselves) and INFO itself."""
+    total = 0
+    for line in redis.cli("INFO", "commandstats").splitlines():
+        name, _, fields = line.removeprefix("cmdstat_").partition(":")
+        if line.startswith("cmdstat_") and name not in ("fcall", "info"):
+            total += int(fields.split(",")[0].removeprefix("calls="))
+    return total
+
+
+async def test_one_packet_calls_make_few_redis_calls(
+    redis_url: str, redis_server: RedisServer
+) -> None:
+    """Issue 22: at one packet a call, each ``redis.call`` costs Redis about what a whole ZADD
+    does, so a call's count is its cost. Layout 5 makes six for a push (TIME, one HMGET and one
+    HSET of the queue's hash, ZADD, EXISTS of the waiting mark, HLEN for the figures) and eight
+    for a pop of a lone key whose previous result the front end confirms (EXISTS, ZRANGE, HMGET,
+    HDEL, ZREM, HLEN, HSET and HDEL of the kept results; no PEXPIRE); layout 4 made nine and
+    eleven. No background task runs: the store is driven directly."""
+    async with redis_client("127.0.0.1", redis_server.port) as client:
+        store = RedisStore(client, cluster=False)
+        await store.load_scripts()
+        await store.run([Push(b"q", b"k%d" % n, b"p", 0, 5) for n in range(3)])
+        before = commands_run(redis_server)
+        await store.run([Push(b"q", b"k3", b"p", 0, 5)])
+        pushed = commands_run(redis_server)
+        assert pushed - before == 6
+        assert await store.run([Pop(b"q")]) == deque([[(b"k3", b"p")]])
+        popped = commands_run(redis_server)
+        assert await store.run([Pop(b"q")]) == deque([[(b"k2", b"p")]])
+        assert commands_run(redis_server) - popped == 8
+        assert await client.pttl(queue_keys(b"q").results) > 0  # the first pop's PEXPIRE
+
+
+def command_calls(redis: RedisServer, command: str) -> int:
+    """How many times Redis has run ``command`` (``INFO commandstats``)."""
+    for line in redis.cli("INFO", "commandstats").splitlines():
+        if line.startswith(f"cmdstat_{command}:"):
+            return int(line.split(":")[1].split(",")[0].removeprefix("calls="))
+    return 0
+
+
+async def test_a_batch_counts_each_queue_it_pushes_to_once(
+    redis_url: str, redis_server: RedisServer
+) -> None:
+    """Issue 22, per pipeline, not per call: of a batch's push calls only each queue's last
+    counts the queue (``HLEN``) for the figures, which still come out right."""
+    async with redis_client("127.0.0.1", redis_server.port) as client:
+        store = RedisStore(client, cluster=False)
+        await store.load_scripts()
+        before = command_calls(redis_server, "hlen")
+        await store.run(
+            [
+                Push(b"a", b"1", b"p", 0, 5),
+                Push(b"b", b"2", b"p", 0, 5),
+                Push(b"a", b"3", b"p", 0, 5),
+            ]
+        )
+        assert command_calls(redis_server, "hlen") - before == 2  # a's second call, and b's
+        assert {name: packets for name, packets, _ in store.sizes()} == {b"a": 2, b"b": 1}

@@ -14,6 +14,7 @@ import trio
 from pinpriq.redis import lua
 from pinpriq.redis.deliveries import RedisSubscriptions
 from pinpriq.redis.direct import DirectConnection, DirectSubscriber
+from pinpriq.redis.keys import PREFIX
 from pinpriq.redis.spec import StoreError, StoreSpec
 from pinpriq.redis.store import _TRANSIENT, RedisStore
 
@@ -170,6 +171,15 @@ async def check_layout(client: Any, spec: StoreSpec) -> None:
             f"Redis at {spec.text} holds the functions of another pinpriq key layout "
             f"({', '.join(others)}; this build uses {lua.LIBRARY_NAME}): run every front end "
             "on one build, or FUNCTION DELETE it once no front end of that build runs"
+        )
+    # Layout 5 keeps a queue's sequence number in its hash; layouts 2-4 kept it in a ``:q``
+    # string, which every queue of theirs holding packets has. Their keys, left after their
+    # library was deleted, would be misread: refuse them too (one scan, at start).
+    async for key in client.scan_iter(match=PREFIX + b"{q*:q", count=1000):
+        raise StoreError(
+            f"Redis at {spec.text} holds queues of an older pinpriq key layout ({_text(key)} "
+            f"and maybe more; this build uses {lua.LIBRARY_NAME}): drain them with the build "
+            "that wrote them, or delete their pq:* keys, before starting this one"
         )
 
 

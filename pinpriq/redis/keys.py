@@ -44,14 +44,12 @@ class QueueKeys(NamedTuple):
     selectable: bytes
     groups: bytes
     expiry: bytes
-    seq: bytes
     waiting: bytes
     channel: bytes
     leases: bytes  # hash: lease handle -> the lease (its packets, attempt counts)
     lease_due: bytes  # sorted set: lease handle, scored by its deadline (ms, Redis's clock)
     attempts: bytes  # hash: seq -> how many leases of that packet ended other than by ack
     results: bytes  # hash: pop call id -> its result, until the front end confirms it has it
-    key_index: bytes  # hash: key -> the seq of its one packet, or '#' and how many (all in groups)
     delayed: bytes  # hash: seq -> a delayed packet's record (decision 21)
     due: bytes  # sorted set: the delayed packets' seqs by due time (ms, Redis's clock)
     moving: bytes  # hash: move id -> a group on its way to another slot (decision 22)
@@ -74,14 +72,12 @@ def queue_keys(name: bytes) -> QueueKeys:
                 b"s",
                 b"g",
                 b"x",
-                b"q",
                 b"w",
                 b"c",
                 b"l",
                 b"L",
                 b"a",
                 b"r",
-                b"k",
                 b"y",
                 b"Y",
                 b"m",

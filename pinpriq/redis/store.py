@@ -182,6 +182,8 @@ class RedisStore:
         #: Pop calls whose replies this front end has, by queue: Redis keeps each result
         #: (``:r``) until told so, so that a pop sent again after a lost reply is idempotent.
         self._confirmed: dict[bytes, list[bytes]] = {}
+        #: Queues whose kept results' lifetime a pop call renewed since the last cleanup.
+        self._kept_renewed: set[bytes] = set()
         #: Leases of closed connections, to release now: (queue, handle).
         self.closing: list[tuple[bytes, bytes]] = []
         #: Lease sweeps owed: (trio time, queue), as ``_sweeps``.
@@ -346,9 +348,7 @@ class RedisStore:
                     calls[-1][2].extend((key, payload, ttl_ms, prio))  # type: ignore[attr-defined]
                     continue
                 k = self.keys(queue)
-                calls.append(
-                    ("push", [*k[:6], k.key_index], [k.channel, key, payload, ttl_ms, prio])
-                )
+                calls.append(("push", k[:5], [k.channel, 0, key, payload, ttl_ms, prio]))
             elif kind is DelayedPush:
                 queue, key, payload, ttl_ms, prio, delay_ms = cast(DelayedPush, frame)
                 if kind is last_kind and queue == last_queue:
@@ -358,7 +358,7 @@ class RedisStore:
                 calls.append(
                     (
                         "push_delayed",
-                        [k.seq, k.delayed, k.due, k.waiting],
+                        [k.data, k.delayed, k.due, k.waiting],
                         [key, payload, ttl_ms, prio, delay_ms],
                     )
                 )
@@ -375,6 +375,7 @@ class RedisStore:
         results: deque[list[KeyedPayload]] = deque()
         if not calls:
             return results
+        _count_last_pushes(calls, queues)
         replies = await self.call_all(calls)
         for (name, _, args), reply, queue in zip(calls, replies, queues, strict=True):
             if name == "pop":
@@ -391,20 +392,15 @@ class RedisStore:
                 earliest, size = reply
                 if earliest:  # the earliest deadline of its pushes: sweep the queue then
                     self.schedule_sweep(queue, float(earliest))
-                self.note_size(queue, int(size))
+                if int(size) >= 0:  # counted by the batch's last push call of the queue
+                    self.note_size(queue, int(size))
         return results
 
-    def _with_index(self, queue: bytes, first: int) -> list[bytes]:
-        """The first ``first`` keys of ``queue`` (``keys.QueueKeys`` order), then its key index:
-        the KEYS of a function that takes no others."""
-        k = self.keys(queue)
-        return [*k[:first], k.key_index]
-
     def _timed(self, queue: bytes) -> list[bytes]:
-        """The KEYS of a function that promotes the queue's due packets: d s g x q, its delayed
-        packets, their due times, its waiting mark, its lease table, its key index."""
+        """The KEYS of a function that promotes the queue's due packets: d s g x, its delayed
+        packets, their due times, its waiting mark, its lease table."""
         k = self.keys(queue)
-        return [*k[:5], k.delayed, k.due, k.waiting, k.leases, k.key_index]
+        return [*k[:4], k.delayed, k.due, k.waiting, k.leases]
 
     def _sweep_call(self, queue: bytes) -> _Call:
         return ("sweep", self._timed(queue), ())
@@ -436,20 +432,27 @@ class RedisStore:
         if len(confirmed) > CONFIRMS_PER_CALL:
             self._confirmed[queue] = confirmed[CONFIRMS_PER_CALL:]
             confirmed = confirmed[:CONFIRMS_PER_CALL]
+        refresh = 0
+        if queue not in self._kept_renewed:  # its first pop since the last cleanup
+            self._kept_renewed.add(queue)
+            refresh = 1
         return (
             "pop",
-            [*k[:5], k.results, k.delayed, k.due, k.waiting, k.leases, k.key_index],
-            [self.max_pop, 1, full, call_id, 0, *confirmed],
+            [*k[:4], k.results, k.delayed, k.due, k.waiting, k.leases],
+            [self.max_pop, 1, full, call_id, 0, refresh, *confirmed],
         )
 
     def _took(self, queue: bytes, args: Sequence[Any], reply: Sequence[Any]) -> None:
-        """A pop call's reply is here: its size figure, and its result to confirm."""
-        self.note_size(queue, int(reply[-1]))
+        """A pop call's reply is here: its size figure (when it removed packets: else it did
+        not count them), and its result to confirm."""
+        if int(reply[-1]) >= 0:
+            self.note_size(queue, int(reply[-1]))
         if any(reply[:-2]):  # it took packets: Redis kept the reply under its id
             self._confirmed.setdefault(queue, []).append(args[3])
 
     async def confirm_results(self) -> None:
         """Tell Redis which pop results this front end has, for queues no pop call told."""
+        self._kept_renewed.clear()  # the next pop of each queue renews its kept results' life
         confirmed, self._confirmed = self._confirmed, {}
         if not confirmed:
             return
@@ -533,7 +536,7 @@ class RedisStore:
         args: list[bytes | int | str] = [k.channel]
         for packet in packets:
             args.extend(packet)
-        (reply,) = await self.call_all([("restore", [*k[:6], k.key_index], args)])
+        (reply,) = await self.call_all([("restore", k[:5], args)])
         return int(reply)
 
     async def ranks(self, queues: Sequence[bytes]) -> list[tuple[int, int] | None]:
@@ -549,7 +552,7 @@ class RedisStore:
         for a ``count`` of 0, ``ValueError`` for a negative one, as every store."""
         if count < 0:
             raise ValueError("peek count must be 0 or more")
-        peek = ("peek", self._with_index(queue, 4), (count, self.max_pop))
+        peek = ("peek", self.keys(queue)[:4], (count, self.max_pop))
         swept, reply = await self.call_all([self._sweep_call(queue), peek])
         self._swept(queue, swept, chained=False)
         return [(reply[i], reply[i + 1], int(reply[i + 2])) for i in range(0, len(reply), 3)]
@@ -557,7 +560,7 @@ class RedisStore:
     async def purge_async(self, queue: bytes) -> int:
         """Remove every packet of ``queue``, delayed ones included; returns how many."""
         k = self.keys(queue)
-        purge = ("purge", [*k[:5], k.delayed, k.due, k.leases, k.key_index], ())
+        purge = ("purge", [*k[:4], k.delayed, k.due, k.leases], ())
         (reply,) = await self.call_all([purge])
         self.note_size(queue, 0)
         self._note_delayed(queue, 0)
@@ -582,7 +585,7 @@ class RedisStore:
         if self.cluster and hash_tag(source) != hash_tag(target):
             return await self._move_across(source, target, limit)
         t = self.keys(target)
-        keys = [*self._move_keys(source)[:12], *t[:6], t.key_index]
+        keys = [*self._move_keys(source)[:9], *t[:5]]
         (reply,) = await self.call_all([("move", keys, [limit])])
         moved, entered, earliest = int(reply[0]), int(reply[1]), float(reply[2])
         self._moved_in(target, entered, earliest, int(reply[4]))
@@ -627,16 +630,13 @@ class RedisStore:
             self._trouble(f"Redis is unreachable ({error}); retrying")
 
     def _move_keys(self, source: bytes) -> list[bytes]:
-        """A move's KEYS of its source: d s g x q r y Y w l k a m."""
+        """A move's KEYS of its source: d s g x y Y w l a m."""
         s = self.keys(source)
-        return [
-            *s[:5], s.results, s.delayed, s.due, s.waiting, s.leases, s.key_index, s.attempts,
-            s.moving,
-        ]  # fmt: skip
+        return [*s[:4], s.delayed, s.due, s.waiting, s.leases, s.attempts, s.moving]
 
     async def _move_in(self, target: bytes, move_id: bytes, packets: Sequence[Any]) -> None:
         t = self.keys(target)
-        call: _Call = ("move_in", [*t[:6], t.key_index, t.moved], [move_id, *packets])
+        call: _Call = ("move_in", [*t[:5], t.moved], [move_id, *packets])
         (entered,) = await self.call_all([call])
         deadlines = [float(d) for d in packets[4::5] if float(d)]
         self._moved_in(target, int(entered), min(deadlines, default=0.0), -1)
@@ -688,8 +688,7 @@ class RedisStore:
         d = self.keys(dead)
         assert self.leases is not None
         keys = [
-            *k[:6], k.leases, k.lease_due, k.attempts, *d[:6], k.key_index, d.key_index,
-            k.delayed, k.due, k.waiting,
+            *k[:4], k.delayed, k.due, k.waiting, k.leases, k.lease_due, k.attempts, *d[:5],
         ]  # fmt: skip
         return (
             name,
@@ -1009,13 +1008,14 @@ class RedisStore:
         delayed: dict[bytes, int] = {}
         async with self.client.pipeline(transaction=False, raise_on_error=False) as pipe:
             lengths = [pipe.hlen(self.keys(n).data) for n in names]
+            metas = [pipe.hget(self.keys(n).data, lua.META) for n in names]
             firsts = [pipe.zrange(self.keys(n).expiry, 0, 0, withscores=True) for n in names]
             counts = [pipe.hlen(self.keys(n).delayed) for n in delaying]
             dues = [pipe.zrange(self.keys(n).due, 0, 0, withscores=True) for n in delaying]
             usages = [pipe.memory_usage(self.keys(n).delayed) for n in delaying]
         redis_now = trio.current_time() + self.clock_offset
-        for name, length, first in zip(names, lengths, firsts, strict=True):
-            count, head = await length, await first
+        for name, length, meta, first in zip(names, lengths, metas, firsts, strict=True):
+            count, head = lua.packets_held(int(await length), await meta), await first
             if count:
                 sizes[name] = int(count)
             if head:
@@ -1090,6 +1090,16 @@ def _command(call: _Call) -> tuple[Any, ...]:
     """A call as the ``FCALL`` command the direct connection sends."""
     name, keys, args = call
     return (b"FCALL", _FUNCTIONS[name], len(keys), *keys, *args)
+
+
+def _count_last_pushes(calls: Sequence[_Call], queues: Sequence[bytes]) -> None:
+    """Let the last push call of each queue in a pipeline count the queue's packets (the
+    figure ``note_size`` keeps): the earlier ones' counts would be out of date at once."""
+    counted: set[bytes] = set()
+    for (name, _, args), queue in zip(reversed(calls), reversed(queues), strict=True):
+        if name == "push" and queue not in counted:
+            counted.add(queue)
+            args[1] = 1  # type: ignore[index]
 
 
 def _retried(call: _Call) -> _Call:
