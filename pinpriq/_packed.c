@@ -129,7 +129,6 @@ typedef struct {
     Heap heap;
     /* The log (attach_log; all NULL for a memory-only store): the journal's open block */
     PyObject *log_pushes, *log_removals; /* bytearrays: push-kind entries, remove entries */
-    PyObject *log_removed;               /* list: seqs removed in the open block */
     PyObject *wall_clock;                /* seconds since the epoch, for a move's deadlines */
     double block_time;                   /* the store's clock at the open block's first push */
 } StoreObject;
@@ -867,8 +866,10 @@ static PyObject *packet_tuple(const Packet *p) {
  * With a log attached (attach_log: the journal's open block, see persistence/packed_store.py)
  * every push appends its entry (70, or 71 for a u32 TTL or a delay; 6d for a move's) to
  * log_pushes, and every packet that leaves for good (pop, pop_reply, expiry, purge, a move's
- * old seq) a remove entry (72) to log_removals and its seq to log_removed, here in C where
- * the packet is: nothing is copied but into the block. A take logs nothing (decision 19). */
+ * old seq) a remove entry (72) to log_removals, here in C where the packet is: nothing is
+ * copied but into the block, and no Python object is made per packet (the journal reads the
+ * removed seqs back from the entries when it needs them). A take logs nothing (decision 19).
+ * frame_block frames the block at the end of a batch. */
 
 #define LOG_PUSH 0x70
 #define LOG_OPTIONS 0x71
@@ -948,12 +949,7 @@ static int log_remove(StoreObject *s, uint64_t seq) {
         return -1;
     *b = LOG_REMOVE;
     put_be(b + 1, seq, 8);
-    PyObject *number = PyLong_FromUnsignedLongLong(seq);
-    if (number == NULL)
-        return -1;
-    int failed = PyList_Append(s->log_removed, number);
-    Py_DECREF(number);
-    return failed;
+    return 0;
 }
 
 /* Log p's removal, if the store logs (a pop's packet, gone for good). */
@@ -970,25 +966,135 @@ static int log_removals(StoreObject *s, Packet **packets, Py_ssize_t n) {
     return 0;
 }
 
-/* attach_log(pushes, removals, removed, wall_clock): log into the journal's open block from now
- * on (persistence/packed_store.py); the bytearrays and the list are kept by reference. */
+/* attach_log(pushes, removals, wall_clock): log into the journal's open block from now on
+ * (persistence/packed_store.py); the bytearrays are kept by reference. */
 static PyObject *Store_attach_log(StoreObject *s, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyByteArray_Check(args[0]) || !PyByteArray_Check(args[1]) ||
-        !PyList_Check(args[2]) || !PyCallable_Check(args[3])) {
+    if (nargs != 3 || !PyByteArray_Check(args[0]) || !PyByteArray_Check(args[1]) ||
+        !PyCallable_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError,
-                        "attach_log(pushes: bytearray, removals: bytearray, removed: list, "
-                        "wall_clock)");
+                        "attach_log(pushes: bytearray, removals: bytearray, wall_clock)");
         return NULL;
     }
     Py_XSETREF(s->log_pushes, Py_NewRef(args[0]));
     Py_XSETREF(s->log_removals, Py_NewRef(args[1]));
-    Py_XSETREF(s->log_removed, Py_NewRef(args[2]));
-    Py_XSETREF(s->wall_clock, Py_NewRef(args[3]));
+    Py_XSETREF(s->wall_clock, Py_NewRef(args[2]));
     Py_RETURN_NONE;
 }
 
 static PyObject *Store_get_block_time(StoreObject *s, void *unused) {
     return PyFloat_FromDouble(s->block_time);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Framing the open block (persistence/journal.py's Journal.seal_framed)
+ *
+ * A block without copies (every block but compaction's and a dead-letter move's) is framed
+ * here, into the bytes the journal writes, with no other object made:
+ * persistence/records.py's encode_block (magic, body length, CRC-32 of the length's 4 bytes
+ * and the body; the body seq_base, base_ms, the push-kind entries, the remove entries), byte
+ * for byte. Writing it (and every error of writing) stays the journal's. */
+
+#define BLOCK_HEADER_SIZE 12
+#define BODY_HEADER_SIZE 16
+
+/* CRC-32 as zlib.crc32 computes it (reflected polynomial 0xEDB88320), eight bytes a step. */
+static uint32_t crc_table[8][256];
+
+static void crc_init(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[0][i] = c;
+    }
+    for (int t = 1; t < 8; t++)
+        for (int i = 0; i < 256; i++)
+            crc_table[t][i] = crc_table[0][crc_table[t - 1][i] & 0xFF] ^ (crc_table[t - 1][i] >> 8);
+}
+
+/* zlib.crc32(data, crc) */
+static uint32_t crc32_of(uint32_t crc, const unsigned char *p, size_t n) {
+    crc = ~crc;
+#if PY_LITTLE_ENDIAN
+    for (; n >= 8; n -= 8, p += 8) {
+        uint32_t low, high;
+        memcpy(&low, p, 4);
+        memcpy(&high, p + 4, 4);
+        low ^= crc;
+        crc = crc_table[7][low & 0xFF] ^ crc_table[6][(low >> 8) & 0xFF] ^
+              crc_table[5][(low >> 16) & 0xFF] ^ crc_table[4][low >> 24] ^
+              crc_table[3][high & 0xFF] ^ crc_table[2][(high >> 8) & 0xFF] ^
+              crc_table[1][(high >> 16) & 0xFF] ^ crc_table[0][high >> 24];
+    }
+#endif
+    while (n--)
+        crc = crc_table[0][(crc ^ *p++) & 0xFF] ^ (crc >> 8);
+    return ~crc;
+}
+
+/* The open block's base_ms, as persistence/store.py's block_base_ms computes it (the same
+ * floating-point operations in the same order, so the same integer): its first push on the
+ * wall clock, rounded down; 0 without pushes. -1 with an exception set on error. */
+static int64_t log_base_ms(StoreObject *s) {
+    if (!PyByteArray_GET_SIZE(s->log_pushes))
+        return 0;
+    PyObject *value = PyObject_CallNoArgs(s->wall_clock);
+    if (value == NULL)
+        return -1;
+    double wall = PyFloat_AsDouble(value);
+    Py_DECREF(value);
+    if (wall == -1.0 && PyErr_Occurred())
+        return -1;
+    double now = store_now(s);
+    if (now != now)
+        return -1;
+    return (int64_t)((s->block_time + wall - now) * 1000);
+}
+
+/* frame_block(seq_base) -> bytes | None: the open block (seq_base: the store's seq before
+ * its first push) framed as a whole block, and the open block's entries cleared; None for an
+ * empty block. */
+static PyObject *Store_frame_block(StoreObject *s, PyObject *arg) {
+    if (s->log_pushes == NULL) {
+        PyErr_SetString(PyExc_TypeError, "frame_block: no log attached");
+        return NULL;
+    }
+    unsigned long long seq_base = PyLong_AsUnsignedLongLong(arg);
+    if (seq_base == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t pushed = PyByteArray_GET_SIZE(s->log_pushes);
+    Py_ssize_t removed = PyByteArray_GET_SIZE(s->log_removals);
+    if (!pushed && !removed)
+        Py_RETURN_NONE;
+    Py_ssize_t body = BODY_HEADER_SIZE + pushed + removed;
+    if ((uint64_t)body > 0xFFFFFFFFu) {
+        PyErr_SetString(PyExc_OverflowError, "a block of more than 4 GiB");
+        return NULL;
+    }
+    int64_t base_ms = log_base_ms(s);
+    if (base_ms < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "a block's wall-clock time before 1970");
+        return NULL;
+    }
+    PyObject *block = PyBytes_FromStringAndSize(NULL, BLOCK_HEADER_SIZE + body);
+    if (block == NULL)
+        return NULL;
+    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(block);
+    memcpy(start, "PQLB", 4);
+    put_be(start + 4, (uint64_t)body, 4);
+    unsigned char *b = start + BLOCK_HEADER_SIZE;
+    b = put_be(b, seq_base, 8);
+    b = put_be(b, (uint64_t)base_ms, 8);
+    memcpy(b, PyByteArray_AS_STRING(s->log_pushes), pushed);
+    memcpy(b + pushed, PyByteArray_AS_STRING(s->log_removals), removed);
+    uint32_t crc = crc32_of(crc32_of(0, start + 4, 4), start + BLOCK_HEADER_SIZE, body);
+    put_be(start + 8, crc, 4);
+    if (PyByteArray_Resize(s->log_pushes, 0) < 0 || PyByteArray_Resize(s->log_removals, 0) < 0) {
+        Py_DECREF(block);
+        return NULL;
+    }
+    return block;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -2465,7 +2571,6 @@ static int Store_traverse(StoreObject *s, visitproc visit, void *arg) {
     Py_VISIT(s->dict);
     Py_VISIT(s->log_pushes);
     Py_VISIT(s->log_removals);
-    Py_VISIT(s->log_removed);
     Py_VISIT(s->wall_clock);
     return 0;
 }
@@ -2475,7 +2580,6 @@ static int Store_clear(StoreObject *s) {
     Py_CLEAR(s->dict);
     Py_CLEAR(s->log_pushes);
     Py_CLEAR(s->log_removals);
-    Py_CLEAR(s->log_removed);
     Py_CLEAR(s->wall_clock);
     return 0;
 }
@@ -2567,7 +2671,9 @@ static PyMethodDef Store_methods[] = {
     {"move", (PyCFunction)(void (*)(void))Store_move, METH_FASTCALL,
      "move(source, target, limit) -> how many moved"},
     {"attach_log", (PyCFunction)(void (*)(void))Store_attach_log, METH_FASTCALL,
-     "attach_log(pushes, removals, removed, wall_clock): log into a journal's open block"},
+     "attach_log(pushes, removals, wall_clock): log into a journal's open block"},
+    {"frame_block", (PyCFunction)Store_frame_block, METH_O,
+     "frame_block(seq_base) -> the open block as a whole block (None if empty); clears it"},
     {"_load", (PyCFunction)(void (*)(void))Store_load, METH_FASTCALL,
      "_load(packets, deadlines, delayed, last_seq): recovery's bulk insert"},
     {"holds", (PyCFunction)(void (*)(void))Store_holds, METH_FASTCALL,
@@ -2609,6 +2715,7 @@ PyMODINIT_FUNC PyInit__packed(void) {
     if (PyType_Ready(&QueueType) < 0 || PyType_Ready(&StoreType) < 0)
         return NULL;
     inf_float = PyFloat_FromDouble(INFINITY);
+    crc_init();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;

@@ -16,7 +16,8 @@ from pinpriq.cli.server import server_parser
 from pinpriq.packed import DEFAULT_STORE_OVERHEAD
 from pinpriq.persistence.journal import MIN_SEGMENT_SIZE
 from pinpriq.persistence.packed_store import LoggedPackedStore
-from pinpriq.persistence.store import LoggedStore
+from pinpriq.persistence.records import encode_block
+from pinpriq.persistence.store import LoggedStore, block_base_ms
 from pinpriq.store import QueuedPacket
 from pinpriq.wire import append_reply
 from tests.logtools import FakeClock, commit, open_store
@@ -172,5 +173,64 @@ async def test_a_data_dir_server_runs_on_the_packed_store_and_counts_its_overhea
         store.push(b"q", b"key", b"payload", 0, 1)
         assert store.bytes_held == len(b"key") + len(b"payload") + DEFAULT_STORE_OVERHEAD
         assert DEFAULT_STORE_OVERHEAD == packed.PACKET_OVERHEAD
+    finally:
+        store.close()
+
+
+def test_the_c_core_frames_a_block_as_encode_block_does(tmp_path: Path) -> None:
+    """``frame_block`` makes ``records.encode_block``'s bytes (its own CRC-32 against zlib's,
+    its own ``base_ms`` against ``block_base_ms``), for blocks of every length modulo 8 and
+    of several kilobytes, and clears the open block."""
+    clock = FakeClock()
+    store = open_store(tmp_path, clock, store_class=LoggedPackedStore)
+    journal = store.journal
+    try:
+        for pushes in [1, 2, 3, 5, 8, 13, 64, 200]:
+            for payload in range(8):
+                for i in range(pushes):
+                    store.push(b"q", b"k%d" % i, bytes([i % 256]) * (payload + i), i % 2000, 1)
+                clock.now += 0.0015
+                store.pop(b"q")
+                seq_base = store._seq - pushes
+                base_ms = block_base_ms(journal, store._block_time, clock.wall, clock)
+                expected = encode_block(seq_base, base_ms, journal.pushes, journal.removals)
+                assert store.frame_block(seq_base) == expected
+                assert not journal.pushes
+                assert not journal.removals
+        store.pop(b"q")
+        expected = encode_block(0, 0, journal.removals)  # no push: base_ms 0
+        assert store.frame_block(0) == expected
+        assert store.frame_block(0) is None  # an empty block
+    finally:
+        store.close()
+
+
+def test_the_c_core_frames_each_request_and_the_journal_counts_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At -P 1 each request is a block the C core frames (``seal_framed``, never the
+    journal's ``encode_block``): the journal's positions and counts move as its own path
+    moves them, and the log reads back."""
+    clock = FakeClock()
+    store = open_store(tmp_path, clock, store_class=LoggedPackedStore)
+    journal = store.journal
+    sealed: list[int] = []
+    monkeypatch.setattr(journal, "seal", lambda seq, base_ms: sealed.append(seq))
+    for i in range(50):
+        store.push(b"q", b"%d" % i, b"v", 0, 1)
+        store.flush()
+        if i % 2:
+            store.pop(b"q")
+            store.flush()
+    assert sealed == []
+    assert journal.blocks_written == 75
+    assert journal.written_pos == journal.sealed_pos == journal.bytes_written
+    assert journal.active.live == 25
+    store.check_invariants()
+    monkeypatch.undo()
+    store.close()
+    store = open_store(tmp_path, clock, store_class=LoggedPackedStore)
+    try:
+        assert len(store) == 25
     finally:
         store.close()

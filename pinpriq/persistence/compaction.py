@@ -106,13 +106,19 @@ class Compactor:
         live = journal.live_bytes()
         return used - live > live
 
+    @property
+    def idle(self) -> bool:
+        """Whether ``step`` would do nothing now: nothing under way, in a log too small to
+        be due."""
+        return self._segment is None and len(self._journal.segments) < 3
+
     def step(self, sealed: int) -> None:
         """Read the next slice of the segment under way, copying its live packets into the
         block being sealed (``sealed`` bytes so far), if compaction is due or under way."""
         journal = self._journal
         segment = self._segment
-        if segment is None and len(journal.segments) < 3:
-            return  # nothing under way, and a log this small is never due: the common case
+        if self.idle:
+            return  # the common case
         if journal.disk_full:
             return  # copies would eat the reserve the pops' removals need; pops free space
         if segment is None:

@@ -8,7 +8,10 @@ Theory of operation.
 * **Open block.** The store appends push entries to ``pushes`` and remove/move entries to
   ``removals`` as it applies frames (``store.LoggedStore``); the driver calls ``seal`` once per
   batch of frames, which turns them into one block (``records.py``), queues it and writes it:
-  one ``pwrite`` per batch, never one per packet.
+  one ``pwrite`` per batch, never one per packet. The removed packets' seqs are read back
+  from the remove entries when the counts need them, so a removal makes no Python object. On
+  the packed store a block without copies (all but compaction's and a dead-letter move's) is
+  framed by its C core instead of ``encode_block`` (``seal_framed``).
 * **Positions.** ``sealed_pos``, ``written_pos`` and ``synced_pos`` count bytes of blocks since
   the server started: sealed, handed to the kernel, known to be on disk. ``released`` is true
   when output may be written: every sealed block is written and, under ``always``, synced. A
@@ -44,10 +47,11 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from pinpriq.persistence.compaction import Compactor
 from pinpriq.persistence.records import (
+    REMOVE,
     LogFormatError,
     encode_block,
     encode_copy,
@@ -130,7 +134,7 @@ class _Sealed:
         pushes: int,
         entries: int,
         entry_bytes: int,
-        removed: list[int],
+        removed: bytes,
         copied: list[int],
     ) -> None:
         self.data = data
@@ -139,8 +143,17 @@ class _Sealed:
         self.pushes = pushes
         self.entries = entries  # push and copy entries
         self.entry_bytes = entry_bytes
-        self.removed = removed
+        self.removed = removed  # the block's remove entries
         self.copied = copied
+
+
+class BlockFramer(Protocol):
+    """The packed store's C core framing the open block (``PackedCore.frame_block``): the
+    whole block ``encode_block`` would make of ``pushes`` and ``removals`` (``seq_base``: the
+    store's seq before its first push; its ``base_ms`` the core's own), or ``None`` if they
+    are empty; it clears them."""
+
+    def __call__(self, seq_base: int, /) -> bytes | None: ...
 
 
 def _nothing() -> None:
@@ -170,9 +183,7 @@ class Journal:
         #: The open block's entries, appended to by the store on its hot path (in place:
         #: ``seal`` clears them, so the store may keep references).
         self.pushes = bytearray()
-        self.removals = bytearray()
-        #: Seqs of the packets removed in the open block.
-        self.removed: list[int] = []
+        self.removals = bytearray()  # remove entries only: the seqs are read back from them
         self._copies = bytearray()
         self._copied: list[int] = []
         self.compactor: Compactor | None = None
@@ -302,62 +313,76 @@ class Journal:
         pushes, removals = self.pushes, self.removals
         if not pushes and not removals and not self._copies:
             return
-        if self.compactor is not None and self.hold is not Hold.FAILED:
-            try:
-                self.compactor.step(len(pushes) + len(removals))
-            except (OSError, LogFormatError) as error:
-                # EIO, or a block that no longer reads as written: the log cannot be trusted.
-                self.fail(f"compaction's read of {self.segments[0].path} failed", error)
-        copies, copied, removed = self._copies, self._copied, self.removed
+        self._step_compaction()
+        copies, copied = self._copies, self._copied
         data = encode_block(self._sealed_seq, base_ms, pushes, copies, removals)
-        pushed = seq - self._sealed_seq
-        entry_bytes = len(pushes) + len(copies)
-        self.sealed_pos += len(data)
-        self._sealed_seq = seq
-        if not self._write_at_once(data, seq, pushed, entry_bytes, removed, copied):
-            # Behind other blocks, held, or written in part: it queues, with its own copies
-            # of what the open block's buffers held (they are cleared below).
-            block = _Sealed(
-                data, seq, pushed, pushed + len(copied), entry_bytes, removed.copy(), copied
-            )
-            self._pending.append(block)
-            self.write()
+        self._queue(data, seq, len(pushes) + len(copies), removals, copied)
         pushes.clear()
         removals.clear()
-        removed.clear()
         copies.clear()
         self._copied = []
 
-    def _write_at_once(
+    def seal_framed(self, seq: int, frame_block: BlockFramer) -> bool:
+        """``seal`` on the packed store, whose C core frames the block (``frame_block``) when
+        it holds no copies: whether it did (else the caller seals the usual way; nothing has
+        changed then). At -P 1 every block is one of these."""
+        if self._copies:
+            return False
+        compactor = self.compactor
+        if compactor is not None and not compactor.idle:
+            return False  # its step may add copies
+        pushes, removals = self.pushes, self.removals
+        if not pushes and not removals:
+            return True  # nothing to seal
+        entry_bytes, removed = len(pushes), bytes(removals)  # ``frame_block`` clears them
+        data = frame_block(self._sealed_seq)
+        assert data is not None
+        self._queue(data, seq, entry_bytes, removed, [])
+        return True
+
+    def _step_compaction(self) -> None:
+        if self.compactor is not None and self.hold is not Hold.FAILED:
+            try:
+                self.compactor.step(len(self.pushes) + len(self.removals))
+            except (OSError, LogFormatError) as error:
+                # EIO, or a block that no longer reads as written: the log cannot be trusted.
+                self.fail(f"compaction's read of {self.segments[0].path} failed", error)
+
+    def _queue(
         self,
         data: bytes,
         seq: int,
-        pushed: int,
         entry_bytes: int,
-        removed: list[int],
+        removed: bytes | bytearray,
         copied: list[int],
-    ) -> bool:
-        """The common case of ``seal`` at pipeline 1, where each request is a block: nothing
-        is queued or held and the block fits the active segment, so it is written here, with
-        one ``pwrite``, and no ``_Sealed`` is made. Whether it was written whole (else the
-        caller queues it: a short write is finished by ``write``)."""
-        if self._pending or self.hold is not None:
-            return False
+    ) -> None:
+        """Queue sealed block ``data`` (``seq``: the store's seq after it; ``entry_bytes``:
+        its push and copy entries' bytes; ``removed``: its remove entries; ``copied``: the
+        seqs it copied) and write what can be written.
+
+        The common case, every request at -P 1, is written here with one ``pwrite`` and no
+        ``_Sealed``: nothing is queued or held and the block fits the active segment."""
+        pushed = seq - self._sealed_seq
+        size = len(data)
+        self.sealed_pos += size
+        self._sealed_seq = seq
         segment = self.segments[-1]
-        at = segment.end
-        if at + len(data) > segment.size or segment.fd is None:
-            return False  # a rotation first: ``write`` does it
-        try:
-            done = os.pwrite(segment.fd, data, at)
-        except OSError:
-            return False  # ``write`` tries again and handles the error
-        if done != len(data):
-            return False  # nothing counted: ``write`` writes the block again, whole
-        self._written(
-            len(data), seq, pushed, pushed + len(copied), entry_bytes, removed, copied, segment
-        )
-        self._update_released()
-        return True
+        fd, at = segment.fd, segment.end
+        if fd is not None and at + size <= segment.size and not self._pending and not self.hold:
+            try:
+                done = os.pwrite(fd, data, at)
+            except OSError:
+                done = 0  # ``write`` tries again, and meets the error itself
+            if done == size:
+                entries = pushed + len(copied)
+                self._written(size, seq, pushed, entries, entry_bytes, removed, copied, segment)
+                self.released = not self._always  # nothing queued; under always, not synced
+                return
+            # A short write counts nothing: ``write`` writes the block again, whole.
+        entries = pushed + len(copied)
+        block = _Sealed(data, seq, pushed, entries, entry_bytes, bytes(removed), copied)
+        self._pending.append(block)
+        self.write()
 
     # -- writing --------------------------------------------------------------------------
 
@@ -399,7 +424,7 @@ class Journal:
         pushes: int,
         entries: int,
         entry_bytes: int,
-        removed: list[int],
+        removed: bytes | bytearray,
         copied: list[int],
         segment: Segment,
     ) -> None:
@@ -427,12 +452,13 @@ class Journal:
         if len(self.segments) > 1 and not self.segments[0].live:
             self._collect()
 
-    def _count_removals(self, removed: list[int]) -> None:
+    def _count_removals(self, removed: bytes | bytearray) -> None:
+        """Count the packets of ``removed`` (remove entries) out of their segments."""
         segments, firsts, copied_to = self.segments, self._firsts, self._copied_to
         if len(segments) == 1 and not copied_to:  # the common small case: one segment
-            segments[0].live -= len(removed)
+            segments[0].live -= len(removed) // REMOVE.size
             return
-        for seq in removed:
+        for _, seq in REMOVE.iter_unpack(removed):
             source = copied_to.pop(seq, None) if copied_to else None
             if source is None:
                 source = segments[bisect.bisect_right(firsts, seq) - 1]

@@ -6,7 +6,9 @@ same operations both write the same log, byte for byte (``tests/test_log_packed.
 C core writes the entries itself (``_packed.c``'s "Log hooks"): ``attach_log`` hands it the
 journal's open block, and each push appends its entry (the layout of ``records.py``), each
 packet that leaves for good (pop, ``pop_reply``, expiry, purge, a move) a remove entry, as the
-packet is in hand, with no Python frame on the push or pop path. What is off the hot path is
+packet is in hand, with no Python frame on the push or pop path; and at the end of a batch it
+frames the block (``frame_block``: header, CRC-32) when it holds no copies
+(``Journal.seal_framed``). What is off the hot path is
 here, in Python, as ``LoggedStore`` does it: leases (a take logs nothing; an ack is a removal,
 a dead-letter move a copy entry), ``locate`` for compaction, ``flush``, ``recover``.
 """
@@ -62,7 +64,7 @@ class LoggedPackedStore(PackedStore):
         self._wall_clock = wall_clock
         #: Cut the log at damage instead of refusing to start (``--truncate-damaged-log``).
         self.truncate_damaged = truncate_damaged
-        self.attach_log(journal.pushes, journal.removals, journal.removed, wall_clock)
+        self.attach_log(journal.pushes, journal.removals, wall_clock)
         #: Leased packets: their seq, and the queue they were taken from (``LoggedStore``).
         self._taken: dict[int, bytes] = {}
         journal.compactor = Compactor(journal, self.locate)
@@ -134,10 +136,13 @@ class LoggedPackedStore(PackedStore):
         load_time_notes(self._time_notes, times)
 
     def flush(self) -> None:
-        """Seal what this batch logged into a block and write it (see ``Journal.seal``)."""
-        self.journal.seal(
-            self._seq, block_base_ms(self.journal, self._block_time, self._wall_clock, self.now)
-        )
+        """Seal what this batch logged into a block and write it: framed by the C core when
+        the block holds no copies (``Journal.seal_framed``), else by ``Journal.seal``."""
+        journal = self.journal
+        if not journal.seal_framed(self._seq, self.frame_block):
+            journal.seal(
+                self._seq, block_base_ms(journal, self._block_time, self._wall_clock, self.now)
+            )
 
     def check_invariants(self) -> None:
         """Also the journal's counts (``LoggedStore.check_invariants``). For tests."""

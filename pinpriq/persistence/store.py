@@ -105,7 +105,6 @@ class LoggedStore(QueueStore):
         # The journal's open block, kept by reference: the hot path appends to it directly.
         self._pushes = journal.pushes
         self._removals = journal.removals
-        self._removed = journal.removed
         self._block_time = 0.0  # the store's clock at the open block's first push
         #: Leased packets (``take``n, not yet acked or restored): their seq, and the queue
         #: they were taken from. Compaction must keep them (``locate``), and a restore into
@@ -167,11 +166,9 @@ class LoggedStore(QueueStore):
         """Pop as ``QueueStore.pop`` does, logging a removal for each packet returned."""
         reply = QueueStore.pop(self, queue)
         if reply:
-            removals, removed = self._removals, self._removed
+            removals = self._removals
             for packet in reply:
-                seq = packet[SEQ]
-                removals += _pack_remove(_REMOVE, seq)
-                removed.append(seq)
+                removals += _pack_remove(_REMOVE, packet[SEQ])
         return reply
 
     def _removed_by_expiry(self, packets: list[QueuedPacket]) -> None:
@@ -346,7 +343,6 @@ def recover(
             ) from None
         for seq in result.expired:  # gone for good, whatever the clock says next time
             journal.removals += _pack_remove(_REMOVE, seq)
-            journal.removed.append(seq)
         journal.seal(store._seq, 0)
     finally:
         journal.recovering = False
@@ -367,11 +363,9 @@ def recover(
 
 def log_removed(journal: Journal, packets: Sequence[QueuedPacket]) -> None:
     """Remove entries for ``packets`` in ``journal``'s open block."""
-    removals, removed = journal.removals, journal.removed
+    removals = journal.removals
     for packet in packets:
-        seq = packet[SEQ]
-        removals += _pack_remove(_REMOVE, seq)
-        removed.append(seq)
+        removals += _pack_remove(_REMOVE, packet[SEQ])
 
 
 def log_copy(
