@@ -5,13 +5,15 @@
  *
  * - Packet: one record per queued packet, key and payload inline after a fixed header (seq,
  *   deadline, prio, lease count, TTL and delay state, its place in the two expiry heaps, its
- *   key group's links). 8-byte key + 16-byte payload: 86 bytes, a 96-byte malloc chunk.
+ *   key group's links). 8-byte key + 16-byte payload: 86 bytes, a 96-byte malloc chunk. A
+ *   popped record is kept (a few per size class) for the next push: packet_free.
  * - Queue: a Python object (the store's dict maps names to them), holding
  *   - groups: an open-addressing table (linear probing, backward-shift deletion) from key to
  *     the oldest packet of that key; a key's packets form a circular doubly-linked list in push
  *     order through gnext/gprev, so the oldest's gprev is the newest. A packet is live exactly
  *     while its group holds it, as in store.py. The table doubles past 3/4 full and halves
- *     below 1/8, so a queue that drains gives its room back.
+ *     below 1/8, so a queue that drains gives its room back; from 2 MiB it is on huge pages
+ *     (table_calloc).
  *   - levels: per priority 0..255 present, an array of entries in push order (a deque: start,
  *     end); an entry is a packet pointer or, for a packet that left other than from the top
  *     (a sibling taken with its group, an expiry), a tombstone (seq << 1 | 1) that keeps the
@@ -260,7 +262,8 @@ static void *table_calloc(size_t bytes, int *mapped) {
         char *raw = mmap(NULL, bytes + HUGE_PAGE, PROT_READ | PROT_WRITE,
                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (raw != MAP_FAILED) {
-            char *start = (char *)(((uintptr_t)raw + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+            uintptr_t aligned = ((uintptr_t)raw + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1);
+            char *start = (char *)aligned;
             if (start > raw)
                 munmap(raw, (size_t)(start - raw));
             size_t tail = (size_t)(raw + bytes + HUGE_PAGE - (start + bytes));
