@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -1313,6 +1314,57 @@ def test_prefetching_a_batchs_pushes_changes_nothing(clock: FakeClock) -> None:
         assert store.prefetch_pushes(frames, start) is None
     assert store.prefetch_pushes(tuple(frames), 0) is None  # not the codec's list: skipped
     assert store.queued(b"q") == before
+    store.check_invariants()
+
+
+def _huge_page_mappings() -> int:
+    """This process's mappings advised MADV_HUGEPAGE (``hg`` among smaps' VmFlags)."""
+    with open("/proc/self/smaps") as smaps:
+        return sum(1 for line in smaps if line.startswith("VmFlags:") and " hg" in line)
+
+
+@pytest.mark.skipif(not packed.available, reason="the packed store's C core is not built")
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
+    reason="no transparent huge pages here (Linux with THP only)",
+)
+def test_a_large_group_table_asks_for_huge_pages(clock: FakeClock) -> None:
+    """A key-group table of 2 MiB or more (262,144 slots) is a mapping of its own, advised
+    MADV_HUGEPAGE: at depth 1M a push's and a pop's slot is otherwise a TLB miss besides a
+    cache miss. The mapping goes when the table halves below 2 MiB, and the store's answers
+    are those of a table in ordinary memory."""
+    store = packed.PackedStore(clock)
+    before = _huge_page_mappings()
+    for i in range(150_000):  # past 3/4 of 131,072 slots: the table doubles to 262,144
+        store.push(b"q", b"k%d" % i, b"p%d" % i, 0, 1 + i % 7)
+    assert _huge_page_mappings() == before + 1
+    store.check_invariants()
+    assert store.pop(b"q")[0][KEY] == b"k149996"  # the newest of prio 7
+    while store.depth(b"q") > 30_000:  # below 1/8 of 262,144: it halves to 1 MiB
+        store.pop(b"q")
+    assert _huge_page_mappings() == before
+    store.check_invariants()
+
+
+@pytest.mark.skipif(not packed.available, reason="the packed store's C core is not built")
+def test_popped_records_are_reused_and_few_are_kept(clock: FakeClock) -> None:
+    """A record ``pop_reply`` frees is kept for the next push of its 16-byte size class (the
+    block is still in cache), at most 16 a class: a reused record holds its new packet alone
+    (keys and payloads of every length through each class, checked against what
+    ``wire.append_reply`` makes of the reference store's pops), and draining 3,000 packets
+    leaves no more than 17 classes' worth kept."""
+    rng = random.Random(5)
+    reference, store = QueueStore(clock), packed.PackedStore(clock)
+    for _ in range(3):
+        for _ in range(1_000):
+            key, payload = rng.randbytes(rng.randint(1, 40)), rng.randbytes(rng.randint(0, 200))
+            prio = rng.randint(1, 9)
+            reference.push(b"q", key, payload, 0, prio)
+            store.push(b"q", key, payload, 0, prio)
+        while reference.depth(b"q"):
+            _same_pop(reference, store, b"q", "reply")
+        assert store.depth(b"q") == 0
+        assert packed._core._spare_records() <= 17 * 16
     store.check_invariants()
 
 
