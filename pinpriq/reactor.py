@@ -23,11 +23,15 @@ Theory of operation:
 * **Cancellation.** A parked task that is cancelled (shutdown, an eviction, its nursery) has
   its descriptor unregistered before trio raises ``Cancelled`` in it: a connection is never in
   the epoll while its task runs, so the task alone closes its socket.
-* **Fairness.** Each turn serves one chunk per ready connection, then waits in trio again, which
-  is a checkpoint: the other tasks (connections served by their own tasks, the admin listener,
-  the expiry timer) run between two turns, and a flooding connection gets one chunk a turn like
-  every other. The epoll is level-triggered: what a connection has left in its socket makes it
-  ready again next turn.
+* **Fairness.** Each turn serves one chunk per ready connection, then takes a checkpoint: the
+  other tasks (connections served by their own tasks, the admin listener, the expiry timer) run
+  between two turns, and a flooding connection gets one chunk a turn like every other. The
+  epoll is level-triggered: what a connection has left in its socket makes it ready again. After
+  a turn the reactor asks its epoll again at once: if something is ready the checkpoint is
+  ``checkpoint_if_cancelled`` and ``cancel_shielded_checkpoint`` (a full checkpoint, as trio's
+  guarantees need) and the next turn follows; only when nothing is ready does it wait in trio
+  on the epoll's descriptor, which costs trio a re-arm of its one-shot registration and a task
+  step. On a busy server most turns take the first way.
 """
 
 from __future__ import annotations
@@ -86,9 +90,18 @@ class Reactor:
         """Serve parked connections until cancelled."""
         epoll = self._epoll
         parked = self._parked
+        ready: list[tuple[int, int]] = []
         while True:
-            await trio.lowlevel.wait_readable(epoll.fileno())
-            for fileno, _ in epoll.poll(0):
+            if ready:
+                # More to serve at once: a checkpoint, which lets every other task run, rather
+                # than a wait in trio (which would re-arm trio's one-shot registration of the
+                # epoll and then ask the kernel twice, trio's epoll and ours).
+                await trio.lowlevel.checkpoint_if_cancelled()
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            else:
+                await trio.lowlevel.wait_readable(epoll.fileno())
+                ready = epoll.poll(0)
+            for fileno, _ in ready:
                 entry = parked.get(fileno)
                 if entry is None:
                     continue  # handed back or cancelled earlier in this turn
@@ -99,6 +112,7 @@ class Reactor:
                 else:
                     if not waits:
                         self._hand_back(fileno, outcome.Value(None))
+            ready = epoll.poll(0)
 
     def close(self) -> None:
         """Close the epoll, once no task parks or runs here any more."""
