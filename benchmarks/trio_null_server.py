@@ -1,13 +1,14 @@
 """The ceiling a pinpriq server on Trio can reach: pinpriq's own socket loop and codec, no store.
 
 Where ``null_server.py`` measures the load generator (a selectors loop that does not even build
-frames), this one measures what ``pinpriq-server`` could do with a store that cost nothing: each
-connection is one Trio task that reads the socket the way ``server.py`` does (a direct read,
-``wait_readable`` only when nothing is there, a checkpoint after a chunk read without waiting),
-decodes every frame with ``wire.FrameDecoder``, answers each pop with one stored packet (8-byte
-key, 16-byte payload; the generator's barrier queue with ``00 00``, as a real server's empty
-barrier queue does) written with ``wire.append_reply`` into one buffer per chunk, and writes the
-chunk's replies with one ``os.write``. Pushes are decoded and dropped: it keeps no queue.
+frames), this one measures what ``pinpriq-server`` could do with a store that cost nothing, with
+the same socket loop: a connection waiting for its next request waits in ``pinpriq.reactor``'s
+one epoll, whose task reads each ready socket, decodes every frame with ``wire.FrameDecoder``,
+answers each pop with one stored packet (8-byte key, 16-byte payload; the generator's barrier
+queue with ``00 00``, as a real server's empty barrier queue does) written with
+``wire.append_reply`` into one buffer per chunk, and writes the chunk's replies with one
+``os.write``; what the kernel does not take, the connection's own task sends. Pushes are decoded
+and dropped: it keeps no queue.
 
     python benchmarks/trio_null_server.py [--port 0]
 
@@ -22,54 +23,62 @@ import contextlib
 import os
 import signal
 import sys
+from functools import partial
 
 import trio
 
 from pinpriq.bench.dialects import BARRIER_QUEUE
 from pinpriq.cli.args import OneLineParser, port_number
+from pinpriq.reactor import Reactor
 from pinpriq.wire import FrameDecoder, Packet, Pop, append_reply
 
-RECEIVE_SIZE = 256 * 1024  # as server.py
+RECEIVE_SIZE = 64 * 1024  # as server.py
 #: The packet every pop gets: the workload's sizes.
 STORED = (Packet(bytes(8), bytes(16)),)
 
 
-async def _read(fd: int) -> tuple[bytes, bool]:
-    """The next chunk (``b""`` at the end), and whether it was there without a wait."""
-    try:
-        return os.read(fd, RECEIVE_SIZE), True
-    except BlockingIOError:
-        pass
-    while True:
-        await trio.lowlevel.wait_readable(fd)
+class _Connection:
+    """One client: its decoder and unsent replies; served by the reactor while it waits for
+    its next request, by its own task (``handle``) when the kernel did not take its output."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.fileno = stream.socket.fileno()
+        self.decoder = FrameDecoder()
+        self.output = bytearray()
+        self.ended = False
+
+    def serve_ready(self) -> bool:
+        """The reactor's call: read a chunk, answer it, write the answers; whether that was
+        all (``False``: the client has gone, or output is left for ``handle`` to send)."""
         try:
-            return os.read(fd, RECEIVE_SIZE), False
+            data = os.read(self.fileno, RECEIVE_SIZE)
         except BlockingIOError:
-            continue
+            return True
+        except OSError:
+            data = b""
+        decoder, output = self.decoder, self.output
+        decoder.feed(data)
+        for frame in decoder.decode():
+            if frame.__class__ is Pop:
+                append_reply(output, () if frame[0] == BARRIER_QUEUE else STORED)
+        if not data or decoder.error is not None:
+            self.ended = True
+            return False
+        if output:
+            with contextlib.suppress(BlockingIOError):
+                del output[: os.write(self.fileno, output)]
+        return not output
 
 
-async def handle(stream: trio.SocketStream) -> None:
-    fd = stream.socket.fileno()
-    decoder = FrameDecoder()
-    output = bytearray()
+async def handle(reactor: Reactor, stream: trio.SocketStream) -> None:
+    conn = _Connection(stream)
     try:
-        while True:
-            data, owed = await _read(fd)
-            if not data:
-                return
-            decoder.feed(data)
-            for frame in decoder.decode():
-                if frame.__class__ is Pop:
-                    append_reply(output, () if frame[0] == BARRIER_QUEUE else STORED)
-            if decoder.error is not None:
-                return
-            if output:
-                sent = os.write(fd, output)
-                if sent < len(output):
-                    await stream.send_all(memoryview(output)[sent:])
-                del output[:]
-            if owed:
-                await trio.lowlevel.checkpoint()
+        while not conn.ended:
+            if conn.output:
+                await stream.send_all(conn.output)
+                del conn.output[:]
+            else:
+                await reactor.park(conn)
     except (OSError, trio.BrokenResourceError):
         return
     finally:
@@ -80,7 +89,13 @@ async def serve(port: int) -> None:
     listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
     bound = listeners[0].socket.getsockname()[1]
     print(f"trio null server listening on 127.0.0.1 port {bound}", file=sys.stderr, flush=True)
-    await trio.serve_listeners(handle, listeners)
+    reactor = Reactor()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reactor.run)
+            await trio.serve_listeners(partial(handle, reactor), listeners)
+    finally:
+        reactor.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,12 @@ object. It owns only what needs an event loop or a limit:
   pusher's next frame is read. Whatever the kernel does not take at once is left to the
   connection's writer task, so a subscriber that stops reading blocks only its own writer, never
   the pusher or the server.
+* the reactor (``reactor.py``): a plain-TCP connection on the built-in store that waits for its
+  next request waits in the server's one epoll, whose task serves each ready connection's chunk
+  inline, the same way its reader would (``_serve_now``), without a task switch per request.
+  The connection goes back to its reader for every other wait (a blocked session, output the
+  kernel did not take, an incomplete frame and its timeout, auth, a close); TLS connections and
+  a store in another process keep the reader for everything.
 * one expiry task that sleeps until ``Broker.timer``, the earliest TTL deadline, lease deadline,
   end of a release delay or delayed packet's due time; a push or a lease with an earlier one
   moves the sleep's deadline forward instead of starting a timer of its own.
@@ -65,6 +71,7 @@ from pinpriq.packed import default_store
 from pinpriq.persistence.journal import Journal
 from pinpriq.persistence.keeper import Keeper
 from pinpriq.persistence.packed_store import LogBacked, is_logged
+from pinpriq.reactor import Reactor
 from pinpriq.store_contract import BatchedStore, Deliveries, Store
 from pinpriq.tls import describe_tls_error
 from pinpriq.wire import (
@@ -101,6 +108,8 @@ CLOSE_FLUSH_SECONDS = 1.0
 DEFAULT_MAX_CONNECTIONS = 4096
 #: Seconds of reading a connection may spend holding an incomplete frame before it is closed.
 DEFAULT_FRAME_TIMEOUT = 30.0
+#: ``_Connection._rest`` when ``_serve_now`` left no frames (never appended to).
+_NO_FRAMES: list[ClientFrame] = []
 
 
 #: Said when a server without a token refuses a connection from another host, and at start.
@@ -164,6 +173,12 @@ class _Connection:
         self.checkpoint_owed = False
         self.sending = False
         self.closed = False  # its socket is closed: never write to its file descriptor again
+        #: The client has ended its stream (or reset it): the connection closes.
+        self.at_end = False
+        #: What ``_serve_now`` left of its chunk for ``_serve_rest``: the batch, and how many of
+        #: its frames are applied.
+        self._rest: list[ClientFrame] = _NO_FRAMES
+        self._done = 0
         #: Frames handled so far, counted per batch; and why the connection ended (debug log).
         self.frames = 0
         self.close_reason = "closed by the client"
@@ -201,55 +216,114 @@ class _Connection:
     async def _read_loop(self) -> None:
         server, decoder, session = self.server, self.decoder, self.session
         while True:
-            data = await self._receive()
-            if data is None:
-                if not session.authenticated:
-                    await self._reject(f"no auth within {server.frame_timeout:g} s")
+            reactor = server.reactor
+            if (
+                reactor is not None
+                and session.authenticated
+                and not (decoder.pending or self.sending)
+            ):
+                # Nothing to do but wait for the next request: the reactor serves requests
+                # until one needs this task (``serve_ready``), then hands the connection back.
+                await reactor.park(self)
+            else:
+                data = await self._receive()
+                if data is None:
+                    await self._time_out()
                     return
-                log.warning(
-                    "closing %s: an incomplete frame (%d bytes so far) for %g s of reading",
-                    self.peer,
-                    decoder.pending,
-                    server.frame_timeout,
-                )
-                self.close_reason = "frame timeout"
-                return
-            if not data:
-                return  # EOF; a frame cut short stays in the decoder and is dropped
-            # Before auth, the next frame must be auth: judged at its first byte.
-            if not (session.authenticated or decoder.pending or session.opens_with(data[0])):
-                await self._reject(session.rejected or "")
-                return
-            decoder.feed(data)
-            # The decoder has the chunk now: no second reference across the next wait, so that
-            # discarding the decoder (``evict``) frees it at once.
-            data = b""
-            frames = decoder.decode()
-            if frames:
-                self.frame_budget = server.frame_timeout  # any incomplete frame is a new one
-            if decoder.pending != self.held_input:
-                server.hold_input(self, decoder.pending)
-            done = self._apply_now(frames)
-            server.after_batch()  # before any await: no socket can close in between
-            self.frames += len(frames)
-            waits = done < len(frames) and session.error is None
-            if waits and not await self._apply_rest(frames, done):
-                return
-            if self.sending:
-                await self._backed_up()
-            elif session.output and not self._wrote_all():
-                await self._send_output()
-            if session.error is not None:  # a frame broke decision 18
-                log.warning("closing %s: %s", self.peer, session.error)
-                self.close_reason = session.error
-                return
-            if decoder.error is not None:
-                log.warning("closing %s: %s%s", self.peer, decoder.error, self._not_tls_hint())
-                self.close_reason = f"protocol error: {decoder.error}"
+                self._serve_now(data)
+                # The decoder has the chunk now: no second reference across the next wait, so
+                # that discarding the decoder (``evict``) frees it at once.
+                del data
+            if not await self._serve_rest():
                 return
             if self.checkpoint_owed:
                 self.checkpoint_owed = False
                 await trio.lowlevel.checkpoint()
+
+    async def _time_out(self) -> None:
+        """Close the connection: its incomplete frame, or its auth, took too long."""
+        timeout = self.server.frame_timeout
+        if not self.session.authenticated:
+            await self._reject(f"no auth within {timeout:g} s")
+            return
+        log.warning(
+            "closing %s: an incomplete frame (%d bytes so far) for %g s of reading",
+            self.peer,
+            self.decoder.pending,
+            timeout,
+        )
+        self.close_reason = "frame timeout"
+
+    def serve_ready(self) -> bool:
+        """The reactor's call, the socket being readable: read a chunk and serve it as far as it
+        goes without a wait; whether the connection waits for its next request again."""
+        try:
+            data = os.read(self.fileno, RECEIVE_SIZE)
+        except BlockingIOError:
+            return True  # woken for nothing after all: still waiting
+        except OSError:
+            data = b""  # reset by the peer: the same as its end of stream, here
+        return self._serve_now(data)
+
+    def _serve_now(self, data: bytes) -> bool:
+        """Serve a chunk as far as it goes without a wait: decode its frames, apply them, write
+        the output. ``True`` if that was all, and the connection waits for its next request;
+        ``False`` if its task has more to do (``_serve_rest``): the frames a blocked session or
+        a store in another process left, output the kernel did not take, a close, or the rest
+        of an incomplete frame to read within the frame timeout. The one way a chunk is
+        served, by the reactor or by the connection's own task."""
+        server, decoder, session = self.server, self.decoder, self.session
+        self._rest, self._done = _NO_FRAMES, 0
+        if not data:
+            self.at_end = True  # a frame cut short stays in the decoder and is dropped
+            return False
+        # Before auth, the next frame must be auth: judged at its first byte.
+        if not (session.authenticated or decoder.pending or session.opens_with(data[0])):
+            return False  # rejected, nothing applied: ``_serve_rest`` closes it
+        decoder.feed(data)
+        frames = decoder.decode()
+        if frames:
+            self.frame_budget = server.frame_timeout  # any incomplete frame is a new one
+        if decoder.pending != self.held_input:
+            server.hold_input(self, decoder.pending)
+        done = self._apply_now(frames)
+        server.after_batch()  # before any await: no socket can close in between
+        self.frames += len(frames)
+        if done < len(frames) or self.sending or decoder.pending:
+            self._rest, self._done = frames, done
+            return False
+        if session.output and not self._wrote_all():
+            return False
+        return session.error is None and decoder.error is None
+
+    async def _serve_rest(self) -> bool:
+        """Do what ``_serve_now`` left of the last chunk (nothing, if it served it all);
+        ``False`` if the connection is closing."""
+        session = self.session
+        frames, done = self._rest, self._done
+        self._rest = _NO_FRAMES
+        if self.at_end:
+            return False
+        if session.rejected is not None:
+            await self._reject(session.rejected)
+            return False
+        waits = done < len(frames) and session.error is None
+        if waits and not await self._apply_rest(frames, done):
+            return False
+        if self.sending:
+            await self._backed_up()
+        elif session.output and not self._wrote_all():
+            await self._send_output()
+        if session.error is not None:  # a frame broke decision 18
+            log.warning("closing %s: %s", self.peer, session.error)
+            self.close_reason = session.error
+            return False
+        error = self.decoder.error
+        if error is not None:
+            log.warning("closing %s: %s%s", self.peer, error, self._not_tls_hint())
+            self.close_reason = f"protocol error: {error}"
+            return False
+        return True
 
     async def _apply_rest(self, frames: list[ClientFrame], done: int) -> bool:
         """Apply the part of a batch ``_apply_now`` left, from ``frames[done]``: on the built-in
@@ -745,6 +819,10 @@ class PinpriqServer:
         self._expiry_at = math.inf
         self._accepting = trio.CancelScope()
         self._listening = False
+        #: Where plain-TCP connections on the built-in store wait for their next request
+        #: (``reactor.py``), while ``serve`` runs; ``None`` with TLS or a batched store, whose
+        #: connections each wait in their own task.
+        self.reactor: Reactor | None = None
 
     @property
     def recovering(self) -> bool:
@@ -895,8 +973,24 @@ class PinpriqServer:
         self, port: int, host: str, task_status: trio.TaskStatus[list[trio.SocketListener]]
     ) -> None:
         listeners = await trio.open_tcp_listeners(port, host=host)
+        if self.tls is None and self.batched is None:
+            self.reactor = Reactor()
+        try:
+            await self._serve_listeners(listeners, task_status)
+        finally:
+            if self.reactor is not None:
+                self.reactor.close()  # every task that parked there has ended
+                self.reactor = None
+
+    async def _serve_listeners(
+        self,
+        listeners: list[trio.SocketListener],
+        task_status: trio.TaskStatus[list[trio.SocketListener]],
+    ) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._expire_loop)
+            if self.reactor is not None:
+                nursery.start_soon(self.reactor.run)
             if self.keeper is not None:
                 nursery.start_soon(self.keeper.run)
             for listener in listeners:

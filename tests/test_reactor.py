@@ -1,0 +1,157 @@
+"""The reactor (``pinpriq/reactor.py``) over real TCP: a connection waiting for its next request
+is served by the server's one epoll, and goes back to its own task for every other wait: a
+blocked session, an incomplete frame, a close; eviction and shutdown take it out; a flood on one
+connection does not starve another."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+import trio
+import trio.testing
+
+from pinpriq.reactor import Reactor
+from pinpriq.server import RECEIVE_SIZE, PinpriqServer
+from tests.conftest import LiveServer, StartServer
+from tests.rawpeer import SYNC, pop, push
+from tests.test_limits import capped, pushes, server_side, settle, timing_out
+
+
+def reactor_of(live: LiveServer) -> Reactor:
+    reactor = live.server.reactor
+    assert reactor is not None
+    return reactor
+
+
+async def test_a_connection_between_requests_waits_in_the_reactor(live: LiveServer) -> None:
+    first, second = await live.connect(), await live.connect()
+    await settle()
+    assert reactor_of(live).parked == 2
+    for i in range(50):  # request, reply: each served by the reactor, the tasks asleep
+        await first.send(push(b"q", b"k%d" % i, b"v"))
+        assert await second.request(pop(b"q")) == [(b"k%d" % i, b"v")]
+    await settle()
+    assert reactor_of(live).parked == 2
+
+
+async def test_a_request_at_a_time_is_served_while_another_waits_for_the_memory_cap(
+    start_server: StartServer,
+) -> None:
+    live = await start_server(capped(10))
+    producer, steady = await live.connect(), await live.connect()
+    await producer.send(pushes(12) + pop(b"barrier"))  # two pushes wait for room
+    await settle()
+    assert live.server.broker.memory_full
+    assert reactor_of(live).parked == 1  # the blocked producer waits in its own task
+    for _ in range(5):  # the other is served all along, one request at a time
+        assert await steady.request(pop(b"elsewhere")) == []
+    await producer.expect_silence()
+    assert len(await steady.request(pop(b"q"))) == 1
+    assert len(await steady.request(pop(b"q"))) == 1
+    assert await producer.reply() == []  # the barrier, once both pushes found room
+    await settle()
+    assert reactor_of(live).parked == 2  # and it is back in the reactor
+    assert len(live.store) == 10
+
+
+async def test_an_incomplete_frame_is_read_by_its_task_within_the_frame_timeout(
+    start_server: StartServer, mock_clock: trio.testing.MockClock
+) -> None:
+    live = await start_server(timing_out(30))
+    cut, steady = await live.connect(), await live.connect()
+    frame = push(b"q", b"k", b"v")
+    await cut.send(pop(b"none") + frame[:7])  # read by the reactor, which answers the pop
+    assert await cut.reply() == []
+    await settle()
+    assert reactor_of(live).parked == 1  # the rest of the frame is awaited by its task
+    await trio.sleep(20)
+    await cut.send(frame[7:])
+    assert await cut.request(pop(b"q")) == [(b"k", b"v")]
+    await settle()
+    assert reactor_of(live).parked == 2  # whole again: back in the reactor
+    await cut.send(frame[:7])
+    await trio.sleep(31)
+    await cut.expect_closed()  # 30 s of reading one frame, counted by its task
+    assert await steady.request(pop(b"q")) == []
+    await settle()
+    assert reactor_of(live).parked == 1
+
+
+async def test_an_evicted_connection_leaves_the_reactor_and_others_carry_on(
+    live: LiveServer,
+) -> None:
+    evicted, steady = await live.connect(), await live.connect()
+    await evicted.send(push(b"q", b"k", b"v"))
+    assert await steady.request(pop(b"none")) == []
+    await settle()
+    server_side(live.server, evicted).evict()  # as the client memory budget does
+    await evicted.expect_closed()
+    await settle()
+    assert reactor_of(live).parked == 1
+    assert live.server.connections == 1
+    assert await steady.request(pop(b"q")) == [(b"k", b"v")]  # what it sent before stays
+
+
+async def test_a_connection_evicted_by_its_own_chunk_in_the_reactor_closes(
+    start_server: StartServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    budget = 3 * RECEIVE_SIZE // 4
+    live = await start_server(PinpriqServer(max_client_memory=budget))
+    greedy, steady = await live.connect(), await live.connect()
+    await settle()
+    # Most of a read of a large push, past the budget by itself: the largest incomplete frame.
+    almost = push(b"q", b"k", b"x" * 60_000)[: budget + 100]
+    with caplog.at_level(logging.WARNING, logger="pinpriq.server"):
+        await greedy.send(almost)
+        await greedy.expect_closed()
+    assert "client memory over its budget" in caplog.text
+    assert "error" not in caplog.text
+    await settle()
+    assert live.server.client_memory.held == 0
+    assert reactor_of(live).parked == 1
+    assert await steady.request(pop(b"q")) == []  # nothing of the cut push was applied
+
+
+async def test_shutdown_takes_every_connection_out_of_the_reactor(
+    start_server: StartServer,
+) -> None:
+    server = PinpriqServer()
+    live = await start_server(server)
+    peers = [await live.connect() for _ in range(3)]
+    for peer in peers:
+        assert await peer.request(push(b"q", b"k", b"v") + SYNC) == []
+    await settle()
+    assert reactor_of(live).parked == 3
+    server.shutdown()
+    with trio.fail_after(5):
+        for peer in peers:
+            await peer.expect_closed()
+        while server.reactor is not None:  # noqa: ASYNC110 (serve returns: the epoll closes)
+            await trio.sleep(0.01)
+    assert server.connections == 0
+
+
+async def test_a_flooding_connection_does_not_starve_a_request_at_a_time(
+    live: LiveServer, nursery: trio.Nursery
+) -> None:
+    flooder, steady = await live.connect(), await live.connect()
+    frame = push(b"flood", b"k", b"x" * 16_000)
+    rounds, per_send = 400, 4  # 25 MB of pushes, sent as fast as the server reads them
+
+    async def flood() -> None:
+        for _ in range(rounds):
+            await flooder.send(frame * per_send)
+
+    nursery.start_soon(flood)
+    while not len(live.store):  # the flood has begun
+        await trio.lowlevel.checkpoint()
+    applied = []  # how many flood pushes the server had applied at each reply
+    for _ in range(20):
+        assert await steady.request(pop(b"none")) == []
+        applied.append(len(live.store))
+    gaps = [later - earlier for earlier, later in itertools.pairwise(applied)]
+    # A round trip costs the flooder a few reads of its own, never the rest of its flood.
+    assert max(gaps) <= 16 * per_send, applied
+    assert applied[-1] < rounds * per_send
