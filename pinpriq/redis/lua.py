@@ -288,11 +288,14 @@ local function records_of(d, refs, state)
 end
 -- Remove live packets, by ref, from every structure of the queue whose ``:d`` ``:s`` ``:g``
 -- ``:x`` are given. ``state``: their fields' values as read before (``read_state``; what it
--- lacks is read here), updated; ``expiring``: whether ``:x`` may hold them (nil: look).
-local function unfile(d, s, g, x, refs, state, expiring)
+-- lacks is read here), updated; ``expiring``: whether ``:x`` may hold them (nil: look);
+-- ``fields``: the refs' fields, when the caller has them already (nil: cut here).
+local function unfile(d, s, g, x, refs, state, expiring, fields)
   if #refs == 0 then return end
-  local fields = {}
-  for i, ref in ipairs(refs) do fields[i] = string.sub(ref, 17) end
+  if not fields then
+    fields = {}
+    for i, ref in ipairs(refs) do fields[i] = string.sub(ref, 17) end
+  end
   read_state(d, fields, state)
   local _, markers = meta_of(state[META])
   local was = markers
@@ -494,61 +497,45 @@ end
 return {tostring(earliest), redis.call('HLEN', KEYS[2])}
 """
 
-#: KEYS d s g x r y Y w l; ARGV max_pop, pops, full, call id, retry ('1' if sent before),
-#: refresh ('1': renew the kept results' lifetime), then the call ids whose results the front
-#: end has. Promotes and sweeps what is due, then ``pops`` times removes the best packet and
-#: its key group (decisions 2-4). Returns one flat list a pop: two fields a packet (key,
-#: payload), or with ``full`` = 1 five (key, payload, prio, seq, deadline: enough for a
-#: delivery nobody could take to go back unchanged); then the selectable packets left (with
-#: ``full`` only; else 0), and all the packets left (-1: not counted, when it removed
-#: nothing). A call that took packets keeps that reply under its id in ``:r``.
-#: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
-POP = r"""
-local max_pop, pops, full = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
-local call_id, retry = ARGV[4], ARGV[5] == '1'
--- Results the front end has confirmed it holds: no longer kept. Forgotten after this call's
--- own is kept, so that a hash that held them is never empty in between (then it keeps its
--- lifetime: below).
+# The pop function's machinery (``POP``), defined once when Redis loads the library rather than
+# at each call: a call's state lives in these upvalues, set afresh by ``pop_all``.
+_POP_HELPERS = r"""
+-- Results the front end has confirmed it holds (a pop's ARGV from the 7th): no longer kept.
+-- Forgotten after the call's own is kept, so that a hash that held them is never empty in
+-- between (then it keeps its lifetime).
 local function forget_confirmed()
   if #ARGV > 6 then return redis.call('HDEL', KEYS[5], unpack(ARGV, 7)) end
   return 0
 end
--- A call sent again (its reply was lost: Redis restarted, the connection broke) answers with
--- what it took the first time, if it ran then: so no packet is removed for nobody.
-if retry then
-  local kept = redis.call('HGET', KEYS[5], call_id)
-  if kept then
-    forget_confirmed()
-    return cmsgpack.unpack(kept)
-  end
-end
-YI, LI = 6, 9
-local expiring, _, expired = sweep_due()
--- Removals wait until every pop of the call has chosen (one HDEL and one ZREM a structure
--- for the whole call, not per pop); meanwhile ``taken`` keeps a packet from being chosen
--- twice, and the selection set is read in pages of candidates, best first, with their
--- fields' values (records or markers) in one HMGET a page.
-local taken, refs, state, taken_of = {}, {}, {}, {}
-local page, at, start = {}, 1, 0
+-- One pop call's choosing. Removals wait until every pop of the call has chosen (one HDEL and
+-- one ZREM a structure for the whole call, not per pop); meanwhile ``taken`` keeps a packet
+-- from being chosen twice, and the selection set is read in pages of candidates, best first,
+-- with their fields' values (records or markers) in one HMGET a page. ``refs`` and
+-- ``ref_fields``: what was taken and each one's field; ``taken_of``: how many of a field's.
+local taken, refs, ref_fields, taken_of, state
+local page, page_fields, page_n, at, start
+local max_pop, full
 local function take(ref, field)
   taken[ref] = true
-  refs[#refs + 1] = ref
+  local n = #refs + 1
+  refs[n], ref_fields[n] = ref, field
   taken_of[field] = (taken_of[field] or 0) + 1
 end
--- The best packet not yet taken: its ref; or nil.
+-- The best packet not yet taken: its ref and field; or nil.
 local function best(wanted)
   while true do
-    if at > #page then
+    if at > page_n then
       page = redis.call('ZRANGE', KEYS[2], start, start + math.min(wanted, 1000) - 1, 'REV')
-      if #page == 0 then return nil end
-      start, at = start + #page, 1
-      local fields = {}
-      for i, ref in ipairs(page) do fields[i] = string.sub(ref, 17) end
-      read_state(KEYS[1], fields, state)
+      page_n = #page
+      if page_n == 0 then return nil end
+      start, at, page_fields = start + page_n, 1, {}
+      for i = 1, page_n do page_fields[i] = string.sub(page[i], 17) end
+      read_state(KEYS[1], page_fields, state)
     end
-    local ref = page[at]
-    at = at + 1
-    if not taken[ref] then return ref end
+    local i = at
+    at = i + 1
+    local ref = page[i]
+    if not taken[ref] then return ref, page_fields[i] end
   end
 end
 -- Add a packet (its key's field, its record) to a pop's reply.
@@ -560,10 +547,11 @@ local function packet(out, field, rec)
     out[n + 5] = tostring(deadline_of(rec))
   end
 end
+-- One pop (``left``: how many the call still makes, for the page size): the best packet and
+-- the rest of its key group, as the reply's flat list.
 local function pop_one(left)
-  local ref = best(left)
+  local ref, field = best(left)
   if not ref then return {} end
-  local field = string.sub(ref, 17)
   local v, out = state[field], {}
   if not grouped(v) then  -- a lone key: its record was read with the page
     take(ref, field)
@@ -586,9 +574,45 @@ local function pop_one(left)
   for _, rec in ipairs(hmget(KEYS[1], seqs)) do packet(out, field, rec) end
   return out
 end
-local replies = {}
-for i = 1, pops do replies[i] = pop_one(pops - i + 1) end
-unfile(KEYS[1], KEYS[2], KEYS[3], KEYS[4], refs, state, expiring)
+-- ``pops`` pops of the queue (KEYS d s g): their replies, then what they took (refs, their
+-- fields) and the fields' values read meanwhile (``read_state``'s).
+local function pop_all(pops, most, whole)
+  taken, refs, ref_fields, taken_of, state = {}, {}, {}, {}, {}
+  page, page_n, at, start = nil, 0, 1, 0
+  max_pop, full = most, whole
+  local replies = {}
+  for i = 1, pops do replies[i] = pop_one(pops - i + 1) end
+  local chosen, their_fields, read = refs, ref_fields, state
+  taken, refs, ref_fields, taken_of, state, page, page_fields = nil, nil, nil, nil, nil, nil, nil
+  return replies, chosen, their_fields, read
+end
+"""
+
+#: KEYS d s g x r y Y w l; ARGV max_pop, pops, full, call id, retry ('1' if sent before),
+#: refresh ('1': renew the kept results' lifetime), then the call ids whose results the front
+#: end has. Promotes and sweeps what is due, then ``pops`` times removes the best packet and
+#: its key group (decisions 2-4). Returns one flat list a pop: two fields a packet (key,
+#: payload), or with ``full`` = 1 five (key, payload, prio, seq, deadline: enough for a
+#: delivery nobody could take to go back unchanged); then the selectable packets left (with
+#: ``full`` only; else 0), and all the packets left (-1: not counted, when it removed
+#: nothing). A call that took packets keeps that reply under its id in ``:r``.
+#: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
+POP = r"""
+local call_id = ARGV[4]
+-- A call sent again (its reply was lost: Redis restarted, the connection broke) answers with
+-- what it took the first time, if it ran then: so no packet is removed for nobody.
+if ARGV[5] == '1' then
+  local kept = redis.call('HGET', KEYS[5], call_id)
+  if kept then
+    forget_confirmed()
+    return cmsgpack.unpack(kept)
+  end
+end
+YI, LI = 6, 9
+local expiring, _, expired = sweep_due()
+local pops = tonumber(ARGV[2])
+local replies, refs, fields, state = pop_all(pops, tonumber(ARGV[1]), ARGV[3] == '1')
+unfile(KEYS[1], KEYS[2], KEYS[3], KEYS[4], refs, state, expiring, fields)
 -- Last, the packets held (for the front end's figures; only by a call that removed some: one
 -- that found the queue empty, a consumer polling, costs two calls, EXISTS and ZRANGE) and,
 -- for a delivery, how many selectable ones are left (a subscriber's front end stops there; 0
@@ -598,7 +622,7 @@ if #refs > 0 or expired > 0 then
   held = held_count(KEYS[1], state)
   if held == 0 then forget() end
 end
-replies[pops + 1] = full and redis.call('ZCARD', KEYS[2]) or 0
+replies[pops + 1] = ARGV[3] == '1' and redis.call('ZCARD', KEYS[2]) or 0
 replies[pops + 2] = held
 if #refs > 0 then
   -- Kept until the front end confirms it has the reply (a later call's ARGV, or its cleanup
@@ -1124,6 +1148,7 @@ LIBRARY = (
     f"#!lua name={LIBRARY_NAME}\n"
     "local KEYS, ARGV\n"
     + _HELPERS
+    + _POP_HELPERS
     + _MOVE_HELPERS
     + _LEASE_HELPERS
     + "".join(_register(op, body, flags) for op, (body, flags) in _FUNCTIONS.items())
