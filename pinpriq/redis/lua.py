@@ -114,10 +114,6 @@ local function packed_deadline(deadline)
   if deadline > 0 then return struct.pack('>d', deadline) end
   return NEVER
 end
--- A queued packet's record: ``seq | prio u8 | deadline f64 | payload``.
-local function record(seq, prio, deadline, payload)
-  return seq .. CHAR[prio] .. packed_deadline(deadline) .. payload
-end
 local function deadline_of(rec) return struct.unpack('>d', string.sub(rec, 18, 25)) end
 -- A delayed packet's record (``:y``, decision 21): ``prio u8 | deadline f64 | field | payload``
 -- (its seq is its field in ``:y``).
@@ -192,69 +188,92 @@ end
 -- each key's field) and one write a structure. Returns whether a selectable packet entered
 -- (waiting front ends are then owed a message) and the queue's marker count.
 local function filing()
-  return {fields = {}, seqs = {}, prios = {}, deadlines = {}, payloads = {}}
+  return {n = 0, fields = {}, seqs = {}, prios = {}, deadlines = {}, payloads = {}}
 end
 local function file_packet(f, field, seq, prio, deadline, payload)
-  local n = #f.fields + 1
+  local n = f.n + 1
+  f.n = n
   f.fields[n], f.seqs[n], f.prios[n], f.deadlines[n], f.payloads[n] =
     field, seq, prio, deadline, payload
 end
+-- A queued packet's record is ``seq | prio u8 | deadline f64 | payload``. (The loop below
+-- runs once a packet entering: it keeps its own counts rather than taking tables' lengths,
+-- and builds each string in one concatenation.)
 local function filed(f, d, s, g, x, clock)
-  local n = #f.fields
+  local n = f.n
   if n == 0 then return false, 0 end
-  local fields = f.fields
+  local fields, seqs, prios, deadlines, payloads = f.fields, f.seqs, f.prios, f.deadlines, f.payloads
   local state = read_state(d, fields, {})
   local last, markers = meta_of(state[META])
   local last_digits = state[META] and string.sub(state[META], 1, 16)
-  local data, members, levels, deadlines = {}, {}, {}, {}
+  -- The HSET's arguments (``at``: where a field's value is among them, so a key's later
+  -- packets of the call update it in place), the group index's, the selection's, the TTLs'.
+  local data, at, members, levels, timed = {}, {}, {}, {}, {}
+  local nd, nm, nl, nt = 0, 0, 0, 0
   local seq, head = clock, nil
   if clock and seq <= last then seq = last + 1 end
   for i = 1, n do
-    local field, prio, deadline = fields[i], f.prios[i], f.deadlines[i]
+    local field, prio, deadline = fields[i], prios[i], deadlines[i]
     local sq
     if clock then
-      sq, head = seq_digits(seq, head)
+      local low = seq % 1000
+      if low == 0 or not head then head = string.sub(digits(seq), 1, 13) end
+      sq = head .. LAST3[low]
       seq = seq + 1
       last_digits = sq
     else
-      sq = f.seqs[i]
+      sq = seqs[i]
       if tonumber(sq) > last then last, last_digits = tonumber(sq), sq end
     end
-    local rec = record(sq, prio, deadline, f.payloads[i])
+    local rec
+    if deadline > 0 then
+      rec = sq .. CHAR[prio] .. struct.pack('>d', deadline) .. payloads[i]
+    else
+      rec = sq .. CHAR[prio] .. NEVER .. payloads[i]
+    end
     local v = state[field]
     if not v then
       state[field] = rec
+      nd = nd + 2
+      data[nd - 1], data[nd], at[field] = field, rec, nd
     else
       if grouped(v) then
-        state[field] = '#' .. (tonumber(string.sub(v, 2)) + 1)
+        v = '#' .. (tonumber(string.sub(v, 2)) + 1)
       else  -- the key's second packet: both go under their seqs, into the group index
         local other = string.sub(v, 1, 16)
-        data[#data + 1], data[#data + 2] = other, v
-        members[#members + 1], members[#members + 2] = 0, field .. other
-        state[field] = '#2'
+        data[nd + 1], data[nd + 2] = other, v
+        members[nm + 1], members[nm + 2] = 0, field .. other
+        nd, nm = nd + 2, nm + 2
+        v = '#2'
         markers = markers + 1
       end
-      data[#data + 1], data[#data + 2] = sq, rec
-      members[#members + 1], members[#members + 2] = 0, field .. sq
+      state[field] = v
+      data[nd + 1], data[nd + 2] = sq, rec
+      members[nm + 1], members[nm + 2] = 0, field .. sq
+      nd, nm = nd + 2, nm + 2
+      if at[field] then
+        data[at[field]] = v
+      else  -- the key had packets before this call
+        nd = nd + 2
+        data[nd - 1], data[nd], at[field] = field, v, nd
+      end
     end
     local ref = sq .. field
-    if prio > 0 then levels[#levels + 1], levels[#levels + 2] = SCORE[prio], ref end
-    if deadline > 0 then deadlines[#deadlines + 1], deadlines[#deadlines + 2] = deadline, ref end
-  end
-  local written = {}
-  for i = 1, n do
-    local field = fields[i]
-    if not written[field] then
-      written[field] = true
-      data[#data + 1], data[#data + 2] = field, state[field]
+    if prio > 0 then
+      levels[nl + 1], levels[nl + 2] = SCORE[prio], ref
+      nl = nl + 2
+    end
+    if deadline > 0 then
+      timed[nt + 1], timed[nt + 2] = deadline, ref
+      nt = nt + 2
     end
   end
-  data[#data + 1], data[#data + 2] = META, meta_value(last_digits, markers)
+  data[nd + 1], data[nd + 2] = META, meta_value(last_digits, markers)
   bulk('HSET', d, data)
   bulk('ZADD', g, members)
   bulk('ZADD', s, levels)
-  bulk('ZADD', x, deadlines)
-  return #levels > 0, markers
+  bulk('ZADD', x, timed)
+  return nl > 0, markers
 end
 -- The seqs of a grouped key's packets (its ``field``) in push order, at most ``limit`` (-1: all).
 local function group_seqs(g, field, limit)
@@ -445,15 +464,23 @@ end
 PUSH = r"""
 local now, t = now_ms()
 local f, earliest = filing(), 0
+-- The filing's columns filled here, not by ``file_packet``: a Lua call a packet costs more
+-- than this loop's other work.
+local fields, prios, deadlines, payloads, n = f.fields, f.prios, f.deadlines, f.payloads, 0
 for i = 3, #ARGV, 4 do
   local ttl, deadline = ARGV[i + 2], 0
   if ttl ~= '0' then
     deadline = now + tonumber(ttl)
     if earliest == 0 or deadline < earliest then earliest = deadline end
   end
-  local prio = PRIO[ARGV[i + 3]] or tonumber(ARGV[i + 3])  -- the table knows '0'..'255'
-  file_packet(f, field_of(ARGV[i]), nil, prio, deadline, ARGV[i + 1])
+  local key = ARGV[i]
+  n = n + 1
+  local length = LEN2[#key]  -- field_of's, inline; it fills the table for a new length
+  fields[n] = length and length .. key or field_of(key)
+  prios[n] = PRIO[ARGV[i + 3]] or tonumber(ARGV[i + 3])  -- the table knows '0'..'255'
+  deadlines[n], payloads[n] = deadline, ARGV[i + 1]
 end
+f.n = n
 local selectable, markers = filed(f, KEYS[1], KEYS[2], KEYS[3], KEYS[4], clock_us(t))
 if selectable and redis.call('EXISTS', KEYS[5]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
 local held = -1
@@ -831,12 +858,12 @@ local function push_moved(tk, t, o)
       if deadline > 0 and (earliest == 0 or deadline < earliest) then earliest = deadline end
     end
   end
-  if #f.fields == 0 then return 0, 0 end
+  if f.n == 0 then return 0, 0 end
   if filed(f, tk[1], tk[2], tk[3], tk[4], clock_us(clock))
       and redis.call('EXISTS', tk[5]) == 1 then
     redis.call('PUBLISH', channel_of(tk[5]), '')
   end
-  return #f.fields, earliest
+  return f.n, earliest
 end
 """
 
