@@ -202,7 +202,8 @@ end
 local function filed(f, d, s, g, x, clock)
   local n = f.n
   if n == 0 then return false, 0 end
-  local fields, seqs, prios, deadlines, payloads = f.fields, f.seqs, f.prios, f.deadlines, f.payloads
+  local fields, seqs, prios = f.fields, f.seqs, f.prios
+  local deadlines, payloads = f.deadlines, f.payloads
   local state = read_state(d, fields, {})
   local last, markers = meta_of(state[META])
   local last_digits = state[META] and string.sub(state[META], 1, 16)
