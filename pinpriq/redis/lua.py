@@ -30,6 +30,7 @@ Deadline 0 means "never" (TTL 0).
 from __future__ import annotations
 
 __all__ = [
+    "KEY_AT",
     "LAYOUT",
     "LEASE_OP",
     "LEASE_SWEEP",
@@ -40,6 +41,7 @@ __all__ = [
     "MOVES_KEPT",
     "MOVE_IN",
     "MOVE_OUT",
+    "PAYLOAD_AT",
     "PEEK",
     "POP",
     "PURGE",
@@ -566,14 +568,17 @@ local function best(wanted)
     if not taken[ref] then return ref, page_fields[i] end
   end
 end
--- Add a packet (its key's field, its record) to a pop's reply.
+-- Add a packet (its key's field, its record) to a pop's reply: as they are (the front end
+-- cuts the key and payload out: two Lua strings fewer a packet), or with ``full`` five fields.
 local function packet(out, field, rec)
   local n = #out
-  out[n + 1], out[n + 2] = string.sub(field, 3), string.sub(rec, 26)
-  if full then
-    out[n + 3], out[n + 4] = string.byte(rec, 17), string.sub(rec, 1, 16)
-    out[n + 5] = tostring(deadline_of(rec))
+  if not full then
+    out[n + 1], out[n + 2] = field, rec
+    return
   end
+  out[n + 1], out[n + 2] = string.sub(field, 3), string.sub(rec, 26)
+  out[n + 3], out[n + 4] = string.byte(rec, 17), string.sub(rec, 1, 16)
+  out[n + 5] = tostring(deadline_of(rec))
 end
 -- One pop (``left``: how many the call still makes, for the page size): the best packet and
 -- the rest of its key group, as the reply's flat list.
@@ -619,9 +624,10 @@ end
 #: KEYS d s g x r y Y w l; ARGV max_pop, pops, full, call id, retry ('1' if sent before),
 #: refresh ('1': renew the kept results' lifetime), then the call ids whose results the front
 #: end has. Promotes and sweeps what is due, then ``pops`` times removes the best packet and
-#: its key group (decisions 2-4). Returns one flat list a pop: two fields a packet (key,
-#: payload), or with ``full`` = 1 five (key, payload, prio, seq, deadline: enough for a
-#: delivery nobody could take to go back unchanged); then the selectable packets left (with
+#: its key group (decisions 2-4). Returns one flat list a pop: two fields a packet (its field
+#: and its record: ``KEY_AT`` and ``PAYLOAD_AT`` say where its key and payload start), or with
+#: ``full`` = 1 five (key, payload, prio, seq, deadline: enough for a delivery nobody could
+#: take to go back unchanged); then the selectable packets left (with
 #: ``full`` only; else 0), and all the packets left (-1: not counted, when it removed
 #: nothing). A call that took packets keeps that reply under its id in ``:r``.
 #: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
@@ -1144,6 +1150,10 @@ _FUNCTIONS = {
 
 #: The field of a queue's ``:d`` hash that holds its last sequence number and marker count.
 META = b"q"
+#: Where a packet's key starts in its field (after its u16 length), and its payload in its
+#: record (after its seq, prio and deadline): a plain pop returns both as stored.
+KEY_AT = 2
+PAYLOAD_AT = 25
 
 
 def packets_held(fields: int, meta: bytes | None) -> int:

@@ -118,6 +118,12 @@ def _popped(reply: Sequence[Any]) -> list[Popped]:
     ]
 
 
+def _keyed(packets: Sequence[bytes]) -> list[KeyedPayload]:
+    """A plain pop's packets, as the function returns them (each its field and record)."""
+    key_at, payload_at = lua.KEY_AT, lua.PAYLOAD_AT
+    return [(packets[i][key_at:], packets[i + 1][payload_at:]) for i in range(0, len(packets), 2)]
+
+
 _Call = tuple[str, Sequence[bytes], Sequence[bytes | int | str]]  # operation, KEYS, ARGV
 
 #: The function each operation calls (``lua.LIBRARY``).
@@ -380,7 +386,7 @@ class RedisStore:
         for (name, _, args), reply, queue in zip(calls, replies, queues, strict=True):
             if name == "pop":
                 for one in reply[:-2]:  # then how many selectable packets are left, and all
-                    results.append(list(zip(one[::2], one[1::2], strict=True)))
+                    results.append(_keyed(one))
                     self.popped += len(one) // 2
                 self._took(queue, args, reply)
             elif name == "push_delayed":
