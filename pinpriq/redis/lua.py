@@ -64,9 +64,11 @@ _HELPERS = r"""
 local NEVER = '\0\0\0\0\0\0\0\0'
 -- The field of ``:d`` holding the last sequence number and the marker count.
 local META = 'q'
+-- Redis's clock in ms, TIME's reply, and the clock in microseconds (``clock_us``'s).
 local function now_ms()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), t
+  local s, us = tonumber(t[1]), tonumber(t[2])
+  return s * 1000 + math.floor(us / 1000), t, s * 1000000 + us
 end
 -- Redis's clock in ms with its microseconds: due times (decision 21) are exact to them.
 local function now_precise()
@@ -148,6 +150,11 @@ local function meta_of(v)
   if not v then return 0, 0 end
   return tonumber(string.sub(v, 1, 16)), tonumber(string.sub(v, 17)) or 0
 end
+-- The marker count alone (no 16-digit number parsed: ``tonumber`` is a ``strtod``).
+local function markers_of(v)
+  if not v or #v == 16 then return 0 end
+  return tonumber(string.sub(v, 17))
+end
 -- The meta field's value: ``last``, the last seq's digits (as written: no number formatted
 -- again), and the marker count.
 local function meta_value(last, markers)
@@ -179,8 +186,7 @@ local function held_count(d, state)
   local n = redis.call('HLEN', d)
   if n <= 1 then return 0 end
   if state[META] == nil then state[META] = redis.call('HGET', d, META) or false end
-  local _, markers = meta_of(state[META])
-  return n - 1 - markers
+  return n - 1 - markers_of(state[META])
 end
 -- Filing packets that enter a queue (pushed, promoted, moved in, put back): ``filing()``
 -- gathers them, ``file_packet`` adds one (its field, seq, prio, TTL deadline, payload),
@@ -207,14 +213,26 @@ local function filed(f, d, s, g, x, clock)
   local fields, seqs, prios = f.fields, f.seqs, f.prios
   local deadlines, payloads = f.deadlines, f.payloads
   local state = read_state(d, fields, {})
-  local last, markers = meta_of(state[META])
+  local markers = markers_of(state[META])
   local last_digits = state[META] and string.sub(state[META], 1, 16)
+  -- New seqs start at the clock's unless it has not passed the last one (digits of one
+  -- width compare as their numbers do: a 16-digit ``tonumber`` is a ``strtod``, so the last
+  -- seq is parsed only when needed).
+  local last, seq, head = 0, clock, nil
+  if clock then
+    local first = digits(clock)
+    if last_digits and first <= last_digits then
+      seq = tonumber(last_digits) + 1
+    else
+      head = string.sub(first, 1, 13)
+    end
+  elseif last_digits then
+    last = tonumber(last_digits)
+  end
   -- The HSET's arguments (``at``: where a field's value is among them, so a key's later
   -- packets of the call update it in place), the group index's, the selection's, the TTLs'.
   local data, at, members, levels, timed = {}, {}, {}, {}, {}
   local nd, nm, nl, nt = 0, 0, 0, 0
-  local seq, head = clock, nil
-  if clock and seq <= last then seq = last + 1 end
   for i = 1, n do
     local field, prio, deadline = fields[i], prios[i], deadlines[i]
     local sq
@@ -319,13 +337,15 @@ local function unfile(d, s, g, x, refs, state, expiring, fields)
     for i, ref in ipairs(refs) do fields[i] = string.sub(ref, 17) end
   end
   read_state(d, fields, state)
-  local _, markers = meta_of(state[META])
+  local markers = markers_of(state[META])
   local was = markers
-  local gone, members, counts, order, left = {}, {}, {}, {}, {}
+  -- The tables for key groups are made when a grouped packet is among them: most have none.
+  local gone, members, counts, order, left = {}, nil, nil, nil, {}
   for i, ref in ipairs(refs) do
     local field = fields[i]
     local v = state[field]
     if grouped(v) then
+      if not members then members, counts, order = {}, {}, {} end
       local sq = string.sub(ref, 1, 16)
       gone[#gone + 1] = sq
       members[#members + 1] = field .. sq
@@ -339,7 +359,7 @@ local function unfile(d, s, g, x, refs, state, expiring, fields)
       state[field] = false
     end
   end
-  for _, field in ipairs(order) do
+  for _, field in ipairs(order or {}) do
     local count = counts[field]
     if count == 0 then  -- a group stays a group down to one packet; gone at none
       gone[#gone + 1] = field
@@ -356,7 +376,7 @@ local function unfile(d, s, g, x, refs, state, expiring, fields)
   end
   bulk('HDEL', d, gone)
   bulk('HSET', d, left)
-  bulk('ZREM', g, members)
+  if members then bulk('ZREM', g, members) end
   bulk('ZREM', s, refs)  -- prio-0 refs among them are simply not members
   if expiring == nil then expiring = redis.call('EXISTS', x) == 1 end
   if expiring then bulk('ZREM', x, refs) end
@@ -465,7 +485,7 @@ end
 #: in ms (0 for none) and the packets the queue holds (-1: not counted). No ``allow-oom``:
 #: Redis refuses it while over ``maxmemory``, before it runs.
 PUSH = r"""
-local now, t = now_ms()
+local now, _, clock = now_ms()
 local f, earliest = filing(), 0
 -- The filing's columns filled here, not by ``file_packet``: a Lua call a packet costs more
 -- than this loop's other work.
@@ -484,7 +504,7 @@ for i = 3, #ARGV, 4 do
   deadlines[n], payloads[n] = deadline, ARGV[i + 1]
 end
 f.n = n
-local selectable, markers = filed(f, KEYS[1], KEYS[2], KEYS[3], KEYS[4], clock_us(t))
+local selectable, markers = filed(f, KEYS[1], KEYS[2], KEYS[3], KEYS[4], clock)
 if selectable and redis.call('EXISTS', KEYS[5]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
 local held = -1
 if ARGV[2] == '1' then held = redis.call('HLEN', KEYS[1]) - 1 - markers end
