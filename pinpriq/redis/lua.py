@@ -561,14 +561,19 @@ end
 -- one ZREM a structure for the whole call, not per pop); meanwhile ``taken`` keeps a packet
 -- from being chosen twice, and the selection set is read in pages of candidates, best first,
 -- with their fields' values (records or markers) in one HMGET a page. ``refs`` and
--- ``ref_fields``: what was taken and each one's field; ``taken_of``: how many of a field's.
+-- ``ref_fields``: what was taken and each one's field. A lone key's packet is met once, in
+-- its page; a grouped one also in its group's range, so only grouped packets go into
+-- ``taken``, and ``taken_of`` counts how many of a grouped key's were taken.
 local taken, refs, ref_fields, taken_of, state
 local page, page_fields, page_n, at, start
 local max_pop, full
 local function take(ref, field)
-  taken[ref] = true
   local n = #refs + 1
   refs[n], ref_fields[n] = ref, field
+end
+local function take_grouped(ref, field)
+  taken[ref] = true
+  take(ref, field)
   taken_of[field] = (taken_of[field] or 0) + 1
 end
 -- The best packet not yet taken: its ref and field; or nil.
@@ -605,25 +610,28 @@ end
 local function pop_one(left)
   local ref, field = best(left)
   if not ref then return {} end
-  local v, out = state[field], {}
+  local v = state[field]
   if not grouped(v) then  -- a lone key: its record was read with the page
     take(ref, field)
+    if not full then return {field, v} end
+    local out = {}
     packet(out, field, v)
     return out
   end
   -- The rest of its key group in push order; packets taken by earlier pops of this call are
   -- still in the index, so the range reaches past them.
   local before = taken_of[field] or 0
-  take(ref, field)
+  take_grouped(ref, field)
   local seqs = {string.sub(ref, 1, 16)}
   for _, sq in ipairs(group_seqs(KEYS[3], field, max_pop + before)) do
     if #seqs >= max_pop then break end
     local other = sq .. field
     if not taken[other] then
       seqs[#seqs + 1] = sq
-      take(other, field)
+      take_grouped(other, field)
     end
   end
+  local out = {}
   for _, rec in ipairs(hmget(KEYS[1], seqs)) do packet(out, field, rec) end
   return out
 end
