@@ -135,6 +135,7 @@ local function bulk(command, key, args)
   end
 end
 local function hmget(hash, fields)
+  if #fields <= 1000 then return redis.call('HMGET', hash, unpack(fields)) end
   local out = {}
   for i = 1, #fields, 1000 do
     local last = math.min(i + 999, #fields)
@@ -229,9 +230,10 @@ local function filed(f, d, s, g, x, clock)
   elseif last_digits then
     last = tonumber(last_digits)
   end
-  -- The HSET's arguments (``at``: where a field's value is among them, so a key's later
-  -- packets of the call update it in place), the group index's, the selection's, the TTLs'.
-  local data, at, members, levels, timed = {}, {}, {}, {}, {}
+  -- The HSET's arguments (a field given twice takes its later value: so a key's packets
+  -- after its first in the call give its field again), the group index's, the selection's,
+  -- the TTLs'.
+  local data, members, levels, timed = {}, {}, {}, {}
   local nd, nm, nl, nt = 0, 0, 0, 0
   for i = 1, n do
     local field, prio, deadline = fields[i], prios[i], deadlines[i]
@@ -255,8 +257,8 @@ local function filed(f, d, s, g, x, clock)
     local v = state[field]
     if not v then
       state[field] = rec
+      data[nd + 1], data[nd + 2] = field, rec
       nd = nd + 2
-      data[nd - 1], data[nd], at[field] = field, rec, nd
     else
       if grouped(v) then
         v = '#' .. (tonumber(string.sub(v, 2)) + 1)
@@ -269,15 +271,9 @@ local function filed(f, d, s, g, x, clock)
         markers = markers + 1
       end
       state[field] = v
-      data[nd + 1], data[nd + 2] = sq, rec
+      data[nd + 1], data[nd + 2], data[nd + 3], data[nd + 4] = sq, rec, field, v
       members[nm + 1], members[nm + 2] = 0, field .. sq
-      nd, nm = nd + 2, nm + 2
-      if at[field] then
-        data[at[field]] = v
-      else  -- the key had packets before this call
-        nd = nd + 2
-        data[nd - 1], data[nd], at[field] = field, v, nd
-      end
+      nd, nm = nd + 4, nm + 2
     end
     local ref = sq .. field
     if prio > 0 then
