@@ -144,9 +144,10 @@ local function hmget(hash, fields)
   end
   return out
 end
--- A field's value is a marker (its key has a group) or a record (its key's one packet): a
--- record starts with a digit.
-local function grouped(v) return v and string.byte(v, 1) == 35 end  -- '#'
+-- A field's value is a marker (its key has a group: ``#n``) or a record (its key's one
+-- packet), which is longer than any marker (its seq, prio and deadline alone are 25 bytes):
+-- a length is a VM operation, a ``string.byte`` a C call.
+local function grouped(v) return v and #v < 25 end
 local function meta_of(v)
   if not v then return 0, 0 end
   return tonumber(string.sub(v, 1, 16)), tonumber(string.sub(v, 17)) or 0
@@ -164,21 +165,28 @@ local function meta_value(last, markers)
 end
 -- Read into ``state`` (field -> value, false for none) the values of ``fields`` of the hash
 -- ``d`` it does not hold yet, and the meta field: one HMGET.
+-- (Here and in the other loops run once a packet, numeric ``for`` and counts: ``ipairs``
+-- calls a C function an element, ``#t`` searches the table.)
 local function read_state(d, fields, state)
-  local missing = {}
+  local missing, n = {}, 0
   if state[META] == nil then
     state[META] = false
-    missing[1] = META
+    missing[1], n = META, 1
   end
-  for _, field in ipairs(fields) do
+  for i = 1, #fields do
+    local field = fields[i]
     if state[field] == nil then
       state[field] = false
-      missing[#missing + 1] = field
+      n = n + 1
+      missing[n] = field
     end
   end
-  if #missing > 0 then
+  if n > 0 then
     local values = hmget(d, missing)
-    for j, field in ipairs(missing) do state[field] = values[j] or false end
+    for j = 1, n do
+      local v = values[j]
+      if v then state[missing[j]] = v end
+    end
   end
   return state
 end
@@ -337,13 +345,16 @@ local function unfile(d, s, g, x, refs, state, expiring, fields)
   local was = markers
   -- The tables for key groups are made when a grouped packet is among them: most have none.
   local gone, members, counts, order, left = {}, nil, nil, nil, {}
-  for i, ref in ipairs(refs) do
+  local n = 0
+  for i = 1, #refs do
     local field = fields[i]
     local v = state[field]
+    n = n + 1
     if grouped(v) then
       if not members then members, counts, order = {}, {}, {} end
+      local ref = refs[i]
       local sq = string.sub(ref, 1, 16)
-      gone[#gone + 1] = sq
+      gone[n] = sq
       members[#members + 1] = field .. sq
       if not counts[field] then
         counts[field] = tonumber(string.sub(v, 2))
@@ -351,7 +362,7 @@ local function unfile(d, s, g, x, refs, state, expiring, fields)
       end
       counts[field] = counts[field] - 1
     else
-      gone[#gone + 1] = field
+      gone[n] = field
       state[field] = false
     end
   end
