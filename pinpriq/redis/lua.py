@@ -1,7 +1,8 @@
 """The server-side scripts of the Redis store: each push, pop, sweep and purge is one of these,
 so each is atomic in Redis whatever other front ends do at the same moment.
 
-Layout 5 of one queue (every key carries the queue's hash tag, so all of them, and those of its
+The keys of one queue, layout 5 (layout 6 keeps them: it changed the functions, and what a
+plain pop returns; every key carries the queue's hash tag, so all of them, and those of its
 dead-letter queues, live in one Cluster slot; ``keys.py`` builds the names). A packet's *field*
 is its key with the key's length before it (``key length u16 | key``), its *seq* its sequence
 number in 16 digits, its *ref* ``seq | field``:
@@ -1159,7 +1160,7 @@ return reply
 #: The layout of the keys and the calling convention of the functions. A front end loads the
 #: library ``pinpriq_<LAYOUT>`` once (``FUNCTION LOAD``); Redis keeps it (in its RDB and AOF
 #: too) and every front end calls the same functions. Bump it with any change to the scripts.
-LAYOUT = 5
+LAYOUT = 6
 LIBRARY_NAME = f"pinpriq_{LAYOUT}"
 
 #: Each function: its body and its flags (``allow-oom``: it only frees memory or puts back what
