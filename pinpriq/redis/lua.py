@@ -572,12 +572,14 @@ end
 -- ``ref_fields``: what was taken and each one's field. A lone key's packet is met once, in
 -- its page; a grouped one also in its group's range, so only grouped packets go into
 -- ``taken``, and ``taken_of`` counts how many of a grouped key's were taken.
-local taken, refs, ref_fields, taken_of, state
+-- ``out``: the call's reply, one flat list (``nout`` items so far): each pop's item count,
+-- then its items (a nested table a pop would cost Redis a deferred array length each).
+local taken, refs, nrefs, ref_fields, taken_of, state
 local page, page_fields, page_n, at, start
-local max_pop, full
+local max_pop, full, out, nout
 local function take(ref, field)
-  local n = #refs + 1
-  refs[n], ref_fields[n] = ref, field
+  local n = nrefs + 1
+  refs[n], ref_fields[n], nrefs = ref, field, n
 end
 local function take_grouped(ref, field)
   taken[ref] = true
@@ -601,30 +603,28 @@ local function best(wanted)
     if not taken[ref] then return ref, page_fields[i] end
   end
 end
--- Add a packet (its key's field, its record) to a pop's reply: as they are (the front end
--- cuts the key and payload out: two Lua strings fewer a packet), or with ``full`` five fields.
-local function packet(out, field, rec)
-  local n = #out
+-- Add a packet (its key's field, its record) to the reply: as they are (the front end cuts
+-- the key and payload out: two Lua strings fewer a packet), or with ``full`` five fields.
+local function packet(field, rec)
+  local n = nout
   if not full then
-    out[n + 1], out[n + 2] = field, rec
+    out[n + 1], out[n + 2], nout = field, rec, n + 2
     return
   end
   out[n + 1], out[n + 2] = string.sub(field, 3), string.sub(rec, 26)
   out[n + 3], out[n + 4] = string.byte(rec, 17), string.sub(rec, 1, 16)
-  out[n + 5] = tostring(deadline_of(rec))
+  out[n + 5], nout = tostring(deadline_of(rec)), n + 5
 end
 -- One pop (``left``: how many the call still makes, for the page size): the best packet and
--- the rest of its key group, as the reply's flat list.
+-- the rest of its key group, added to the reply.
 local function pop_one(left)
   local ref, field = best(left)
-  if not ref then return {} end
+  if not ref then return end
   local v = state[field]
   if not grouped(v) then  -- a lone key: its record was read with the page
     take(ref, field)
-    if not full then return {field, v} end
-    local out = {}
-    packet(out, field, v)
-    return out
+    packet(field, v)
+    return
   end
   -- The rest of its key group in push order; packets taken by earlier pops of this call are
   -- still in the index, so the range reaches past them.
@@ -639,33 +639,38 @@ local function pop_one(left)
       take_grouped(other, field)
     end
   end
-  local out = {}
-  for _, rec in ipairs(hmget(KEYS[1], seqs)) do packet(out, field, rec) end
-  return out
+  for _, rec in ipairs(hmget(KEYS[1], seqs)) do packet(field, rec) end
 end
--- ``pops`` pops of the queue (KEYS d s g): their replies, then what they took (refs, their
--- fields) and the fields' values read meanwhile (``read_state``'s).
+-- ``pops`` pops of the queue (KEYS d s g): the reply (each pop's item count, then its items),
+-- its length, then what they took (refs, their fields) and the fields' values read meanwhile
+-- (``read_state``'s).
 local function pop_all(pops, most, whole)
-  taken, refs, ref_fields, taken_of, state = {}, {}, {}, {}, {}
+  taken, refs, nrefs, ref_fields, taken_of, state = {}, {}, 0, {}, {}, {}
   page, page_n, at, start = nil, 0, 1, 0
-  max_pop, full = most, whole
-  local replies = {}
-  for i = 1, pops do replies[i] = pop_one(pops - i + 1) end
-  local chosen, their_fields, read = refs, ref_fields, state
-  taken, refs, ref_fields, taken_of, state, page, page_fields = nil, nil, nil, nil, nil, nil, nil
-  return replies, chosen, their_fields, read
+  max_pop, full, out, nout = most, whole, {}, 0
+  for i = 1, pops do
+    local head = nout + 1
+    nout = head
+    pop_one(pops - i + 1)
+    out[head] = nout - head
+  end
+  local reply, n, chosen, their_fields, read = out, nout, refs, ref_fields, state
+  taken, refs, ref_fields, taken_of, state, page, page_fields, out =
+    nil, nil, nil, nil, nil, nil, nil, nil
+  return reply, n, chosen, their_fields, read
 end
 """
 
 #: KEYS d s g x r y Y w l; ARGV max_pop, pops, full, call id, retry ('1' if sent before),
 #: refresh ('1': renew the kept results' lifetime), then the call ids whose results the front
 #: end has. Promotes and sweeps what is due, then ``pops`` times removes the best packet and
-#: its key group (decisions 2-4). Returns one flat list a pop: two fields a packet (its field
-#: and its record: ``KEY_AT`` and ``PAYLOAD_AT`` say where its key and payload start), or with
-#: ``full`` = 1 five (key, payload, prio, seq, deadline: enough for a delivery nobody could
-#: take to go back unchanged); then the selectable packets left (with
-#: ``full`` only; else 0), and all the packets left (-1: not counted, when it removed
-#: nothing). A call that took packets keeps that reply under its id in ``:r``.
+#: its key group (decisions 2-4). Returns one flat list: for each pop how many items it has,
+#: then its items, two a packet (its field and its record: ``KEY_AT`` and ``PAYLOAD_AT`` say
+#: where its key and payload start) or with ``full`` = 1 five (key, payload, prio, seq,
+#: deadline: enough for a delivery nobody could take to go back unchanged); then the
+#: selectable packets left (with ``full`` only; else 0), and all the packets left (-1: not
+#: counted, when it removed nothing). A call that took packets keeps that reply under its id
+#: in ``:r``.
 #: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
 POP = r"""
 local call_id = ARGV[4]
@@ -680,8 +685,8 @@ if ARGV[5] == '1' then
 end
 YI, LI = 6, 9
 local expiring, _, expired = sweep_due()
-local pops = tonumber(ARGV[2])
-local replies, refs, fields, state = pop_all(pops, tonumber(ARGV[1]), ARGV[3] == '1')
+local replies, n, refs, fields, state = pop_all(tonumber(ARGV[2]), tonumber(ARGV[1]),
+  ARGV[3] == '1')
 unfile(KEYS[1], KEYS[2], KEYS[3], KEYS[4], refs, state, expiring, fields)
 -- Last, the packets held (for the front end's figures; only by a call that removed some: one
 -- that found the queue empty, a consumer polling, costs two calls, EXISTS and ZRANGE) and,
@@ -692,8 +697,8 @@ if #refs > 0 or expired > 0 then
   held = held_count(KEYS[1], state)
   if held == 0 then forget() end
 end
-replies[pops + 1] = ARGV[3] == '1' and redis.call('ZCARD', KEYS[2]) or 0
-replies[pops + 2] = held
+replies[n + 1] = ARGV[3] == '1' and redis.call('ZCARD', KEYS[2]) or 0
+replies[n + 2] = held
 if #refs > 0 then
   -- Kept until the front end confirms it has the reply (a later call's ARGV, or its cleanup
   -- every few seconds). The key lives a day, which only bounds what a front end that died
