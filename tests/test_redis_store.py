@@ -730,12 +730,12 @@ def commands_run(redis: RedisServer) -> int:
 async def test_one_packet_calls_make_few_redis_calls(
     redis_url: str, redis_server: RedisServer
 ) -> None:
-    """Issue 22: at one packet a call, each ``redis.call`` costs Redis about what a whole ZADD
-    does, so a call's count is its cost. Layout 5 makes six for a push (TIME, one HMGET and one
-    HSET of the queue's hash, ZADD, EXISTS of the waiting mark, HLEN for the figures) and eight
-    for a pop of a lone key whose previous result the front end confirms (EXISTS, ZRANGE, HMGET,
-    HDEL, ZREM, HLEN, HSET and HDEL of the kept results; no PEXPIRE); layout 4 made nine and
-    eleven. No background task runs: the store is driven directly."""
+    """Issue 22: at one packet a call, each ``redis.call`` adds to Redis's cost of the call.
+    Layouts 5 and 6 make six for a push (TIME, one HMGET and one HSET of the queue's hash,
+    ZADD, EXISTS of the waiting mark, HLEN for the figures) and eight for a pop of a lone key
+    whose previous result the front end confirms (EXISTS, ZRANGE, HMGET, HDEL, ZREM, HLEN,
+    HSET and HDEL of the kept results; no PEXPIRE); layout 4 made nine and eleven. No
+    background task runs: the store is driven directly."""
     async with redis_client("127.0.0.1", redis_server.port) as client:
         store = RedisStore(client, cluster=False)
         await store.load_scripts()

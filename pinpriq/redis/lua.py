@@ -1,7 +1,8 @@
 """The server-side scripts of the Redis store: each push, pop, sweep and purge is one of these,
 so each is atomic in Redis whatever other front ends do at the same moment.
 
-Layout 5 of one queue (every key carries the queue's hash tag, so all of them, and those of its
+The keys of one queue, layout 5 (layout 6 keeps them: it changed the functions, and what a
+plain pop returns; every key carries the queue's hash tag, so all of them, and those of its
 dead-letter queues, live in one Cluster slot; ``keys.py`` builds the names). A packet's *field*
 is its key with the key's length before it (``key length u16 | key``), its *seq* its sequence
 number in 16 digits, its *ref* ``seq | field``:
@@ -30,6 +31,7 @@ Deadline 0 means "never" (TTL 0).
 from __future__ import annotations
 
 __all__ = [
+    "KEY_AT",
     "LAYOUT",
     "LEASE_OP",
     "LEASE_SWEEP",
@@ -40,6 +42,7 @@ __all__ = [
     "MOVES_KEPT",
     "MOVE_IN",
     "MOVE_OUT",
+    "PAYLOAD_AT",
     "PEEK",
     "POP",
     "PURGE",
@@ -62,9 +65,11 @@ _HELPERS = r"""
 local NEVER = '\0\0\0\0\0\0\0\0'
 -- The field of ``:d`` holding the last sequence number and the marker count.
 local META = 'q'
+-- Redis's clock in ms, TIME's reply, and the clock in microseconds (``clock_us``'s).
 local function now_ms()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), t
+  local s, us = tonumber(t[1]), tonumber(t[2])
+  return s * 1000 + math.floor(us / 1000), t, s * 1000000 + us
 end
 -- Redis's clock in ms with its microseconds: due times (decision 21) are exact to them.
 local function now_precise()
@@ -114,10 +119,6 @@ local function packed_deadline(deadline)
   if deadline > 0 then return struct.pack('>d', deadline) end
   return NEVER
 end
--- A queued packet's record: ``seq | prio u8 | deadline f64 | payload``.
-local function record(seq, prio, deadline, payload)
-  return seq .. CHAR[prio] .. packed_deadline(deadline) .. payload
-end
 local function deadline_of(rec) return struct.unpack('>d', string.sub(rec, 18, 25)) end
 -- A delayed packet's record (``:y``, decision 21): ``prio u8 | deadline f64 | field | payload``
 -- (its seq is its field in ``:y``).
@@ -135,6 +136,7 @@ local function bulk(command, key, args)
   end
 end
 local function hmget(hash, fields)
+  if #fields <= 1000 then return redis.call('HMGET', hash, unpack(fields)) end
   local out = {}
   for i = 1, #fields, 1000 do
     local last = math.min(i + 999, #fields)
@@ -143,12 +145,18 @@ local function hmget(hash, fields)
   end
   return out
 end
--- A field's value is a marker (its key has a group) or a record (its key's one packet): a
--- record starts with a digit.
-local function grouped(v) return v and string.byte(v, 1) == 35 end  -- '#'
+-- A field's value is a marker (its key has a group: ``#n``) or a record (its key's one
+-- packet), which is longer than any marker (its seq, prio and deadline alone are 25 bytes):
+-- a length is a VM operation, a ``string.byte`` a C call.
+local function grouped(v) return v and #v < 25 end
 local function meta_of(v)
   if not v then return 0, 0 end
   return tonumber(string.sub(v, 1, 16)), tonumber(string.sub(v, 17)) or 0
+end
+-- The marker count alone (no 16-digit number parsed: ``tonumber`` is a ``strtod``).
+local function markers_of(v)
+  if not v or #v == 16 then return 0 end
+  return tonumber(string.sub(v, 17))
 end
 -- The meta field's value: ``last``, the last seq's digits (as written: no number formatted
 -- again), and the marker count.
@@ -158,21 +166,28 @@ local function meta_value(last, markers)
 end
 -- Read into ``state`` (field -> value, false for none) the values of ``fields`` of the hash
 -- ``d`` it does not hold yet, and the meta field: one HMGET.
+-- (Here and in the other loops run once a packet, numeric ``for`` and counts: ``ipairs``
+-- calls a C function an element, ``#t`` searches the table.)
 local function read_state(d, fields, state)
-  local missing = {}
+  local missing, n = {}, 0
   if state[META] == nil then
     state[META] = false
-    missing[1] = META
+    missing[1], n = META, 1
   end
-  for _, field in ipairs(fields) do
+  for i = 1, #fields do
+    local field = fields[i]
     if state[field] == nil then
       state[field] = false
-      missing[#missing + 1] = field
+      n = n + 1
+      missing[n] = field
     end
   end
-  if #missing > 0 then
+  if n > 0 then
     local values = hmget(d, missing)
-    for j, field in ipairs(missing) do state[field] = values[j] or false end
+    for j = 1, n do
+      local v = values[j]
+      if v then state[missing[j]] = v end
+    end
   end
   return state
 end
@@ -181,8 +196,7 @@ local function held_count(d, state)
   local n = redis.call('HLEN', d)
   if n <= 1 then return 0 end
   if state[META] == nil then state[META] = redis.call('HGET', d, META) or false end
-  local _, markers = meta_of(state[META])
-  return n - 1 - markers
+  return n - 1 - markers_of(state[META])
 end
 -- Filing packets that enter a queue (pushed, promoted, moved in, put back): ``filing()``
 -- gathers them, ``file_packet`` adds one (its field, seq, prio, TTL deadline, payload),
@@ -192,69 +206,100 @@ end
 -- each key's field) and one write a structure. Returns whether a selectable packet entered
 -- (waiting front ends are then owed a message) and the queue's marker count.
 local function filing()
-  return {fields = {}, seqs = {}, prios = {}, deadlines = {}, payloads = {}}
+  return {n = 0, fields = {}, seqs = {}, prios = {}, deadlines = {}, payloads = {}}
 end
 local function file_packet(f, field, seq, prio, deadline, payload)
-  local n = #f.fields + 1
+  local n = f.n + 1
+  f.n = n
   f.fields[n], f.seqs[n], f.prios[n], f.deadlines[n], f.payloads[n] =
     field, seq, prio, deadline, payload
 end
+-- A queued packet's record is ``seq | prio u8 | deadline f64 | payload``. (The loop below
+-- runs once a packet entering: it keeps its own counts rather than taking tables' lengths,
+-- and builds each string in one concatenation.)
 local function filed(f, d, s, g, x, clock)
-  local n = #f.fields
+  local n = f.n
   if n == 0 then return false, 0 end
-  local fields = f.fields
+  local fields, seqs, prios = f.fields, f.seqs, f.prios
+  local deadlines, payloads = f.deadlines, f.payloads
   local state = read_state(d, fields, {})
-  local last, markers = meta_of(state[META])
+  local markers = markers_of(state[META])
   local last_digits = state[META] and string.sub(state[META], 1, 16)
-  local data, members, levels, deadlines = {}, {}, {}, {}
-  local seq, head = clock, nil
-  if clock and seq <= last then seq = last + 1 end
+  -- New seqs start at the clock's unless it has not passed the last one (digits of one
+  -- width compare as their numbers do: a 16-digit ``tonumber`` is a ``strtod``, so the last
+  -- seq is parsed only when needed).
+  local last, seq, head = 0, clock, nil
+  if clock then
+    local first = digits(clock)
+    if last_digits and first <= last_digits then
+      seq = tonumber(last_digits) + 1
+    else
+      head = string.sub(first, 1, 13)
+    end
+  elseif last_digits then
+    last = tonumber(last_digits)
+  end
+  -- The HSET's arguments (a field given twice takes its later value: so a key's packets
+  -- after its first in the call give its field again), the group index's, the selection's,
+  -- the TTLs'.
+  local data, members, levels, timed = {}, {}, {}, {}
+  local nd, nm, nl, nt = 0, 0, 0, 0
   for i = 1, n do
-    local field, prio, deadline = fields[i], f.prios[i], f.deadlines[i]
+    local field, prio, deadline = fields[i], prios[i], deadlines[i]
     local sq
     if clock then
-      sq, head = seq_digits(seq, head)
+      local low = seq % 1000
+      if low == 0 or not head then head = string.sub(digits(seq), 1, 13) end
+      sq = head .. LAST3[low]
       seq = seq + 1
       last_digits = sq
     else
-      sq = f.seqs[i]
+      sq = seqs[i]
       if tonumber(sq) > last then last, last_digits = tonumber(sq), sq end
     end
-    local rec = record(sq, prio, deadline, f.payloads[i])
+    local rec
+    if deadline > 0 then
+      rec = sq .. CHAR[prio] .. struct.pack('>d', deadline) .. payloads[i]
+    else
+      rec = sq .. CHAR[prio] .. NEVER .. payloads[i]
+    end
     local v = state[field]
     if not v then
       state[field] = rec
+      data[nd + 1], data[nd + 2] = field, rec
+      nd = nd + 2
     else
       if grouped(v) then
-        state[field] = '#' .. (tonumber(string.sub(v, 2)) + 1)
+        v = '#' .. (tonumber(string.sub(v, 2)) + 1)
       else  -- the key's second packet: both go under their seqs, into the group index
         local other = string.sub(v, 1, 16)
-        data[#data + 1], data[#data + 2] = other, v
-        members[#members + 1], members[#members + 2] = 0, field .. other
-        state[field] = '#2'
+        data[nd + 1], data[nd + 2] = other, v
+        members[nm + 1], members[nm + 2] = 0, field .. other
+        nd, nm = nd + 2, nm + 2
+        v = '#2'
         markers = markers + 1
       end
-      data[#data + 1], data[#data + 2] = sq, rec
-      members[#members + 1], members[#members + 2] = 0, field .. sq
+      state[field] = v
+      data[nd + 1], data[nd + 2], data[nd + 3], data[nd + 4] = sq, rec, field, v
+      members[nm + 1], members[nm + 2] = 0, field .. sq
+      nd, nm = nd + 4, nm + 2
     end
     local ref = sq .. field
-    if prio > 0 then levels[#levels + 1], levels[#levels + 2] = SCORE[prio], ref end
-    if deadline > 0 then deadlines[#deadlines + 1], deadlines[#deadlines + 2] = deadline, ref end
-  end
-  local written = {}
-  for i = 1, n do
-    local field = fields[i]
-    if not written[field] then
-      written[field] = true
-      data[#data + 1], data[#data + 2] = field, state[field]
+    if prio > 0 then
+      levels[nl + 1], levels[nl + 2] = SCORE[prio], ref
+      nl = nl + 2
+    end
+    if deadline > 0 then
+      timed[nt + 1], timed[nt + 2] = deadline, ref
+      nt = nt + 2
     end
   end
-  data[#data + 1], data[#data + 2] = META, meta_value(last_digits, markers)
+  data[nd + 1], data[nd + 2] = META, meta_value(last_digits, markers)
   bulk('HSET', d, data)
   bulk('ZADD', g, members)
   bulk('ZADD', s, levels)
-  bulk('ZADD', x, deadlines)
-  return #levels > 0, markers
+  bulk('ZADD', x, timed)
+  return nl > 0, markers
 end
 -- The seqs of a grouped key's packets (its ``field``) in push order, at most ``limit`` (-1: all).
 local function group_seqs(g, field, limit)
@@ -288,21 +333,29 @@ local function records_of(d, refs, state)
 end
 -- Remove live packets, by ref, from every structure of the queue whose ``:d`` ``:s`` ``:g``
 -- ``:x`` are given. ``state``: their fields' values as read before (``read_state``; what it
--- lacks is read here), updated; ``expiring``: whether ``:x`` may hold them (nil: look).
-local function unfile(d, s, g, x, refs, state, expiring)
+-- lacks is read here), updated; ``expiring``: whether ``:x`` may hold them (nil: look);
+-- ``fields``: the refs' fields, when the caller has them already (nil: cut here).
+local function unfile(d, s, g, x, refs, state, expiring, fields)
   if #refs == 0 then return end
-  local fields = {}
-  for i, ref in ipairs(refs) do fields[i] = string.sub(ref, 17) end
+  if not fields then
+    fields = {}
+    for i, ref in ipairs(refs) do fields[i] = string.sub(ref, 17) end
+  end
   read_state(d, fields, state)
-  local _, markers = meta_of(state[META])
+  local markers = markers_of(state[META])
   local was = markers
-  local gone, members, counts, order, left = {}, {}, {}, {}, {}
-  for i, ref in ipairs(refs) do
+  -- The tables for key groups are made when a grouped packet is among them: most have none.
+  local gone, members, counts, order, left = {}, nil, nil, nil, {}
+  local n = 0
+  for i = 1, #refs do
     local field = fields[i]
     local v = state[field]
+    n = n + 1
     if grouped(v) then
+      if not members then members, counts, order = {}, {}, {} end
+      local ref = refs[i]
       local sq = string.sub(ref, 1, 16)
-      gone[#gone + 1] = sq
+      gone[n] = sq
       members[#members + 1] = field .. sq
       if not counts[field] then
         counts[field] = tonumber(string.sub(v, 2))
@@ -310,11 +363,11 @@ local function unfile(d, s, g, x, refs, state, expiring)
       end
       counts[field] = counts[field] - 1
     else
-      gone[#gone + 1] = field
+      gone[n] = field
       state[field] = false
     end
   end
-  for _, field in ipairs(order) do
+  for _, field in ipairs(order or {}) do
     local count = counts[field]
     if count == 0 then  -- a group stays a group down to one packet; gone at none
       gone[#gone + 1] = field
@@ -331,7 +384,7 @@ local function unfile(d, s, g, x, refs, state, expiring)
   end
   bulk('HDEL', d, gone)
   bulk('HSET', d, left)
-  bulk('ZREM', g, members)
+  if members then bulk('ZREM', g, members) end
   bulk('ZREM', s, refs)  -- prio-0 refs among them are simply not members
   if expiring == nil then expiring = redis.call('EXISTS', x) == 1 end
   if expiring then bulk('ZREM', x, refs) end
@@ -440,18 +493,26 @@ end
 #: in ms (0 for none) and the packets the queue holds (-1: not counted). No ``allow-oom``:
 #: Redis refuses it while over ``maxmemory``, before it runs.
 PUSH = r"""
-local now, t = now_ms()
+local now, _, clock = now_ms()
 local f, earliest = filing(), 0
+-- The filing's columns filled here, not by ``file_packet``: a Lua call a packet costs more
+-- than this loop's other work.
+local fields, prios, deadlines, payloads, n = f.fields, f.prios, f.deadlines, f.payloads, 0
 for i = 3, #ARGV, 4 do
   local ttl, deadline = ARGV[i + 2], 0
   if ttl ~= '0' then
     deadline = now + tonumber(ttl)
     if earliest == 0 or deadline < earliest then earliest = deadline end
   end
-  local prio = PRIO[ARGV[i + 3]] or tonumber(ARGV[i + 3])  -- the table knows '0'..'255'
-  file_packet(f, field_of(ARGV[i]), nil, prio, deadline, ARGV[i + 1])
+  local key = ARGV[i]
+  n = n + 1
+  local length = LEN2[#key]  -- field_of's, inline; it fills the table for a new length
+  fields[n] = length and length .. key or field_of(key)
+  prios[n] = PRIO[ARGV[i + 3]] or tonumber(ARGV[i + 3])  -- the table knows '0'..'255'
+  deadlines[n], payloads[n] = deadline, ARGV[i + 1]
 end
-local selectable, markers = filed(f, KEYS[1], KEYS[2], KEYS[3], KEYS[4], clock_us(t))
+f.n = n
+local selectable, markers = filed(f, KEYS[1], KEYS[2], KEYS[3], KEYS[4], clock)
 if selectable and redis.call('EXISTS', KEYS[5]) == 1 then redis.call('PUBLISH', ARGV[1], '') end
 local held = -1
 if ARGV[2] == '1' then held = redis.call('HLEN', KEYS[1]) - 1 - markers end
@@ -494,28 +555,128 @@ end
 return {tostring(earliest), redis.call('HLEN', KEYS[2])}
 """
 
-#: KEYS d s g x r y Y w l; ARGV max_pop, pops, full, call id, retry ('1' if sent before),
-#: refresh ('1': renew the kept results' lifetime), then the call ids whose results the front
-#: end has. Promotes and sweeps what is due, then ``pops`` times removes the best packet and
-#: its key group (decisions 2-4). Returns one flat list a pop: two fields a packet (key,
-#: payload), or with ``full`` = 1 five (key, payload, prio, seq, deadline: enough for a
-#: delivery nobody could take to go back unchanged); then the selectable packets left (with
-#: ``full`` only; else 0), and all the packets left (-1: not counted, when it removed
-#: nothing). A call that took packets keeps that reply under its id in ``:r``.
-#: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
-POP = r"""
-local max_pop, pops, full = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
-local call_id, retry = ARGV[4], ARGV[5] == '1'
--- Results the front end has confirmed it holds: no longer kept. Forgotten after this call's
--- own is kept, so that a hash that held them is never empty in between (then it keeps its
--- lifetime: below).
+# The pop function's machinery (``POP``), defined once when Redis loads the library rather than
+# at each call: a call's state lives in these upvalues, set afresh by ``pop_all``.
+_POP_HELPERS = r"""
+-- Results the front end has confirmed it holds (a pop's ARGV from the 7th): no longer kept.
+-- Forgotten after the call's own is kept, so that a hash that held them is never empty in
+-- between (then it keeps its lifetime).
 local function forget_confirmed()
   if #ARGV > 6 then return redis.call('HDEL', KEYS[5], unpack(ARGV, 7)) end
   return 0
 end
+-- One pop call's choosing. Removals wait until every pop of the call has chosen (one HDEL and
+-- one ZREM a structure for the whole call, not per pop); meanwhile ``taken`` keeps a packet
+-- from being chosen twice, and the selection set is read in pages of candidates, best first,
+-- with their fields' values (records or markers) in one HMGET a page. ``refs`` and
+-- ``ref_fields``: what was taken and each one's field. A lone key's packet is met once, in
+-- its page; a grouped one also in its group's range, so only grouped packets go into
+-- ``taken``, and ``taken_of`` counts how many of a grouped key's were taken.
+-- ``out``: the call's reply, one flat list (``nout`` items so far): each pop's item count,
+-- then its items (a nested table a pop would cost Redis a deferred array length each).
+local taken, refs, nrefs, ref_fields, taken_of, state
+local page, page_fields, page_n, at, start
+local max_pop, full, out, nout
+local function take(ref, field)
+  local n = nrefs + 1
+  refs[n], ref_fields[n], nrefs = ref, field, n
+end
+local function take_grouped(ref, field)
+  taken[ref] = true
+  take(ref, field)
+  taken_of[field] = (taken_of[field] or 0) + 1
+end
+-- The best packet not yet taken: its ref and field; or nil.
+local function best(wanted)
+  while true do
+    if at > page_n then
+      page = redis.call('ZRANGE', KEYS[2], start, start + math.min(wanted, 1000) - 1, 'REV')
+      page_n = #page
+      if page_n == 0 then return nil end
+      start, at, page_fields = start + page_n, 1, {}
+      for i = 1, page_n do page_fields[i] = string.sub(page[i], 17) end
+      read_state(KEYS[1], page_fields, state)
+    end
+    local i = at
+    at = i + 1
+    local ref = page[i]
+    if not taken[ref] then return ref, page_fields[i] end
+  end
+end
+-- Add a packet (its key's field, its record) to the reply: as they are (the front end cuts
+-- the key and payload out: two Lua strings fewer a packet), or with ``full`` five fields.
+local function packet(field, rec)
+  local n = nout
+  if not full then
+    out[n + 1], out[n + 2], nout = field, rec, n + 2
+    return
+  end
+  out[n + 1], out[n + 2] = string.sub(field, 3), string.sub(rec, 26)
+  out[n + 3], out[n + 4] = string.byte(rec, 17), string.sub(rec, 1, 16)
+  out[n + 5], nout = tostring(deadline_of(rec)), n + 5
+end
+-- One pop (``left``: how many the call still makes, for the page size): the best packet and
+-- the rest of its key group, added to the reply.
+local function pop_one(left)
+  local ref, field = best(left)
+  if not ref then return end
+  local v = state[field]
+  if not grouped(v) then  -- a lone key: its record was read with the page
+    take(ref, field)
+    packet(field, v)
+    return
+  end
+  -- The rest of its key group in push order; packets taken by earlier pops of this call are
+  -- still in the index, so the range reaches past them.
+  local before = taken_of[field] or 0
+  take_grouped(ref, field)
+  local seqs = {string.sub(ref, 1, 16)}
+  for _, sq in ipairs(group_seqs(KEYS[3], field, max_pop + before)) do
+    if #seqs >= max_pop then break end
+    local other = sq .. field
+    if not taken[other] then
+      seqs[#seqs + 1] = sq
+      take_grouped(other, field)
+    end
+  end
+  for _, rec in ipairs(hmget(KEYS[1], seqs)) do packet(field, rec) end
+end
+-- ``pops`` pops of the queue (KEYS d s g): the reply (each pop's item count, then its items),
+-- its length, then what they took (refs, their fields) and the fields' values read meanwhile
+-- (``read_state``'s).
+local function pop_all(pops, most, whole)
+  taken, refs, nrefs, ref_fields, taken_of, state = {}, {}, 0, {}, {}, {}
+  page, page_n, at, start = nil, 0, 1, 0
+  max_pop, full, out, nout = most, whole, {}, 0
+  for i = 1, pops do
+    local head = nout + 1
+    nout = head
+    pop_one(pops - i + 1)
+    out[head] = nout - head
+  end
+  local reply, n, chosen, their_fields, read = out, nout, refs, ref_fields, state
+  taken, refs, ref_fields, taken_of, state, page, page_fields, out =
+    nil, nil, nil, nil, nil, nil, nil, nil
+  return reply, n, chosen, their_fields, read
+end
+"""
+
+#: KEYS d s g x r y Y w l; ARGV max_pop, pops, full, call id, retry ('1' if sent before),
+#: refresh ('1': renew the kept results' lifetime), then the call ids whose results the front
+#: end has. Promotes and sweeps what is due, then ``pops`` times removes the best packet and
+#: its key group (decisions 2-4). Returns one flat list: for each pop how many items it has,
+#: then its items, two a packet (its field and its record: ``KEY_AT`` and ``PAYLOAD_AT`` say
+#: where its key and payload start) or with ``full`` = 1 five (key, payload, prio, seq,
+#: deadline: enough for a delivery nobody could take to go back unchanged); then the
+#: selectable packets left (with ``full`` only; else 0), and all the packets left (-1: not
+#: counted, when it removed nothing). A call that took packets keeps that reply under its id
+#: in ``:r``.
+#: ``allow-oom``: a pop only frees memory, and a full Redis must still drain.
+POP = r"""
+local call_id = ARGV[4]
 -- A call sent again (its reply was lost: Redis restarted, the connection broke) answers with
 -- what it took the first time, if it ran then: so no packet is removed for nobody.
-if retry then
+if ARGV[5] == '1' then
   local kept = redis.call('HGET', KEYS[5], call_id)
   if kept then
     forget_confirmed()
@@ -524,71 +685,9 @@ if retry then
 end
 YI, LI = 6, 9
 local expiring, _, expired = sweep_due()
--- Removals wait until every pop of the call has chosen (one HDEL and one ZREM a structure
--- for the whole call, not per pop); meanwhile ``taken`` keeps a packet from being chosen
--- twice, and the selection set is read in pages of candidates, best first, with their
--- fields' values (records or markers) in one HMGET a page.
-local taken, refs, state, taken_of = {}, {}, {}, {}
-local page, at, start = {}, 1, 0
-local function take(ref, field)
-  taken[ref] = true
-  refs[#refs + 1] = ref
-  taken_of[field] = (taken_of[field] or 0) + 1
-end
--- The best packet not yet taken: its ref; or nil.
-local function best(wanted)
-  while true do
-    if at > #page then
-      page = redis.call('ZRANGE', KEYS[2], start, start + math.min(wanted, 1000) - 1, 'REV')
-      if #page == 0 then return nil end
-      start, at = start + #page, 1
-      local fields = {}
-      for i, ref in ipairs(page) do fields[i] = string.sub(ref, 17) end
-      read_state(KEYS[1], fields, state)
-    end
-    local ref = page[at]
-    at = at + 1
-    if not taken[ref] then return ref end
-  end
-end
--- Add a packet (its key's field, its record) to a pop's reply.
-local function packet(out, field, rec)
-  local n = #out
-  out[n + 1], out[n + 2] = string.sub(field, 3), string.sub(rec, 26)
-  if full then
-    out[n + 3], out[n + 4] = string.byte(rec, 17), string.sub(rec, 1, 16)
-    out[n + 5] = tostring(deadline_of(rec))
-  end
-end
-local function pop_one(left)
-  local ref = best(left)
-  if not ref then return {} end
-  local field = string.sub(ref, 17)
-  local v, out = state[field], {}
-  if not grouped(v) then  -- a lone key: its record was read with the page
-    take(ref, field)
-    packet(out, field, v)
-    return out
-  end
-  -- The rest of its key group in push order; packets taken by earlier pops of this call are
-  -- still in the index, so the range reaches past them.
-  local before = taken_of[field] or 0
-  take(ref, field)
-  local seqs = {string.sub(ref, 1, 16)}
-  for _, sq in ipairs(group_seqs(KEYS[3], field, max_pop + before)) do
-    if #seqs >= max_pop then break end
-    local other = sq .. field
-    if not taken[other] then
-      seqs[#seqs + 1] = sq
-      take(other, field)
-    end
-  end
-  for _, rec in ipairs(hmget(KEYS[1], seqs)) do packet(out, field, rec) end
-  return out
-end
-local replies = {}
-for i = 1, pops do replies[i] = pop_one(pops - i + 1) end
-unfile(KEYS[1], KEYS[2], KEYS[3], KEYS[4], refs, state, expiring)
+local replies, n, refs, fields, state = pop_all(tonumber(ARGV[2]), tonumber(ARGV[1]),
+  ARGV[3] == '1')
+unfile(KEYS[1], KEYS[2], KEYS[3], KEYS[4], refs, state, expiring, fields)
 -- Last, the packets held (for the front end's figures; only by a call that removed some: one
 -- that found the queue empty, a consumer polling, costs two calls, EXISTS and ZRANGE) and,
 -- for a delivery, how many selectable ones are left (a subscriber's front end stops there; 0
@@ -598,8 +697,8 @@ if #refs > 0 or expired > 0 then
   held = held_count(KEYS[1], state)
   if held == 0 then forget() end
 end
-replies[pops + 1] = full and redis.call('ZCARD', KEYS[2]) or 0
-replies[pops + 2] = held
+replies[n + 1] = ARGV[3] == '1' and redis.call('ZCARD', KEYS[2]) or 0
+replies[n + 2] = held
 if #refs > 0 then
   -- Kept until the front end confirms it has the reply (a later call's ARGV, or its cleanup
   -- every few seconds). The key lives a day, which only bounds what a front end that died
@@ -807,12 +906,12 @@ local function push_moved(tk, t, o)
       if deadline > 0 and (earliest == 0 or deadline < earliest) then earliest = deadline end
     end
   end
-  if #f.fields == 0 then return 0, 0 end
+  if f.n == 0 then return 0, 0 end
   if filed(f, tk[1], tk[2], tk[3], tk[4], clock_us(clock))
       and redis.call('EXISTS', tk[5]) == 1 then
     redis.call('PUBLISH', channel_of(tk[5]), '')
   end
-  return #f.fields, earliest
+  return f.n, earliest
 end
 """
 
@@ -1066,7 +1165,7 @@ return reply
 #: The layout of the keys and the calling convention of the functions. A front end loads the
 #: library ``pinpriq_<LAYOUT>`` once (``FUNCTION LOAD``); Redis keeps it (in its RDB and AOF
 #: too) and every front end calls the same functions. Bump it with any change to the scripts.
-LAYOUT = 5
+LAYOUT = 6
 LIBRARY_NAME = f"pinpriq_{LAYOUT}"
 
 #: Each function: its body and its flags (``allow-oom``: it only frees memory or puts back what
@@ -1092,6 +1191,10 @@ _FUNCTIONS = {
 
 #: The field of a queue's ``:d`` hash that holds its last sequence number and marker count.
 META = b"q"
+#: Where a packet's key starts in its field (after its u16 length), and its payload in its
+#: record (after its seq, prio and deadline): a plain pop returns both as stored.
+KEY_AT = 2
+PAYLOAD_AT = 25
 
 
 def packets_held(fields: int, meta: bytes | None) -> int:
@@ -1124,6 +1227,7 @@ LIBRARY = (
     f"#!lua name={LIBRARY_NAME}\n"
     "local KEYS, ARGV\n"
     + _HELPERS
+    + _POP_HELPERS
     + _MOVE_HELPERS
     + _LEASE_HELPERS
     + "".join(_register(op, body, flags) for op, (body, flags) in _FUNCTIONS.items())

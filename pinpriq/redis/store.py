@@ -118,6 +118,22 @@ def _popped(reply: Sequence[Any]) -> list[Popped]:
     ]
 
 
+def _pops(reply: Sequence[Any]) -> Iterator[Sequence[Any]]:
+    """Each pop's items in a pop call's reply: each pop's item count, then its items; then
+    come how many selectable packets are left, and all."""
+    at, end = 0, len(reply) - 2
+    while at < end:
+        count = int(reply[at])
+        yield reply[at + 1 : at + 1 + count]
+        at += 1 + count
+
+
+def _keyed(packets: Sequence[bytes]) -> list[KeyedPayload]:
+    """A plain pop's packets, as the function returns them (each its field and record)."""
+    key_at, payload_at = lua.KEY_AT, lua.PAYLOAD_AT
+    return [(packets[i][key_at:], packets[i + 1][payload_at:]) for i in range(0, len(packets), 2)]
+
+
 _Call = tuple[str, Sequence[bytes], Sequence[bytes | int | str]]  # operation, KEYS, ARGV
 
 #: The function each operation calls (``lua.LIBRARY``).
@@ -379,8 +395,8 @@ class RedisStore:
         replies = await self.call_all(calls)
         for (name, _, args), reply, queue in zip(calls, replies, queues, strict=True):
             if name == "pop":
-                for one in reply[:-2]:  # then how many selectable packets are left, and all
-                    results.append(list(zip(one[::2], one[1::2], strict=True)))
+                for one in _pops(reply):
+                    results.append(_keyed(one))
                     self.popped += len(one) // 2
                 self._took(queue, args, reply)
             elif name == "push_delayed":
@@ -447,7 +463,7 @@ class RedisStore:
         not count them), and its result to confirm."""
         if int(reply[-1]) >= 0:
             self.note_size(queue, int(reply[-1]))
-        if any(reply[:-2]):  # it took packets: Redis kept the reply under its id
+        if any(_pops(reply)):  # it took packets: Redis kept the reply under its id
             self._confirmed.setdefault(queue, []).append(args[3])
 
     async def confirm_results(self) -> None:
@@ -490,7 +506,7 @@ class RedisStore:
         else:
             call, reply = early[0], await self._early_reply(*early)
         self._took(queue, call[2], reply)
-        return _popped(reply[0]), bool(reply[1])
+        return _popped(next(_pops(reply))), bool(reply[-2])
 
     def pop_early(self, queue: bytes) -> None:
         """Send a delivery's pop of ``queue`` now, from the task that heard packets entered it
@@ -524,7 +540,7 @@ class RedisStore:
             call, pending = self._early.pop(queue)
             reply = await self._early_reply(call, pending)
             self._took(queue, call[2], reply)
-            packets = _popped(reply[0])
+            packets = _popped(next(_pops(reply)))
             if packets:
                 await self.put_back(queue, packets)
                 returned.append(queue)
