@@ -9,9 +9,9 @@ Theory of operation:
 * **Why.** At pipeline 1 a request used to cost its connection's task a wait in trio
   (``wait_readable``: a re-arm of trio's one-shot registration, a task switch, a read that often
   found nothing) and a step of that task. Here a connection waiting for its next request is a
-  file descriptor in this epoll and nothing else; its task sleeps. The reactor's task waits in
-  trio on the epoll's own descriptor, and one wake-up serves every connection that has a
-  request, without a task switch per request.
+  file descriptor in this epoll and nothing else; its task sleeps. The reactor's task waits for
+  the epoll (in the epoll itself when trio is idle: the own wait, below), and one wake-up
+  serves every connection that has a request, without a task switch per request.
 * **Parking.** A connection's task calls ``park(conn)`` when all that is left to do is wait for
   the next request: its descriptor is registered and the task sleeps. From then on the reactor
   calls ``conn.serve_ready()`` each time the socket is readable; that reads one chunk and serves
@@ -23,15 +23,30 @@ Theory of operation:
 * **Cancellation.** A parked task that is cancelled (shutdown, an eviction, its nursery) has
   its descriptor unregistered before trio raises ``Cancelled`` in it: a connection is never in
   the epoll while its task runs, so the task alone closes its socket.
-* **Fairness.** Each turn serves one chunk per ready connection, then takes a checkpoint: the
-  other tasks (connections served by their own tasks, the admin listener, the expiry timer) run
-  between two turns, and a flooding connection gets one chunk a turn like every other. The
-  epoll is level-triggered: what a connection has left in its socket makes it ready again. After
-  a turn the reactor asks its epoll again at once: if something is ready the checkpoint is
-  ``checkpoint_if_cancelled`` and ``cancel_shielded_checkpoint`` (a full checkpoint, as trio's
-  guarantees need) and the next turn follows; only when nothing is ready does it wait in trio
-  on the epoll's descriptor, which costs trio a re-arm of its one-shot registration and a task
-  step. On a busy server most turns take the first way.
+* **Fairness.** Each turn serves one chunk per ready connection; then, if anything else in trio
+  can run, the reactor takes a checkpoint (``checkpoint_if_cancelled`` and
+  ``cancel_shielded_checkpoint``: a full one, as trio's guarantees need) before the next turn:
+  the other tasks (connections served by their own tasks, the admin listener, the expiry timer)
+  run between two turns, and a flooding connection gets one chunk a turn like every other. The
+  epoll is level-triggered: what a connection has left in its socket makes it ready again.
+* **The own wait.** When trio has nothing else to run (no task in its run queue or left in its
+  current pass, nobody in ``wait_all_tasks_blocked``, no instrument), the reactor does not go
+  back to trio's loop at all: it blocks in its own epoll, inside its task step, until a
+  connection is ready, and serves it at once. At pipeline 1 a request then costs an
+  ``epoll_wait``, a read and a write, as in Redis, and no pass of trio's loop (which would be
+  its ``epoll_wait``, a re-arm of its one-shot registration of our epoll, a task step and our
+  own ``epoll.poll``). Trio keeps its guarantees because everything that would end trio's own
+  idle wait ends ours: trio's epoll is registered in ours once, so any of its I/O (every other
+  task's socket, its wake-up socket, written by threads' ``from_thread`` calls, by
+  ``run_sync_soon`` and by signals) wakes the wait, and the wait lasts at most until trio's
+  next deadline (cancel scopes, sleeps, the expiry timer). Then the reactor takes a full
+  checkpoint and trio's loop runs as it would have. The blocking call is KI-protected as trio's
+  own wait is: Ctrl-C reaches the main task, not the reactor's. The own wait reads trio's
+  internals (``_IdleWait``, written against trio 0.35); where they are not as expected, in
+  guest mode, or with a clock other than the system's (a ``MockClock``: virtual deadlines must
+  never become real sleeps), the reactor waits through trio instead (``_TrioWait``, the
+  fallback): on its epoll's descriptor with ``wait_readable``, and, when a turn leaves more to
+  serve, with a checkpoint rather than a wait.
 """
 
 from __future__ import annotations
