@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from functools import partial
@@ -256,3 +259,57 @@ async def test_virtual_time_keeps_the_reactor_waiting_through_trio(
     assert not reactor_of(live).waits_in_own_epoll
     await trio.sleep(3600)  # jumps: every task, the reactor's included, waits in trio
     assert await peer.request(pop(b"none")) == []
+
+
+#: A reactor serving one connection (a socket pair) in a trio run whose main task then sleeps:
+#: the child says "idle" once a request has been answered, the reactor's next wait its own.
+KI_CHILD = """
+import os, socket, trio
+from pinpriq.reactor import Reactor
+
+class Conn:
+    def __init__(self, fileno): self.fileno = fileno
+    def serve_ready(self):
+        os.read(self.fileno, 100)
+        os.write(self.fileno, b"reply")
+        return True
+
+async def main():
+    reactor = Reactor()
+    ours, theirs = socket.socketpair()
+    client = trio.SocketStream(trio.socket.from_stdlib_socket(theirs))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reactor.run)
+        nursery.start_soon(reactor.park, Conn(ours.fileno()))
+        await client.send_all(b"request")
+        assert await client.receive_some(5) == b"reply"
+        print("idle" if reactor.waits_in_own_epoll else "no own wait", flush=True)
+        try:
+            await trio.sleep_forever()
+        except KeyboardInterrupt:
+            print("KeyboardInterrupt in the main task", flush=True)
+            raise
+
+try:
+    trio.run(main)
+except BaseException:
+    pass
+"""
+
+
+def test_ctrl_c_during_the_own_wait_reaches_the_main_task() -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", KI_CHILD],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline() == "idle\n"
+        time.sleep(0.2)  # most likely in the own wait by now (if not, trio's: the same answer)
+        child.send_signal(signal.SIGINT)
+        rest, _ = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    # Not raised in the reactor's task (which would cancel the main task instead).
+    assert rest == "KeyboardInterrupt in the main task\n"
