@@ -236,6 +236,8 @@ class _IdleWait(_TrioWait):
     each once and gives ``None`` if anything is not as expected, and the reactor waits through
     trio as before."""
 
+    own = True
+
     def __init__(
         self,
         epoll: select.epoll,
@@ -274,7 +276,7 @@ class _IdleWait(_TrioWait):
                 and isinstance(runner.runq, collections.deque)
                 and callable(runner.deadlines.next_deadline)
                 and runner.waiting_for_idle is not None
-                and len(runner.instruments) >= 1
+                and "_all" in runner.instruments  # so more than one entry: an instrument
                 and "batch" in _run.unrolled_run.__code__.co_varnames
             )
             task = trio.lowlevel.current_task()
@@ -290,8 +292,6 @@ class _IdleWait(_TrioWait):
         except OSError:  # trio's epoll holds ours already (ELOOP)
             return None
         return idle
-
-    own = True
 
     def switched(self) -> None:
         self._others_in_batch = None
