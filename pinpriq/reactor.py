@@ -41,7 +41,9 @@ Theory of operation:
   ``run_sync_soon`` and by signals) wakes the wait, and the wait lasts at most until trio's
   next deadline (cancel scopes, sleeps, the expiry timer). Then the reactor takes a full
   checkpoint and trio's loop runs as it would have. The blocking call is KI-protected as trio's
-  own wait is: Ctrl-C reaches the main task, not the reactor's. The own wait reads trio's
+  own wait is: Ctrl-C reaches the main task, not the reactor's. One reactor per run of trio
+  waits so (two would find each other runnable and trade checkpoints for ever, busy); another
+  waits through trio, in trio's epoll, which wakes the first. The own wait reads trio's
   internals (``_IdleWait``, written against trio 0.35); where they are not as expected, in
   guest mode, or with a clock other than the system's (a ``MockClock``: virtual deadlines must
   never become real sleeps), the reactor waits through trio instead (``_TrioWait``, the
@@ -117,29 +119,32 @@ class Reactor:
         """Serve parked connections until cancelled."""
         epoll = self._epoll
         waits = self._waits = _IdleWait.start(epoll) or self._waits
-        ready: list[tuple[int, int]] = []
-        while True:
-            mode = waits.mode(ready)
-            if mode is _OWN_WAIT:
-                ready = waits.wait()
-                if not ready:  # trio has something to do: its I/O, or a deadline has come
-                    await _checkpoint()
-                    waits.switched()
-                    continue
-            else:
-                if mode is _CHECKPOINT:
-                    # More to serve at once, or other tasks to run: a checkpoint, which lets
-                    # every other task run, rather than a wait in trio (which would re-arm
-                    # trio's one-shot registration of our epoll, then ask the kernel twice).
-                    await _checkpoint()
+        try:
+            ready: list[tuple[int, int]] = []
+            while True:
+                mode = waits.mode(ready)
+                if mode is _OWN_WAIT:
+                    ready = waits.wait()
+                    if not ready:  # trio has something to do: its I/O, or a deadline has come
+                        await _checkpoint()
+                        waits.switched()
+                        continue
                 else:
-                    await waits.wait_in_trio()
-                waits.switched()
-                ready = epoll.poll(0)
-            self._serve(ready)
-            # What is left after a turn: the own wait finds it first thing (or the checkpoint's
-            # poll, if trio has other tasks to run), so only the wait in trio asks first.
-            ready = [] if waits.own else epoll.poll(0)
+                    if mode is _CHECKPOINT:
+                        # More to serve at once, or other tasks to run: a checkpoint, which lets
+                        # every other task run, rather than a wait in trio (which would re-arm
+                        # trio's one-shot registration of our epoll, then ask the kernel twice).
+                        await _checkpoint()
+                    else:
+                        await waits.wait_in_trio()
+                    waits.switched()
+                    ready = epoll.poll(0)
+                self._serve(ready)
+                # What is left after a turn: the own wait finds it first thing (or the
+                # checkpoint's poll, if trio has other tasks to run); the wait in trio asks now.
+                ready = [] if waits.own else epoll.poll(0)
+        finally:
+            waits.stop()
 
     def _serve(self, ready: list[tuple[int, int]]) -> None:
         """One turn: one chunk for each connection ``ready`` names."""
@@ -186,6 +191,11 @@ class _Mode(enum.Enum):
 
 _OWN_WAIT, _CHECKPOINT, _TRIO_WAIT = _Mode.OWN_WAIT, _Mode.CHECKPOINT, _Mode.TRIO_WAIT
 
+#: Whether a reactor of this run of trio waits in its own epoll (``_IdleWait.start``).
+_OWN_WAIT_TAKEN: trio.lowlevel.RunVar[bool] = trio.lowlevel.RunVar(
+    "pinpriq.reactor.own_wait_taken", default=False
+)
+
 #: trio's longest wait in its run loop (``_MAX_TIMEOUT``), a day: ours too.
 _MAX_WAIT = 24 * 60 * 60
 
@@ -227,6 +237,9 @@ class _TrioWait:
     async def wait_in_trio(self) -> None:
         """Wait in trio until our epoll has something ready."""
         await trio.lowlevel.wait_readable(self._epoll.fileno())
+
+    def stop(self) -> None:
+        """``run`` has ended."""
 
 
 class _IdleWait(_TrioWait):
@@ -281,6 +294,10 @@ class _IdleWait(_TrioWait):
             )
             task = trio.lowlevel.current_task()
             suitable = suitable and isinstance(task._cancel_status.effectively_cancelled, bool)
+            # One own wait per run of trio: two reactors blocking in turn would each find the
+            # other runnable, and take checkpoints back and forth for ever instead of sleeping.
+            # Another reactor waits through trio, in trio's epoll, which wakes the own wait.
+            suitable = suitable and _OWN_WAIT_TAKEN.get() is False
             loop_frame = _caller_frame(_run.unrolled_run.__code__)
         except (ImportError, AttributeError):
             return None
@@ -291,7 +308,12 @@ class _IdleWait(_TrioWait):
             epoll.register(idle.trio_fileno, select.EPOLLIN)
         except OSError:  # trio's epoll holds ours already (ELOOP)
             return None
+        _OWN_WAIT_TAKEN.set(True)
         return idle
+
+    def stop(self) -> None:
+        _OWN_WAIT_TAKEN.set(False)
+        self._epoll.unregister(self.trio_fileno)
 
     def switched(self) -> None:
         self._others_in_batch = None

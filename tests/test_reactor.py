@@ -313,3 +313,16 @@ def test_ctrl_c_during_the_own_wait_reaches_the_main_task() -> None:
         child.kill()
     # Not raised in the reactor's task (which would cancel the main task instead).
     assert rest == "KeyboardInterrupt in the main task\n"
+
+
+@pytest.mark.timeout(30)
+async def test_two_servers_in_one_run_share_the_own_wait(start_server: StartServer) -> None:
+    # Two reactors blocking in turn would each find the other runnable and take checkpoints
+    # back and forth for ever: the second waits through trio, whose epoll wakes the first.
+    first, second = await start_server(PinpriqServer()), await start_server(PinpriqServer())
+    on_second = await second.connect()
+    for i in range(10):  # the second's requests while the first waits in its own epoll
+        await served_once(first)
+        assert await on_second.request(push(b"q", b"k%d" % i, b"v") + SYNC) == []
+    assert not reactor_of(second).waits_in_own_epoll
+    assert len(second.store) == 10
