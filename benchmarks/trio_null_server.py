@@ -91,9 +91,15 @@ async def serve(port: int) -> None:
     print(f"trio null server listening on 127.0.0.1 port {bound}", file=sys.stderr, flush=True)
     reactor = Reactor()
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(reactor.run)
-            await trio.serve_listeners(partial(handle, reactor), listeners)
+        # Signals through trio, as pinpriq-server's: a KeyboardInterrupt raised wherever the
+        # process happens to be (in the reactor's task, say) would end it in a traceback.
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reactor.run)
+                nursery.start_soon(trio.serve_listeners, partial(handle, reactor), listeners)
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    break
     finally:
         reactor.close()
 
@@ -104,9 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--port", type=port_number, default=0)
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    with contextlib.suppress(KeyboardInterrupt):
-        trio.run(serve, args.port)
+    trio.run(serve, args.port)
 
 
 if __name__ == "__main__":

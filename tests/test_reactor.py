@@ -7,6 +7,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from functools import partial
 
 import pytest
 import trio
@@ -15,7 +22,7 @@ import trio.testing
 from pinpriq.reactor import Reactor
 from pinpriq.server import RECEIVE_SIZE, PinpriqServer
 from tests.conftest import LiveServer, StartServer
-from tests.rawpeer import SYNC, pop, push
+from tests.rawpeer import SYNC, Peer, pop, push
 from tests.test_limits import capped, pushes, server_side, settle, timing_out
 
 
@@ -155,3 +162,167 @@ async def test_a_flooding_connection_does_not_starve_a_request_at_a_time(
     # A round trip costs the flooder a few reads of its own, never the rest of its flood.
     assert max(gaps) <= 16 * per_send, applied
     assert applied[-1] < rounds * per_send
+
+
+# The own wait (``Reactor.run`` blocking in its epoll while trio has nothing else to do) must
+# still let everything else in trio happen. Each test below makes the reactor's last wait its
+# own, then needs trio to run something only a wake-up of that wait can start: if the wait
+# slept through it, the test would hang, which pytest-timeout turns into a failure.
+
+
+async def served_once(live: LiveServer) -> None:
+    """A request served by the reactor, so that its next wait is its own epoll's."""
+    peer = await live.connect()
+    assert await peer.request(pop(b"none")) == []
+    assert reactor_of(live).waits_in_own_epoll
+
+
+@pytest.mark.timeout(30)
+async def test_a_deadline_in_another_task_wakes_the_own_wait(live: LiveServer) -> None:
+    await served_once(live)
+    with trio.move_on_after(0.01) as sleep:
+        await trio.sleep_forever()
+    assert sleep.cancelled_caught  # the deadline expired, with the reactor idle in between
+    await served_once(live)
+
+
+@pytest.mark.timeout(30)
+async def test_a_thread_calling_into_trio_wakes_the_own_wait(live: LiveServer) -> None:
+    await served_once(live)
+    called = []
+
+    def from_a_thread() -> int:
+        time.sleep(0.01)  # most likely while the reactor waits in its own epoll
+        return trio.from_thread.run_sync(lambda: called.append("in trio") or 42)
+
+    assert await trio.to_thread.run_sync(from_a_thread) == 42
+    assert called == ["in trio"]
+    await served_once(live)
+
+
+@pytest.mark.timeout(30)
+async def test_another_tasks_socket_wakes_the_own_wait(live: LiveServer) -> None:
+    await served_once(live)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        sender = threading.Thread(target=lambda: (time.sleep(0.01), theirs.sendall(b"x")))
+        sender.start()
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+        assert await stream.receive_some(1) == b"x"  # this task waited in trio's epoll
+        sender.join()
+    await served_once(live)
+
+
+@pytest.mark.timeout(30)
+async def test_a_deadline_cancels_the_server_while_the_reactor_waits_in_its_own_epoll() -> None:
+    server = PinpriqServer()
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(server.serve, 0, host="127.0.0.1"))
+        stream = await trio.open_tcp_stream("127.0.0.1", listeners[0].socket.getsockname()[1])
+        peer = Peer(stream)
+        assert await peer.request(pop(b"none")) == []
+        assert server.reactor is not None
+        assert server.reactor.waits_in_own_epoll
+        nursery.cancel_scope.deadline = trio.current_time() + 0.01
+    assert nursery.cancel_scope.cancelled_caught
+    assert server.reactor is None  # serve has ended, the reactor's task with it
+    await stream.aclose()
+
+
+@pytest.mark.timeout(30)
+async def test_a_shutdown_from_a_thread_reaches_the_reactor_in_its_own_wait(
+    start_server: StartServer,
+) -> None:
+    server = PinpriqServer()
+    live = await start_server(server)
+    peer = await live.connect()
+    assert await peer.request(pop(b"none")) == []
+
+    def shut_down() -> None:
+        time.sleep(0.01)  # most likely while the reactor waits in its own epoll
+        trio.from_thread.run_sync(server.shutdown)
+
+    await trio.to_thread.run_sync(shut_down)
+    await peer.expect_closed()
+    while server.reactor is not None:  # noqa: ASYNC110 (serve returns: the epoll closes)
+        await trio.sleep(0.01)
+
+
+@pytest.mark.timeout(30)
+async def test_virtual_time_keeps_the_reactor_waiting_through_trio(
+    live: LiveServer, mock_clock: trio.testing.MockClock
+) -> None:
+    peer = await live.connect()
+    assert await peer.request(pop(b"none")) == []
+    # A MockClock's deadlines are virtual: blocking on them in the kernel would sleep in
+    # real time (or forever, at rate 0), and the clock would never jump.
+    assert not reactor_of(live).waits_in_own_epoll
+    await trio.sleep(3600)  # jumps: every task, the reactor's included, waits in trio
+    assert await peer.request(pop(b"none")) == []
+
+
+#: A reactor serving one connection (a socket pair) in a trio run whose main task then sleeps:
+#: the child says "idle" once a request has been answered, the reactor's next wait its own.
+KI_CHILD = """
+import os, socket, trio
+from pinpriq.reactor import Reactor
+
+class Conn:
+    def __init__(self, fileno): self.fileno = fileno
+    def serve_ready(self):
+        os.read(self.fileno, 100)
+        os.write(self.fileno, b"reply")
+        return True
+
+async def main():
+    reactor = Reactor()
+    ours, theirs = socket.socketpair()
+    client = trio.SocketStream(trio.socket.from_stdlib_socket(theirs))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reactor.run)
+        nursery.start_soon(reactor.park, Conn(ours.fileno()))
+        await client.send_all(b"request")
+        assert await client.receive_some(5) == b"reply"
+        print("idle" if reactor.waits_in_own_epoll else "no own wait", flush=True)
+        try:
+            await trio.sleep_forever()
+        except KeyboardInterrupt:
+            print("KeyboardInterrupt in the main task", flush=True)
+            raise
+
+try:
+    trio.run(main)
+except BaseException:
+    pass
+"""
+
+
+def test_ctrl_c_during_the_own_wait_reaches_the_main_task() -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", KI_CHILD],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline() == "idle\n"
+        time.sleep(0.2)  # most likely in the own wait by now (if not, trio's: the same answer)
+        child.send_signal(signal.SIGINT)
+        rest, _ = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    # Not raised in the reactor's task (which would cancel the main task instead).
+    assert rest == "KeyboardInterrupt in the main task\n"
+
+
+@pytest.mark.timeout(30)
+async def test_two_servers_in_one_run_share_the_own_wait(start_server: StartServer) -> None:
+    # Two reactors blocking in turn would each find the other runnable and take checkpoints
+    # back and forth for ever: the second waits through trio, whose epoll wakes the first.
+    first, second = await start_server(PinpriqServer()), await start_server(PinpriqServer())
+    on_second = await second.connect()
+    for i in range(10):  # the second's requests while the first waits in its own epoll
+        await served_once(first)
+        assert await on_second.request(push(b"q", b"k%d" % i, b"v") + SYNC) == []
+    assert not reactor_of(second).waits_in_own_epoll
+    assert len(second.store) == 10

@@ -390,7 +390,11 @@ async def test_deliveries_and_pop_replies_share_a_connection_intact(live: LiveSe
     await trio.testing.wait_all_tasks_blocked()
     big = b"x" * 60_000
     for i in range(50):
-        await pusher.send(push(b"sub", b"d%d" % i, big) + push(b"own", b"p%d" % i, b"y"))
+        # Confirmed (sync) before the pop on the other connection: the server keeps no order
+        # between connections, and serves one chunk of each a turn (the 60 kB push may take
+        # more turns than the pop).
+        pushes = push(b"sub", b"d%d" % i, big) + push(b"own", b"p%d" % i, b"y")
+        assert await pusher.request(pushes + SYNC) == []
         await both.send(pop(b"own"))
     replies = [await both.reply() for _ in range(100)]
     assert sorted(r[0][0] for r in replies) == sorted(
