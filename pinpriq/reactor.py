@@ -32,12 +32,16 @@ Theory of operation:
   guarantees need) and the next turn follows; only when nothing is ready does it wait in trio
   on the epoll's descriptor, which costs trio a re-arm of its one-shot registration and a task
   step. On a busy server most turns take the first way.
+* **End of turn.** After serving a turn's ready connections, and before any other task runs,
+  the reactor calls its ``end_turn`` hook once: the server seals and writes the log's block of
+  the whole turn there, then writes the turn's replies (``server.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import select
+from collections.abc import Callable
 from typing import Protocol
 
 import outcome
@@ -60,11 +64,18 @@ class Servable(Protocol):
         ...
 
 
+def _nothing() -> None:
+    """The default ``end_turn``."""
+
+
 class Reactor:
     """One level-triggered epoll, and the task (``run``) that serves what it reports."""
 
-    def __init__(self) -> None:
+    def __init__(self, end_turn: Callable[[], None] | None = None) -> None:
+        """``end_turn`` is called after each turn's connections are served (see the module's
+        comment)."""
         self._epoll = select.epoll()
+        self._end_turn = end_turn if end_turn is not None else _nothing
         #: The parked connections' tasks, by file descriptor.
         self._parked: dict[int, tuple[Servable, trio.lowlevel.Task]] = {}
 
@@ -90,6 +101,7 @@ class Reactor:
         """Serve parked connections until cancelled."""
         epoll = self._epoll
         parked = self._parked
+        end_turn = self._end_turn
         ready: list[tuple[int, int]] = []
         while True:
             if ready:
@@ -112,6 +124,7 @@ class Reactor:
                 else:
                     if not waits:
                         self._hand_back(fileno, outcome.Value(None))
+            end_turn()
             ready = epoll.poll(0)
 
     def close(self) -> None:
