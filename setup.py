@@ -27,6 +27,7 @@ COMPILED = [
     "pinpriq/broker.py",
     "pinpriq/persistence/records.py",
     "pinpriq/persistence/store.py",
+    "pinpriq/persistence/journal.py",
 ]
 PURE_VARIABLE = "PINPRIQ_PURE_PYTHON"
 

@@ -3,6 +3,7 @@
     python benchmarks/ab_throughput.py --other ../baseline              # push and pop, 5 rounds
     python benchmarks/ab_throughput.py --other ../baseline -t push --rounds 9
     python benchmarks/ab_throughput.py --other ../baseline -P 1 -n 20000   # one request a wait
+    python benchmarks/ab_throughput.py --other ../baseline --fsync always   # with a log
 
 Each round starts a fresh ``pinpriq-server`` from each checkout (its own ``.venv``), in
 alternating order, drives each with this checkout's ``pinpriq-bench`` (4 client processes,
@@ -10,6 +11,10 @@ pipeline 64 and 400,000 operations unless told, 8-byte keys, 16-byte payloads, p
 ``server_instructions.py``) and stops it. A ratio is taken within each round, so the two
 servers of a round see the same machine load; the figure is the median of those ratios. On a
 shared machine the spread is wide: ``server_instructions.py`` gives the load-independent view.
+
+With ``--fsync POLICY`` each server runs with ``--data-dir`` on a fresh directory (under
+``--dir``, the system's temporary directory unless told: choose the disk to measure) and that
+policy, and is stopped before the directory is removed.
 """
 
 from __future__ import annotations
@@ -31,15 +36,18 @@ WORKLOAD = ["-c", "4", "--key-size", "8", "--payload-size", "16", "--prio-levels
 LISTENING = re.compile(rb"listening on \S+ port (\d+)")
 
 
-def throughput(checkout: Path, scenario: str, shape: list[str]) -> tuple[float, float]:
+def throughput(
+    checkout: Path, scenario: str, shape: list[str], log_options: list[str]
+) -> tuple[float, float]:
     """Operations per second of one fresh server of ``checkout``, and its CPU microseconds per
     operation (less sensitive than the rate to what else the machine runs). ``shape`` is the
-    load generator's pipeline and count options."""
+    load generator's pipeline and count options; ``log_options`` the server's (``--data-dir``,
+    ``--fsync``), or none."""
     server = str(checkout / ".venv" / "bin" / "pinpriq-server")
     usage = subprocess.run([server, "--help"], capture_output=True, text=True, check=True).stdout
     admin = ["--http-port", "0"] if "--http-port" in usage else []
     with tempfile.TemporaryFile() as log:
-        process = subprocess.Popen([server, "--port", "0", *admin], stderr=log)
+        process = subprocess.Popen([server, "--port", "0", *admin, *log_options], stderr=log)
         try:
             port = _port(log, process)
             bench = [str(BENCH), "--port", str(port), "--server-pid", str(process.pid)]
@@ -55,6 +63,16 @@ def throughput(checkout: Path, scenario: str, shape: list[str]) -> tuple[float, 
             process.wait(timeout=30)
     result = next(r for r in json.loads(done.stdout)["results"] if r["scenario"] == scenario)
     return float(result["ops_per_sec"]), float(result["server_cpu_us_per_op"])
+
+
+def _measure(
+    checkout: Path, scenario: str, shape: list[str], fsync: str | None, parent: Path | None
+) -> tuple[float, float]:
+    """``throughput``, on a fresh data directory with ``fsync`` if given."""
+    if fsync is None:
+        return throughput(checkout, scenario, shape, [])
+    with tempfile.TemporaryDirectory(dir=parent, prefix="ab-throughput-") as data_dir:
+        return throughput(checkout, scenario, shape, ["--data-dir", data_dir, "--fsync", fsync])
 
 
 def _port(log: object, process: subprocess.Popen[bytes]) -> int:
@@ -76,25 +94,37 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("-P", dest="pipeline", type=int, default=64, help="(default: 64)")
     parser.add_argument("-n", dest="count", type=int, default=400_000, help="(default: 400,000)")
+    parser.add_argument(
+        "--fsync",
+        choices=["always", "everysec", "no"],
+        help="run the servers with --data-dir (fresh each time) and this policy",
+    )
+    parser.add_argument(
+        "--dir", type=Path, help="where the data directories are made (default: the temp dir)"
+    )
     args = parser.parse_args()
     shape = ["-P", str(args.pipeline), "-n", str(args.count)]
     checkouts = [ROOT, args.other.resolve()]
+    policy = f" --fsync {args.fsync}" if args.fsync else ""
     for scenario in args.scenarios.split(","):
         ratios, cpu_ratios = [], []
         for round_number in range(args.rounds):
             order = checkouts if round_number % 2 == 0 else checkouts[::-1]
-            figures = {checkout: throughput(checkout, scenario, shape) for checkout in order}
+            figures = {
+                checkout: _measure(checkout, scenario, shape, args.fsync, args.dir)
+                for checkout in order
+            }
             (ours, our_cpu), (theirs, their_cpu) = figures[ROOT], figures[checkouts[1]]
             ratios.append(ours / theirs)
             cpu_ratios.append(our_cpu / their_cpu)
             print(
-                f"{scenario} -P {args.pipeline} round {round_number + 1}: "
+                f"{scenario} -P {args.pipeline}{policy} round {round_number + 1}: "
                 f"this {ours:,.0f}/s ({our_cpu} us/op), "
                 f"other {theirs:,.0f}/s ({their_cpu} us/op), ratio {ratios[-1]:.3f}",
                 flush=True,
             )
         print(
-            f"{scenario} -P {args.pipeline}: "
+            f"{scenario} -P {args.pipeline}{policy}: "
             f"median throughput ratio {statistics.median(ratios):.3f} "
             f"(range {min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} rounds); server CPU "
             f"per op, this / other: {statistics.median(cpu_ratios):.3f}",

@@ -41,6 +41,7 @@ COMPILED = (
     "pinpriq.broker",
     "pinpriq.persistence.records",
     "pinpriq.persistence.store",
+    "pinpriq.persistence.journal",
 )
 #: The packed store's C core (``pinpriq/_packed.c``), built beside the mypyc modules; with
 #: ``PURE_VARIABLE`` set it is not loaded (``pinpriq/packed.py``), and the server uses

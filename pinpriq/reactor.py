@@ -49,6 +49,9 @@ Theory of operation:
   never become real sleeps), the reactor waits through trio instead (``_TrioWait``, the
   fallback): on its epoll's descriptor with ``wait_readable``, and, when a turn leaves more to
   serve, with a checkpoint rather than a wait.
+* **End of turn.** After serving a turn's ready connections, and before any other task runs,
+  the reactor calls its ``end_turn`` hook once: the server seals and writes the log's block of
+  the whole turn there, then writes the turn's replies (``server.py``).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ import logging
 import select
 import sys
 import types
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import outcome
@@ -81,11 +85,18 @@ class Servable(Protocol):
         ...
 
 
+def _nothing() -> None:
+    """The default ``end_turn``."""
+
+
 class Reactor:
     """One level-triggered epoll, and the task (``run``) that serves what it reports."""
 
-    def __init__(self) -> None:
+    def __init__(self, end_turn: Callable[[], None] | None = None) -> None:
+        """``end_turn`` is called after each turn's connections are served (see the module's
+        comment)."""
         self._epoll = select.epoll()
+        self._end_turn = end_turn if end_turn is not None else _nothing
         #: The parked connections' tasks, by file descriptor.
         self._parked: dict[int, tuple[Servable, trio.lowlevel.Task]] = {}
         #: How ``run`` waits: in its own epoll when trio is suitable (``_IdleWait``), else in trio.
@@ -160,6 +171,7 @@ class Reactor:
             else:
                 if not waits:
                     self._hand_back(fileno, outcome.Value(None))
+        self._end_turn()
 
     def close(self) -> None:
         """Close the epoll, once no task parks or runs here any more."""

@@ -36,13 +36,17 @@ object. It owns only what needs an event loop or a limit:
   socket's file descriptor directly, which is the fast path; it pays nothing for TLS.
 * the client memory budget (``client_memory.ClientMemory``): the incomplete frames and unsent
   output of all connections, counted where they linger, never per frame.
-* with a log-backed store (``--data-dir``), the log's ordering rule: after each batch the
-  driver has the store seal and write what the batch logged (its ``flush``), and no
-  byte of output (a reply or a delivery) is written to a socket before the journal says it is
-  ``released``, that is, until every record sealed before it is stored as the fsync policy
-  promises; output that must wait goes to the connection's writer task, which waits for the
-  journal's keeper (fsyncs run in a worker thread, so other connections are served meanwhile).
-  Without a log none of this runs: ``journal`` is ``None``.
+* with a log-backed store (``--data-dir``), the log's ordering rule: no byte of output (a
+  reply or a delivery) is written to a socket before the journal says it is ``released``,
+  that is, until every record sealed before it is stored as the fsync policy promises. The
+  connections the reactor serves in one turn log into one open block and write nothing
+  (``in_turn``); at the end of the turn (``end_turn``) the block is sealed and written with one
+  ``pwrite`` (under ``always`` with fsyncs inline, fsynced too: ``Keeper.commit``), and then
+  the turn's output is written. A connection served by its own task has the store seal and
+  write what its batch logged right after the batch (``after_batch``). Output that must wait
+  goes to the connection's writer task, which waits for the journal's keeper (fsyncs in a
+  worker thread, so other connections are served meanwhile). Without a log none of this runs:
+  ``journal`` is ``None``.
 
 Memory held per connection is bounded: the decoder holds at most one frame plus one read, since
 the reader decodes everything it has before reading again, and stops reading while it waits.
@@ -263,6 +267,10 @@ class _Connection:
             return True  # woken for nothing after all: still waiting
         except OSError:
             data = b""  # reset by the peer: the same as its end of stream, here
+        server = self.server
+        if server.keeper is not None:
+            server.in_turn = True  # what this logs is sealed, and its output written, at the
+            # end of the reactor's turn (``PinpriqServer.end_turn``)
         return self._serve_now(data)
 
     def _serve_now(self, data: bytes) -> bool:
@@ -485,12 +493,18 @@ class _Connection:
         """Hand a batch's output to the kernel directly, with no coroutine or event, when the
         log holds nothing back (no log, or ``released``: ``after_batch`` has sealed and written
         the batch's records, and under ``always`` they are synced too, which is the only case
-        that waits); whether it took everything. If not, the read loop awaits the rest
+        that waits); whether it took everything, or, in a reactor turn, left it to the turn's
+        end (``PinpriqServer.end_turn``). If not, the read loop awaits the rest
         (``_send_output``), which is what stops it reading from a client that does not read
         its replies."""
-        journal = self.server.journal
-        if journal is not None and not journal.released:
-            return False
+        server = self.server
+        journal = server.journal
+        if journal is not None:
+            if server.in_turn:
+                server.owed.append(self)
+                return True
+            if not journal.released:
+                return False
         session = self.session
         output = session.output
         try:
@@ -512,10 +526,15 @@ class _Connection:
         if self.sending:  # deliveries pile up behind a slow write: they count, and may pause
             self.server.hold_output(self, len(session.output) + session.unsent)
             return
-        journal = self.server.journal
-        if journal is not None and not journal.released:
-            self._output_ready.set()  # the writer task waits for the log, then writes
-            return
+        server = self.server
+        journal = server.journal
+        if journal is not None:
+            if server.in_turn:
+                server.owed.append(self)  # written at the turn's end, after its log block
+                return
+            if not journal.released:
+                self._output_ready.set()  # the writer task waits for the log, then writes
+                return
         try:
             sent = self._send_now(session.output)
         except trio.BrokenResourceError:
@@ -823,6 +842,10 @@ class PinpriqServer:
         #: (``reactor.py``), while ``serve`` runs; ``None`` with TLS or a batched store, whose
         #: connections each wait in their own task.
         self.reactor: Reactor | None = None
+        #: With a log: whether the reactor is serving a turn, whose log block is sealed and
+        #: whose output is written at its end (``end_turn``); the connections it owes output.
+        self.in_turn = False
+        self.owed: list[_Connection] = []
 
     @property
     def recovering(self) -> bool:
@@ -859,7 +882,8 @@ class PinpriqServer:
         before the pusher's next frame is read and no connection in the list can have closed
         meanwhile."""
         broker = self.broker
-        logged = self._logged
+        # In a reactor turn nothing is written yet: the turn's end seals its block.
+        logged = None if self.in_turn else self._logged
         if logged is not None:
             logged.flush()
         if broker.timer < self._expiry_at:
@@ -870,6 +894,25 @@ class PinpriqServer:
                 self._connections[session].write_pending()
             if logged is not None:
                 logged.flush()  # what those deliveries popped, before they are written
+
+    def end_turn(self) -> None:
+        """The reactor's hook after each turn: seal and write the block the turn's connections
+        logged, one ``pwrite`` (and under ``always`` with fsyncs inline, one ``fdatasync``:
+        ``Keeper.commit``), then write the output the turn made; what the log still holds
+        back goes to the connections' writer tasks (``write_pending``)."""
+        if not self.in_turn:
+            return
+        self.in_turn = False
+        logged, keeper = self._logged, self.keeper
+        assert logged is not None
+        assert keeper is not None
+        keeper.commit(logged.flush)
+        owed = self.owed
+        for conn in owed:
+            conn.write_pending()
+        owed.clear()
+        if self.broker.dirty:
+            self.after_batch()  # the writes resumed a paused subscriber, which delivered
 
     def hold_input(self, conn: _Connection, size: int) -> None:
         """``conn``'s decoder now holds ``size`` bytes of an incomplete frame; past the client
@@ -974,7 +1017,7 @@ class PinpriqServer:
     ) -> None:
         listeners = await trio.open_tcp_listeners(port, host=host)
         if self.tls is None and self.batched is None:
-            self.reactor = Reactor()
+            self.reactor = Reactor(self.end_turn if self.keeper is not None else None)
         try:
             await self._serve_listeners(listeners, task_status)
         finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import select
 import threading
 from collections.abc import AsyncIterator, Callable
 from functools import partial
@@ -122,6 +123,18 @@ async def eventually(predicate: Callable[[], bool], seconds: float = 5.0) -> Non
             return
         await trio.sleep(0.01)
     raise AssertionError(f"still not true after {seconds} s")
+
+
+def wait_readable(fds: list[int]) -> None:
+    """Block until every one of ``fds`` has something to read (what a peer sent has reached
+    the server's socket: loopback may hand it over in a kernel thread)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    for _ in range(1000):
+        if len(poller.poll(10)) == len(fds):
+            return
+    raise AssertionError("the peers' requests did not arrive")
 
 
 def logged_removals(path: Path) -> list[int]:
@@ -370,7 +383,7 @@ async def test_recovering_is_visible_while_the_log_is_read(running: Running) -> 
 
 
 async def push_and_see_the_server_stop(
-    journal: Journal, before_push: Callable[[], object] = lambda: None
+    journal: Journal, before_push: Callable[[PinpriqServer], object] = lambda server: None
 ) -> None:
     """Serve ``journal``'s log, push and sync: the log fails (``LogFailure`` stops the server),
     and the connection closes with no reply sent."""
@@ -382,7 +395,7 @@ async def push_and_see_the_server_stop(
             port = listeners[0].socket.getsockname()[1]
             async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
                 peer = Peer(stream)
-                before_push()
+                before_push(server)
                 await peer.send(push(b"q", b"k", b"v") + SYNC)
                 with pytest.raises(EOFError):
                     await peer.reply()
@@ -407,9 +420,37 @@ async def test_a_failed_write_stops_the_server(
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     journal = Journal(DataDir.open(tmp_path, write=True))
-    await push_and_see_the_server_stop(journal, failing.set)
+    await push_and_see_the_server_stop(journal, lambda server: failing.set())
     assert "Input/output error" in str(journal.failure)
     DataDir.open(tmp_path, write=True).close()  # the directory was released
+
+
+async def test_a_failed_inline_fsync_at_a_turns_end_stops_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under always with fsyncs inline, the reactor's turn fsyncs its block itself
+    (``Keeper.commit``): EIO there fails the journal, the keeper stops the server with
+    ``LogFailure`` as after a failed fsync in the thread, and the turn's reply never goes out."""
+    failing = threading.Event()
+    real_fdatasync = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        if failing.is_set():
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_fdatasync(fd)
+
+    def go_inline_and_fail(server: PinpriqServer) -> None:
+        assert server.keeper is not None
+        server.keeper.inline = True
+        failing.set()
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    journal = Journal(DataDir.open(tmp_path, write=True), policy=FsyncPolicy.ALWAYS)
+    await push_and_see_the_server_stop(journal, go_inline_and_fail)
+    assert (
+        journal.failure == f"fsync of the log failed: {OSError(errno.EIO, os.strerror(errno.EIO))}"
+    )
+    assert journal.hold is Hold.FAILED
 
 
 async def test_the_admin_listener_says_recovering_then_shows_the_log(
@@ -591,3 +632,67 @@ async def test_the_garbage_collector_pauses_while_the_log_is_read(running: Runni
     await running.start(store_class=WatchedRecovery)
     assert collecting == [False]
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("policy", [FsyncPolicy.EVERYSEC, FsyncPolicy.ALWAYS])
+async def test_a_reactor_turn_writes_one_block_then_its_replies_with_no_task_switch(
+    running: Running, monkeypatch: pytest.MonkeyPatch, policy: FsyncPolicy
+) -> None:
+    """The connections the reactor serves in one turn log into one block, sealed and written
+    once at the turn's end; under always (fsyncs inline: a fast disk) it is fsynced there too;
+    only then are the turn's replies and deliveries written, by the reactor's task itself
+    (issue 21). Order is observed through the log's system calls, not timed."""
+    await running.start(policy)
+    subscriber = await running.connect()
+    await subscriber.send(subscribe(b"d") + READY)
+    peers = [await running.connect() for _ in range(5)]
+    for peer in [subscriber, *peers]:
+        assert await peer.request(SYNC) == []  # served: each now waits in the reactor
+    await eventually(lambda: running.journal.spare is not None)  # no segment made meanwhile
+    keeper = running.server.keeper
+    assert keeper is not None
+    if policy is FsyncPolicy.ALWAYS:
+        monkeypatch.setattr(keeper_module, "INLINE_FSYNC_SECONDS", float("inf"))
+        keeper.inline = True  # as after FAST_FSYNCS fast ones
+    ports = {f"127.0.0.1:{peer.local_port}" for peer in peers[1:]}
+    others = [c.fileno for c in running.server._connections.values() if c.peer in ports]
+    journal = running.journal
+    blocks, fsyncs = journal.blocks_written, journal.fsyncs
+    events: list[str] = []
+    real_pwrite, real_fdatasync, real_write = os.pwrite, os.fdatasync, os.write
+
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        events.append("pwrite")
+        if events.count("pwrite") == 1:  # in the first turn, the other peers' requests arrive
+            for i, peer in enumerate(peers[1:]):
+                real_write(peer.stream.socket.fileno(), push(b"q", b"%d" % i, b"") + SYNC)
+            wait_readable(others)  # all in the server's sockets before the next turn
+        return real_pwrite(fd, data, offset)
+
+    def fdatasync(fd: int) -> None:
+        if threading.current_thread() is threading.main_thread():
+            events.append("fsync")  # inline (everysec's own fsyncs, in the thread, may come)
+        real_fdatasync(fd)
+
+    def write(fd: int, data: bytes | bytearray) -> int:
+        task = trio.lowlevel.current_task().name
+        events.append("reply by the reactor" if task.endswith("Reactor.run") else f"by {task}")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    monkeypatch.setattr(os, "write", write)
+    with trio.fail_after(10):
+        await peers[0].send(push(b"d", b"k", b"v") + SYNC)
+        assert await subscriber.reply() == [(b"k", b"v")]
+        for peer in peers:
+            assert await peer.reply() == []
+    monkeypatch.undo()
+    commit = ["pwrite", "fsync"] if policy is FsyncPolicy.ALWAYS else ["pwrite"]
+    replies = ["reply by the reactor"]
+    assert events == commit + replies * 2 + commit + replies * 4, (
+        "a turn's block written (and fsynced) once, then its replies, from the reactor's task"
+    )
+    assert journal.blocks_written == blocks + 2
+    if policy is FsyncPolicy.ALWAYS:
+        assert journal.fsyncs == fsyncs + 2

@@ -1,7 +1,9 @@
 """The log's write side: the open block the store fills, sealing, writing in order, the segment
 lifecycle, and holding output back until records are stored as the fsync policy promises.
 Synchronous and single-threaded; what must wait (fsyncs, new segments, a full disk) is done by
-``keeper.Keeper`` in trio, which calls back in here.
+``keeper.Keeper`` in trio, which calls back in here. Compiled with mypyc where it can be
+(``setup.py``'s list; its per-block bookkeeping is then native ints and C calls), else run as
+plain Python: so ``Journal`` is a native class, whose methods cannot be patched on an instance.
 
 Theory of operation.
 
@@ -219,7 +221,6 @@ class Journal:
         self.fsync_seconds = 0.0
         self.last_fsync_seconds = 0.0
         self.blocks_written = 0
-        self.bytes_written = 0
         self.segments_deleted = 0
 
     # -- start ----------------------------------------------------------------------------
@@ -434,7 +435,6 @@ class Journal:
         self.used_bytes += size
         self.written_pos += size
         self.blocks_written += 1
-        self.bytes_written += size
         self._written_seq = seq
         segment.live += pushes
         segment.entries += entries
@@ -588,8 +588,14 @@ class Journal:
         if self.hold is Hold.SPACE:
             self.hold = None
             self.write()
-            if self.hold is None and self.spare is not None:
+            if self._held() is None and self.spare is not None:
                 self._set_disk_full(False, None)
+
+    def _held(self) -> Hold | None:
+        """``hold``, read again after a call that may have changed it: compiled by mypyc, a
+        read of ``self.hold`` right after the function set or tested it keeps the type mypy
+        narrowed it to, and a call in between does not widen it."""
+        return self.hold
 
     def _set_disk_full(self, full: bool, error: OSError | None) -> None:
         if full == self.disk_full:
@@ -691,7 +697,7 @@ class Journal:
                 self.spare_ready(number, create_segment(path, self.segment_size))
             elif self.hold is Hold.SPACE:
                 self.retry()
-                if self.hold is Hold.SPACE:
+                if self._held() is Hold.SPACE:
                     break
             else:
                 break
@@ -716,7 +722,7 @@ class Journal:
             log_bytes=self.used_bytes,
             live_packets=sum(segment.live for segment in self.segments),
             blocks_written=self.blocks_written,
-            bytes_written=self.bytes_written,
+            bytes_written=self.written_pos,
             fsyncs=self.fsyncs,
             fsync_seconds=self.fsync_seconds,
             last_fsync_seconds=self.last_fsync_seconds,

@@ -17,6 +17,14 @@ fsyncs at its next turn of the event loop, so the batches of every connection re
 turn share the fsync, the batches applied while it runs go into the next one, and a lone
 client's request is synced at once.
 
+A reactor turn's block (``commit``). The connections the server's reactor serves in one turn
+log into one open block, which the server seals and writes at the end of the turn through
+``commit``; under ``always``, with fsyncs inline, ``commit`` fsyncs it there and then, so the
+turn's replies are written next, in the same step of the event loop: per turn one ``pwrite``
+and one ``fdatasync``, and no task switch (what Redis does in ``beforeSleep``). The keeper's
+task is woken only for what ``commit`` did not do (an fsync in the thread, a rotation, a
+spare).
+
 Where an fsync runs. A worker thread (``trio.to_thread``) keeps the event loop serving every
 connection while the disk works, but the hand-off costs tens of microseconds of CPU and a
 wake-up on each side, which on a disk that syncs in tens of microseconds is most of the cost
@@ -28,11 +36,13 @@ waits on the disk (``everysec``'s fsync of a second of writes, rotations, new se
 runs in the thread. Only the output that waits on an fsync is held (``wait_released``).
 
 A failed fsync or write stops the server (``LogFailure``): after a failed fsync the kernel may
-have dropped the data, so no later fsync could be trusted to mean anything.
+have dropped the data, so no later fsync could be trusted to mean anything. The journal is
+marked failed (``Journal.fail``) first, so no output waiting on the log is ever written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -76,17 +86,76 @@ class Keeper:
         #: the worker thread has made (see the module's docstring).
         self.inline = False
         self._fast = 0
+        #: While ``commit`` runs, the journal's wake-ups are noted here instead of waking
+        #: the task; and how many tasks wait in ``wait_released``.
+        self._committing = False
+        self._asked = False
+        self._waiting = 0
         journal.wake = self._wake_up
 
     def _wake_up(self) -> None:
-        self._wake.set()
+        if self._committing:
+            self._asked = True
+        else:
+            self._wake.set()
 
     async def wait_released(self) -> None:
         """Return once every block sealed before the call is stored as the policy promises."""
         journal = self.journal
         target = journal.sealed_pos
-        while journal.reached < target:
-            await self._progress.wait()
+        self._waiting += 1
+        try:
+            while journal.reached < target:
+                await self._progress.wait()
+        finally:
+            self._waiting -= 1
+
+    def commit(self, flush: Callable[[], None]) -> None:
+        """Seal and write a reactor turn's block (``flush``) and, under ``always`` with fsyncs
+        inline, fsync it here, so that the turn's output may be written at once (see the
+        module's docstring). Never raises for the log: a failed fsync fails the journal, and
+        the keeper's task stops the server."""
+        self._committing = True
+        try:
+            flush()
+        finally:
+            self._committing = False
+        if not self._asked:
+            return
+        self._asked = False
+        journal = self.journal
+        if (
+            self.inline
+            and journal.policy is FsyncPolicy.ALWAYS
+            and journal.hold is None
+            and journal.rotating is None
+            and journal.written_pos > journal.synced_pos
+        ):
+            # Every byte not yet synced is in the active segment: the keeper's own ``_work``
+            # fsyncs a rotated segment before the active one, and no rotation is under way.
+            # A failed fsync fails the journal (``_has_work``): the task stops the server.
+            with contextlib.suppress(LogFailure):
+                self._sync_active_inline()
+            self._progressed()
+            if not self._has_work():
+                return
+        self._wake.set()
+
+    def _has_work(self) -> bool:
+        """Whether ``_work`` would find something to do now (retries aside: they wait)."""
+        journal = self.journal
+        return (
+            journal.hold is not None
+            or journal.rotating is not None
+            or journal.spare is None
+            or journal.sync_due(self._clock())
+        )
+
+    def _progressed(self) -> None:
+        """Wake the tasks waiting for the log to reach further."""
+        if self._waiting:
+            self._progress.set()
+            self._progress = trio.Event()
 
     async def run(self) -> None:
         """Serve the journal until cancelled. Raises ``LogFailure`` if the log fails."""
@@ -95,8 +164,7 @@ class Keeper:
             if journal.hold is Hold.FAILED:
                 raise LogFailure(journal.failure)
             worked = await self._work()
-            self._progress.set()
-            self._progress = trio.Event()
+            self._progressed()
             if not worked:
                 with trio.move_on_at(self._next_time()):
                     await self._wake.wait()
@@ -127,13 +195,23 @@ class Keeper:
     async def _sync_active(self) -> None:
         """Fsync the active segment, inline or in the worker thread, and choose where the
         next one runs."""
+        if self.inline:
+            self._sync_active_inline()
+            return
         journal = self.journal
         position = journal.written_pos
-        fd = journal.active.fd
-        if self.inline:
-            seconds = self._fsync_inline(fd)
-        else:
-            seconds = await self._fsync(fd)
+        seconds = await self._fsync(journal.active.fd)
+        self._synced(position, seconds)
+
+    def _sync_active_inline(self) -> None:
+        journal = self.journal
+        position = journal.written_pos
+        self._synced(position, self._fsync_inline(journal.active.fd))
+
+    def _synced(self, position: int, seconds: float) -> None:
+        """An fsync of the active segment from ``position`` took ``seconds``: tell the
+        journal, and choose where the next one runs."""
+        journal = self.journal
         if seconds > INLINE_FSYNC_SECONDS:
             self.inline = False
             self._fast = 0
@@ -157,22 +235,29 @@ class Keeper:
     async def _fsync(self, fd: int | None) -> float:
         """Fsync ``fd`` in the worker thread; returns how long the fsync itself took."""
         self.journal.last_sync = self._clock()
-        return await trio.to_thread.run_sync(self._timed_fsync, fd)
+        try:
+            return await trio.to_thread.run_sync(self._timed_fsync, fd)
+        except OSError as error:
+            raise self._fsync_failed(error) from None
 
     def _fsync_inline(self, fd: int | None) -> float:
         """Fsync ``fd`` here, in the event loop; returns how long it took."""
         self.journal.last_sync = self._clock()
-        return self._timed_fsync(fd)
+        try:
+            return self._timed_fsync(fd)
+        except OSError as error:
+            raise self._fsync_failed(error) from None
 
     def _timed_fsync(self, fd: int | None) -> float:
         assert fd is not None
         started = self._clock()
-        try:
-            os.fdatasync(fd)
-        except OSError as error:
-            log.critical("fsync of the log failed: %s; the server stops", error)
-            raise LogFailure(f"fsync of the log failed: {error}") from None
+        os.fdatasync(fd)
         return self._clock() - started
+
+    def _fsync_failed(self, error: OSError) -> LogFailure:
+        """Fail the journal (it logs why, and holds all waiting output for ever)."""
+        self.journal.fail("fsync of the log failed", error)
+        return LogFailure(self.journal.failure)
 
     async def _make_spare(self) -> None:
         journal = self.journal
