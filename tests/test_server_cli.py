@@ -39,7 +39,15 @@ class ServerProcess:
         """Send a signal; returns exit status, seconds to exit, and the rest of stderr."""
         started = time.monotonic()
         self.process.send_signal(signum)
-        _, stderr = self.process.communicate(timeout=10)
+        # Read through the text wrapper, to its end (the server's exit): the lines logged just
+        # after the listening line may already sit in its buffer, read with that line when
+        # this process was slow to read, and ``communicate`` reads the pipe beneath it.
+        assert self.process.stderr is not None
+        stderr = self.process.stderr.read()
+        self.process.wait(timeout=10)
+        for pipe in (self.process.stdout, self.process.stderr):
+            if pipe is not None:
+                pipe.close()
         return self.process.returncode, time.monotonic() - started, stderr
 
 
