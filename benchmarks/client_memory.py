@@ -10,7 +10,7 @@ opens the connections, reads the server's ``VmRSS``, lets every connection send 
 196,615 bytes of its push at once, waits until the server has read all it will, and reads
 ``VmHWM`` (the peak resident set). Growth is peak minus the resident set before the flood, so
 what idle connections cost is not counted. It prints the figures (``--json``: one JSON line)
-and exits 1 if the growth passes the client memory budget (with 10% of slack for the
+and exits 1 if the growth passes the client memory budget (with 15% of slack for the
 allocator) or the well-behaved client was not served. Before the budget existed, 1,000 such
 connections grew the server by 197 MiB.
 """
@@ -33,9 +33,13 @@ import trio
 SERVER = str(Path(sys.executable).parent / "pinpriq-server")
 LISTENING = re.compile(r"listening on \S+ port (\d+)")
 MIB = 1024 * 1024
-#: The budget counts the bytes of incomplete frames; the allocator holds a little more for them
-#: (headers, and holes between chunks of varied sizes): about 5% measured.
-ALLOCATOR_SLACK = 1.1
+#: The budget counts the bytes of incomplete frames; the allocator holds more for them (holes
+#: between chunks of varied sizes: a read allocates 64 KiB and gives back what it did not fill):
+#: 7.4-11.1% over the budget in eight runs on 2026-11-25 (main at d801ad3 and at 18c7d37 alike),
+#: where this once said 5% and allowed 10%, which failed about one run in three. Without the
+#: budget the same flood grows the server by 197 MiB, so 15% still tells a budget that holds
+#: from one that does not.
+ALLOCATOR_SLACK = 1.15
 #: A maximum-size push (three 65,535-byte fields) but its last 100 bytes.
 HEADER = struct.pack(">BHHBHH", 0x70, 65535, 0, 1, 65535, 65535)
 ALMOST = (HEADER + b"k" * 65535 + b"p" * 65535 + b"q" * 65535)[:-100]

@@ -142,7 +142,7 @@ async def test_a_client_owed_output_is_paused_never_closed_for_the_budget(
 def test_resident_memory_stays_within_the_budget_under_a_thousand_slow_clients() -> None:
     """1,000 connections each send all but the last 100 bytes of a maximum-size push to a
     server started with --max-memory 64MiB (so a client budget of 32 MiB): its resident
-    memory grows by about the budget (the allocator adds ~5% to the bytes the budget counts;
+    memory grows by about the budget (the allocator adds 7-11% to the bytes the budget counts;
     without a budget it grew by 197 MiB), while a well-behaved client is served throughout."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "client_memory.py"), "--json"],
