@@ -184,16 +184,16 @@ def _other_layout(spec: StoreSpec, libraries: list[str]) -> str:
     run: the upgrade (docs/redis.md) if this build reads their keys as they are."""
     names = ", ".join(libraries)
     found = f"Redis at {spec.text} holds the functions of another pinpriq key layout ({names}; "
-    deletes = " and ".join(f"FUNCTION DELETE {name}" for name in libraries)
+    deletes = " and ".join(f"`redis-cli FUNCTION DELETE {name}`" for name in libraries)
     if all(_layout_of(name) in range(lua.KEYS_SINCE, lua.LAYOUT) for name in libraries):
         return (
             f"{found}this build uses {lua.LIBRARY_NAME} and reads their queues as they are): "
-            f"to upgrade, stop every front end of the older build, run `redis-cli {deletes}` "
+            f"to upgrade, stop every front end of the older build, run {deletes} "
             "(on every primary of a Cluster), then start this one"
         )
     return (
         f"{found}this build uses {lua.LIBRARY_NAME}): run every front end on one build, or "
-        f"`redis-cli {deletes}` once no front end of that build runs"
+        f"{deletes} once no front end of that build runs"
     )
 
 
