@@ -47,8 +47,9 @@ OVER_BUDGET = re.compile(r"client memory over its budget \((\d+) bytes held")
 #: chunks between the frames of closed connections, the heap's untrimmed top). The rest of the
 #: growth is memory the budget does not count, 2.0-2.4 MiB whatever the frames: the Python
 #: objects of the connections busy reading a frame (about 2.5 KiB each: coroutines, trio's
-#: epoll waiter, a cancel scope; up to ~500 at once here) and of those being closed, which
-#: pymalloc serves from new 1 MiB arenas and keeps. Against the 32 MiB default that is
+#: epoll waiter, a cancel scope; ~470 at once here) and of those closed whose tasks have not
+#: unwound yet (~350: trio's ``Cancelled``, its traceback and frames), which pymalloc serves
+#: from new 1 MiB arenas and keeps (docs/performance.md). Against the 32 MiB default that is
 #: 6.5-9.1% over the budget (median 7.9%) in eight runs on 2026-11-25 (main e3ce253), and
 #: 7.4-11.1% in the lead's eight (d801ad3, 18c7d37), where 10% failed about one run in three.
 #: Without the budget the same flood grows the server by 197 MiB, so 15% still tells a budget
