@@ -86,13 +86,14 @@ async def fill_through_layout_5(client: Any) -> None:
     for batch in (first, second):
         args = [k.channel, 1, *(field for packet in batch for field in packet)]
         await client.fcall("pinpriq_5_push", keys=k[:5], args=args)
-    for delayed in [(b"h", b"h1", 60_000, 1, 300), (b"i", b"i1", 0, 1, HOUR_MS)]:
-        keys = [k.data, k.delayed, k.due, k.waiting]
-        await client.fcall("pinpriq_5_push_delayed", keys=keys, args=list(delayed))
     for handle in (b"old:1", b"old:2", b"old:3"):  # leases of a layout 5 front end
         reserve = lease_args(QUEUE, 65535, handle, HOUR_MS)
         leased = await client.fcall("pinpriq_5_reserve", keys=lease_keys(QUEUE), args=reserve)
         assert leased, "layout 5 reserved nothing"
+    # After the reserves, so that none takes h1 however long the calls before took.
+    for delayed in [(b"h", b"h1", 60_000, 1, 300), (b"i", b"i1", 0, 1, HOUR_MS)]:
+        keys = [k.data, k.delayed, k.due, k.waiting]
+        await client.fcall("pinpriq_5_push_delayed", keys=keys, args=list(delayed))
 
 
 async def copy_database(client: Any, to: int) -> None:
@@ -165,7 +166,7 @@ async def test_the_documented_upgrade_from_layout_5_keeps_every_packet_in_order(
     assert b"c1" not in popped
     assert b"f1" not in popped
     assert [int(reply[0]) for reply in ended] == [1, 1]  # both leases were live
-    assert len(popped) == 12, popped  # 17 pushed: c1 expired; f1, i1 and the held lease's stay
+    assert len(popped) == 12, popped  # of 17: c1 expired, m1 acked; f1, i1, leased l1 stay
     # The upgrade: stop the layout 5 front ends (none run here), delete their library.
     assert redis.cli("FUNCTION", "DELETE", "pinpriq_5") == "OK"
     async with front_end(redis.url) as (_, port):  # loads this build's library
