@@ -50,7 +50,7 @@ OVER_BUDGET = re.compile(r"client memory over its budget \((\d+) bytes held")
 #: epoll waiter, a cancel scope; ~470 at once here) and of those closed whose tasks have not
 #: unwound yet (~350: trio's ``Cancelled``, its traceback and frames), which pymalloc serves
 #: from new 1 MiB arenas and keeps (docs/performance.md). Against the 32 MiB default that is
-#: 6.5-9.1% over the budget (median 7.9%) in eight runs on 2026-11-25 (main e3ce253), and
+#: 6.5-9.1% over the budget (median 8.0%) in eight runs on 2026-11-25 (main e3ce253), and
 #: 7.4-11.1% in the lead's eight (d801ad3, 18c7d37), where 10% failed about one run in three.
 #: Without the budget the same flood grows the server by 197 MiB, so 15% still tells a budget
 #: that holds from one that does not.
