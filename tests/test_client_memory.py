@@ -15,6 +15,7 @@ import pytest
 import trio
 import trio.testing
 
+from benchmarks.client_memory import ALLOCATOR_SLACK
 from pinpriq.broker import OUTPUT_HIGH_WATER
 from pinpriq.client_memory import (
     LOW_WATER_FRACTION,
@@ -22,7 +23,7 @@ from pinpriq.client_memory import (
     ClientMemory,
     default_budget,
 )
-from pinpriq.server import PinpriqServer
+from pinpriq.server import RECEIVE_SIZE, PinpriqServer
 from tests.conftest import StartServer
 from tests.rawpeer import pop, push
 
@@ -142,8 +143,11 @@ async def test_a_client_owed_output_is_paused_never_closed_for_the_budget(
 def test_resident_memory_stays_within_the_budget_under_a_thousand_slow_clients() -> None:
     """1,000 connections each send all but the last 100 bytes of a maximum-size push to a
     server started with --max-memory 64MiB (so a client budget of 32 MiB): its resident
-    memory grows by about the budget (the allocator adds 7-11% to the bytes the budget counts;
-    without a budget it grew by 197 MiB), while a well-behaved client is served throughout."""
+    memory grows by about the budget (without a budget it grew by 197 MiB), while a
+    well-behaved client is served throughout. The frames' bytes cost about their size in the
+    malloc heap; the growth passes the budget by 7-11% with the Python objects of the busy
+    connections, which the budget does not count (``ALLOCATOR_SLACK`` says how that was
+    measured)."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "client_memory.py"), "--json"],
         capture_output=True,
@@ -155,6 +159,10 @@ def test_resident_memory_stays_within_the_budget_under_a_thousand_slow_clients()
     figures = json.loads(done.stdout.splitlines()[-1])
     assert figures["connections"] == 1000
     assert figures["budget"] == MIN_DEFAULT_BUDGET
-    assert 0 < figures["growth"] <= 1.1 * figures["budget"], figures
+    assert 0 < figures["growth"] <= ALLOCATOR_SLACK * figures["budget"], figures
+    # The budget closes connections once past it by one read at most, and what it counted
+    # costs about its size in the heap: no copy of a held frame, no hole per chunk.
+    assert figures["budget"] < figures["held_max"] <= figures["budget"] + RECEIVE_SIZE, figures
+    assert figures["heap_growth"] <= 1.1 * figures["held_max"], figures
     assert figures["closed"] > 0
     assert figures["round_trips"] > 0

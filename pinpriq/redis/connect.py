@@ -167,11 +167,7 @@ async def check_layout(client: Any, spec: StoreSpec) -> None:
     libraries = await client.function_list(libraryname="pinpriq_*")
     others = sorted(_text(name) for name in libraries if _text(name) != lua.LIBRARY_NAME)
     if others:
-        raise StoreError(
-            f"Redis at {spec.text} holds the functions of another pinpriq key layout "
-            f"({', '.join(others)}; this build uses {lua.LIBRARY_NAME}): run every front end "
-            "on one build, or FUNCTION DELETE it once no front end of that build runs"
-        )
+        raise StoreError(_other_layout(spec, others))
     # Layout 5 keeps a queue's sequence number in its hash; layouts 2-4 kept it in a ``:q``
     # string, which every queue of theirs holding packets has. Their keys, left after their
     # library was deleted, would be misread: refuse them too (one scan, at start).
@@ -181,6 +177,30 @@ async def check_layout(client: Any, spec: StoreSpec) -> None:
             f"and maybe more; this build uses {lua.LIBRARY_NAME}): drain them with the build "
             "that wrote them, or delete their pq:* keys, before starting this one"
         )
+
+
+def _other_layout(spec: StoreSpec, libraries: list[str]) -> str:
+    """Why a Redis holding the functions ``libraries`` of other layouts is refused, and what to
+    run: the upgrade (docs/redis.md) if this build reads their keys as they are."""
+    names = ", ".join(libraries)
+    found = f"Redis at {spec.text} holds the functions of another pinpriq key layout ({names}; "
+    deletes = " and ".join(f"`redis-cli FUNCTION DELETE {name}`" for name in libraries)
+    if all(_layout_of(name) in range(lua.KEYS_SINCE, lua.LAYOUT) for name in libraries):
+        return (
+            f"{found}this build uses {lua.LIBRARY_NAME} and reads their queues as they are): "
+            f"to upgrade, stop every front end of the older build, run {deletes} "
+            "(on every primary of a Cluster), then start this one"
+        )
+    return (
+        f"{found}this build uses {lua.LIBRARY_NAME}): run every front end on one build, or "
+        f"{deletes} once no front end of that build runs"
+    )
+
+
+def _layout_of(library: str) -> int:
+    """The layout of library ``pinpriq_<N>``; -1 if it names none."""
+    suffix = library.removeprefix("pinpriq_")
+    return int(suffix) if suffix.isdigit() else -1
 
 
 def _text(value: Any) -> str:

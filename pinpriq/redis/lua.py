@@ -31,6 +31,7 @@ Deadline 0 means "never" (TTL 0).
 from __future__ import annotations
 
 __all__ = [
+    "KEYS_SINCE",
     "KEY_AT",
     "LAYOUT",
     "LEASE_OP",
@@ -1167,6 +1168,9 @@ return reply
 #: too) and every front end calls the same functions. Bump it with any change to the scripts.
 LAYOUT = 6
 LIBRARY_NAME = f"pinpriq_{LAYOUT}"
+#: The oldest layout whose keys this one reads as they are (layout 6 changed only functions):
+#: its queues are upgraded by deleting its library once its front ends are stopped.
+KEYS_SINCE = 5
 
 #: Each function: its body and its flags (``allow-oom``: it only frees memory or puts back what
 #: was held a moment ago, so a full Redis still runs it; none: Redis refuses it over maxmemory).
