@@ -8,8 +8,10 @@
  * place: no argument tuple, no tuple.__new__). It knows no socket and no clock.
  *
  * Decoder(push, delayed_push, pop) holds what wire.FrameDecoder's Python path holds between
- * frames: the last queue name (so that a connection's frames share one name object, whose hash
- * the store computes once) and the last pop frame (one frame serves a pipelined run of pops).
+ * frames: the last push's queue name (so that a connection's frames share one name object,
+ * whose hash the store computes once) and the last pop frame (one frame serves a pipelined run
+ * of pops), kept apart so that a connection pushing to one queue and popping another (a
+ * worker; a client's pop or sync after each push) shares both.
  * decode(data, pos, frames) appends the frames from ``pos`` on and returns where it stopped:
  * at the end of ``data``; at an incomplete hot frame (``need`` then says how many bytes that
  * frame needs, counted from its start, as wire.py counts); or at a frame it leaves to wire.py
@@ -37,7 +39,7 @@
 typedef struct {
     PyObject_HEAD
     PyTypeObject *push_type, *delayed_type, *pop_type;
-    PyObject *queue; /* bytes: the last queue name shared between frames */
+    PyObject *queue; /* bytes: the last push's queue name, shared between frames */
     PyObject *pop;   /* the last pop frame, or NULL */
     Py_ssize_t need; /* bytes the incomplete frame decode stopped at needs; 0 if none */
 } DecoderObject;
@@ -67,21 +69,21 @@ fail:
     return NULL;
 }
 
-/* Whether the queue name at ``at`` is the shared one. */
-static inline int is_shared(DecoderObject *self, const unsigned char *at, Py_ssize_t len) {
-    PyObject *last = self->queue;
-    return PyBytes_GET_SIZE(last) == len && memcmp(PyBytes_AS_STRING(last), at, len) == 0;
+/* Whether ``name`` (bytes) is the queue name at ``at``. */
+static inline int names(PyObject *name, const unsigned char *at, Py_ssize_t len) {
+    return PyBytes_GET_SIZE(name) == len && memcmp(PyBytes_AS_STRING(name), at, len) == 0;
 }
 
 /* The queue name at ``at`` as a new reference: the shared object if it is that name, else a
- * new one, which becomes the shared one if it is short enough (wire.py's rule). */
-static PyObject *queue_name(DecoderObject *self, const unsigned char *at, Py_ssize_t len) {
-    if (is_shared(self, at, len)) {
+ * new one, which becomes the shared one if ``share`` and it is short enough (wire.py's rule). */
+static PyObject *queue_name(DecoderObject *self, const unsigned char *at, Py_ssize_t len,
+                            int share) {
+    if (names(self->queue, at, len)) {
         Py_INCREF(self->queue);
         return self->queue;
     }
     PyObject *name = PyBytes_FromStringAndSize((const char *)at, len);
-    if (name != NULL && len <= SHARED_NAME_MAX) {
+    if (name != NULL && share && len <= SHARED_NAME_MAX) {
         Py_INCREF(name);
         Py_SETREF(self->queue, name);
     }
@@ -95,7 +97,7 @@ static PyObject *push_frame(DecoderObject *self, const unsigned char *b, Py_ssiz
     const unsigned char *key = b + head;
     const unsigned char *payload = key + klen;
     PyObject *items[6];
-    items[0] = queue_name(self, payload + plen, qlen);
+    items[0] = queue_name(self, payload + plen, qlen, 1);
     items[1] = PyBytes_FromStringAndSize((const char *)key, klen);
     items[2] = PyBytes_FromStringAndSize((const char *)payload, plen);
     items[3] = PyLong_FromUnsignedLong(ttl_ms);
@@ -106,27 +108,18 @@ static PyObject *push_frame(DecoderObject *self, const unsigned char *b, Py_ssiz
     return frame_new(self->delayed_type, 6, items);
 }
 
-/* A pop frame naming the queue at ``at``, as a new reference: the last one if it names the
- * shared name (a pipelining consumer sends the same pop many times). */
+/* A pop frame naming the queue at ``at``, as a new reference: the last one if it names that
+ * queue (a pipelining consumer sends the same pop many times), else a new one, which becomes
+ * the last one if its name is short enough; its name is the push's shared one if it is that. */
 static PyObject *pop_frame(DecoderObject *self, const unsigned char *at, Py_ssize_t len) {
-    PyObject *items[1];
-    if (is_shared(self, at, len)) {
-        if (self->pop == NULL || PyTuple_GET_ITEM(self->pop, 0) != self->queue) {
-            Py_INCREF(self->queue);
-            items[0] = self->queue;
-            PyObject *frame = frame_new(self->pop_type, 1, items);
-            if (frame == NULL)
-                return NULL;
-            Py_XSETREF(self->pop, frame);
-        }
+    if (self->pop != NULL && names(PyTuple_GET_ITEM(self->pop, 0), at, len)) {
         Py_INCREF(self->pop);
         return self->pop;
     }
-    items[0] = PyBytes_FromStringAndSize((const char *)at, len);
+    PyObject *items[1];
+    items[0] = queue_name(self, at, len, 0);
     PyObject *frame = frame_new(self->pop_type, 1, items);
     if (frame != NULL && len <= SHARED_NAME_MAX) {
-        Py_INCREF(items[0]);
-        Py_SETREF(self->queue, items[0]);
         Py_INCREF(frame);
         Py_XSETREF(self->pop, frame);
     }

@@ -67,8 +67,9 @@ Theory of operation, as the driver sees it:
   path costs more than a push's whole bookkeeping in the store, so there is none. The lease
   table counts per lease (``lease_totals()``, ``leases.leased(queue)``). Pushes per queue
   (``pushes``, for the admin layer's per-queue rates) are counted per run of pushes to one
-  queue within a batch: a push pays a comparison of queue names and an addition to a local,
-  a run one dictionary update.
+  queue, across batches and connections (``run_queue``, added up when the queue changes and
+  when the admin layer takes the counts): a push pays a comparison of queue names and an
+  addition to a local, a run one dictionary update.
 """
 
 from __future__ import annotations
@@ -143,6 +144,10 @@ OUTPUT_HIGH_WATER: Final = 4 * 1024 * 1024
 #: guessing tokens slow, short enough that a client with a wrong token learns it soon.
 REJECT_DELAY = 0.5
 _SYNC_REPLY = b"\x00\x00"  # the answer to a sync, and to an auth that is accepted
+#: The frame classes ``Session.receive`` applies inline. Final: compiled, a Final module name is
+#: a C static, where any other module global is a dictionary lookup each time it is read.
+_PUSH: Final = Push
+_POP: Final = Pop
 
 
 class Blocked(enum.Enum):
@@ -206,6 +211,16 @@ class Broker:
         self.packed_store: Any = (
             store if isinstance(store, PackedStore) and type(store).pop is PackedStore.pop else None
         )
+        # The store's methods ``Session.receive`` calls, bound once here (the store never
+        # changes): compiled, a method looked up on a store mypyc knows only as ``Store`` (or
+        # on the packed store, a C type) is a ``getattr`` making a bound method, ~400
+        # instructions, where reading one of these is a native read. At pipeline 1 every
+        # request is a batch of its own, so a per-batch lookup is a per-request one.
+        self.store_push: Callable[[bytes, bytes, bytes, int, int], float] = store.push
+        packed = self.packed_store
+        #: The packed store's ``pop_reply`` and ``prefetch_pushes``; ``None`` on another store.
+        self.pop_reply: Any = None if packed is None else packed.pop_reply
+        self.prefetch_pushes: Any = None if packed is None else packed.prefetch_pushes
         self.token = token
         self.subscriptions = Subscriptions(store)
         self.leases = Leases(store, default_ms=lease_default_ms, max_deliveries=max_deliveries)
@@ -231,6 +246,12 @@ class Broker:
         #: Pushes per queue since the admin layer last took them (``take_pushes``); ``None``
         #: until it first does, so that a server without one keeps no count per queue.
         self.pushes: dict[bytes, int] | None = None
+        #: The run of pushes to one queue not yet added to ``pushes``: its queue and length.
+        #: A run goes on across batches and connections (``Session.receive`` carries it in
+        #: locals), so that at pipeline 1, where each push is a batch of its own, a push pays
+        #: a comparison and an addition rather than a dictionary update.
+        self.run_queue = b""
+        self.run_length = 0
 
     def open_session(self) -> Session:
         """The protocol state of a new connection."""
@@ -279,6 +300,8 @@ class Broker:
     def take_pushes(self) -> dict[bytes, int]:
         """Pushes per queue since the last call (the admin layer's sampler calls it once a
         second), forgetting them; the first call starts the counting."""
+        self.count_pushes(self.run_queue, self.run_length)  # the run so far
+        self.run_length = 0
         pushes, self.pushes = self.pushes, {}
         return pushes or {}
 
@@ -466,45 +489,41 @@ class Session(Subscriber):
         broker = self.broker
         store, subscriptions, output = broker.store, broker.subscriptions, self.output
         native = broker.native_store
-        # Bound methods, taken once per batch: calling one is a direct call, where
-        # ``store.push(...)`` on a store mypyc knows only as ``Store`` (or the packed store, a C
-        # type it knows nothing of) looks the method up by name on every frame.
-        store_push = store.push
-        packed = broker.packed_store
-        pop_reply = None if packed is None else packed.pop_reply
+        # The store's bound methods, taken once by the broker: calling one is a direct call.
+        store_push, pop_reply = broker.store_push, broker.pop_reply
         waiting_queues = subscriptions.waiting_queues
         max_memory = broker.max_memory
         room = OUTPUT_HIGH_WATER - self.unsent
         # A pop is applied inline, unless the connection is leased: then it goes to _HANDLERS,
         # which refuses it (decision 18). Only a handled frame can make the connection leased,
         # so ``pop`` is looked at again after each one, and the pop path pays nothing for it.
-        pop = None if self.leased else Pop
-        # Pushes are counted per queue by runs of pushes to one queue, in a local: a push pays
-        # a comparison and an addition in C (``queue`` and ``run_queue`` are typed bytes for
-        # mypyc), and a run one dictionary update (``Broker.count_pushes``).
+        pop = None if self.leased else _POP
+        # Pushes are counted per queue by runs of pushes to one queue (``Broker.run_queue``),
+        # in locals: a push pays a comparison and an addition in C (``queue`` and
+        # ``run_queue`` are typed bytes for mypyc), and a run one dictionary update
+        # (``Broker.count_pushes``).
         queue: bytes
-        run_queue = b""
-        run_length = 0
-        push = Push  # a local: compiled, a module global is a dict lookup each time it is read
+        run_queue, run_length = broker.run_queue, broker.run_length
         # Compiled, indexing a list is a native read where a ``Sequence`` is indexed through
         # ``PyObject_GetItem``; the driver passes a list, so this copies nothing.
         # Annotated: the narrowed ``list`` alone would type the frames ``Any``, and mypyc would
         # then unpack a push through an iterator instead of reading the tuple's items.
         batch: list[ClientFrame] = frames if isinstance(frames, list) else list(frames)
-        if packed is not None:  # at depth, the pushes' cache misses overlap, not queue up
-            packed.prefetch_pushes(batch, start)
+        if len(batch) - start > 1 and broker.prefetch_pushes is not None:
+            # At depth, the pushes' cache misses overlap, not queue up. A lone frame (every
+            # request at pipeline 1) has nothing to overlap with.
+            broker.prefetch_pushes(batch, start)
         try:
             for index in range(start, len(batch)):
                 frame = batch[index]
                 kind = type(frame)  # compiled, a native read; ``__class__`` is a getattr
-                if kind is push:  # the hot path: inline, no reply
+                if kind is _PUSH:  # the hot path: inline, no reply
                     if broker.memory_full:
                         self.blocked = Blocked.MEMORY
                         return index
                     queue, key, payload, ttl_ms, prio = frame  # type: ignore[misc]
                     if queue != run_queue:
-                        if run_length:
-                            broker.count_pushes(run_queue, run_length)
+                        broker.count_pushes(run_queue, run_length)
                         run_queue, run_length = queue, 0
                     run_length += 1
                     if native is not None:  # the same call, made natively
@@ -540,7 +559,7 @@ class Session(Subscriber):
                     except KeyError:
                         raise TypeError(f"no handler for {kind.__name__} frames") from None
                     handle(self, frame)
-                    pop = None if self.leased else Pop
+                    pop = None if self.leased else _POP
                 if len(output) > room:
                     self.blocked = Blocked.OUTPUT
                     return index + 1
@@ -553,8 +572,7 @@ class Session(Subscriber):
             self.blocked = None
             return index
         finally:
-            if run_length:
-                broker.count_pushes(run_queue, run_length)
+            broker.run_queue, broker.run_length = run_queue, run_length
             if broker.memory_full:
                 broker.check_memory()  # pops and deliveries may have made room
 

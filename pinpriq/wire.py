@@ -624,10 +624,11 @@ class FrameDecoder:
         self._need = 1  # bytes the next frame needs before decoding can progress
         self._offset = 0  # stream offset of _data[0]
         self._backlog: list[ClientFrame] = []  # decoded, not yet taken by next_frame()
-        # The queue name of the last push or pop, and the last pop frame (of that name or an
-        # earlier one): a connection mostly names one queue, so its frames share one name object,
-        # whose hash the store's dict lookups compute once, and a pipelined pop one frame. Only
-        # names up to _SHARED_NAME_MAX bytes, so an idle connection holds little.
+        # The queue name of the last push, and the last pop frame: a connection mostly names
+        # one queue, so its frames share one name object, whose hash the store's dict lookups
+        # compute once, and a pipelined pop one frame. Kept apart, so that a connection pushing
+        # to one queue and popping another (a worker; a pop or sync after each push) shares
+        # both. Only names up to _SHARED_NAME_MAX bytes, so an idle connection holds little.
         self._queue = b""
         self._pop: Pop | None = None
         #: The C decoder of push, push with options and pop frames, where it is built: it then
@@ -729,18 +730,15 @@ class FrameDecoder:
                     need = stop - pos
                     break
                 queue = data[pos + _NAME_HEAD : stop]
-                if queue == last_queue:
+                if last_pop is not None and queue == last_pop[0]:
                     # A pipelining consumer sends the same pop many times: one frame object,
                     # immutable, serves them all (a named tuple is costly to build).
-                    if last_pop is None or last_pop[0] is not last_queue:
-                        last_pop = new(pop_type, (last_queue,))
-                    append(last_pop)
-                elif stop - pos - _NAME_HEAD <= _SHARED_NAME_MAX:
-                    last_queue = queue
-                    last_pop = new(pop_type, (queue,))
                     append(last_pop)
                 else:
-                    append(new(pop_type, (queue,)))
+                    fresh: Pop = new(pop_type, (last_queue if queue == last_queue else queue,))
+                    if stop - pos - _NAME_HEAD <= _SHARED_NAME_MAX:
+                        last_pop = fresh
+                    append(fresh)
                 pos = stop
                 continue
             layout = _LAYOUTS[opcode]

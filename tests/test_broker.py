@@ -680,6 +680,24 @@ def test_delayed_pushes_are_counted_per_queue(clock: FakeClock) -> None:
     assert broker.take_pushes() == {b"q": 2, b"r": 1}
 
 
+def test_pushes_are_counted_per_queue_across_batches_and_sessions(clock: FakeClock) -> None:
+    # A run of pushes to one queue goes on across batches and sessions (at pipeline 1 every
+    # push is a batch of its own); taking the counts adds up the run so far, and pushes before
+    # the first take are not counted.
+    broker = broker_with(clock)
+    first, second = broker.open_session(), broker.open_session()
+    first.receive([Push(b"q", b"early", b"", 0, 1)])
+    assert broker.take_pushes() == {}  # starts counting
+    first.receive([Push(b"q", b"a", b"", 0, 1)])
+    second.receive([Push(b"q", b"b", b"", 0, 1)])
+    first.receive([Push(b"r", b"c", b"", 0, 1), Push(b"q", b"d", b"", 0, 1)])
+    second.receive([Push(b"q", b"e", b"", 0, 0), Pop(b"r")])
+    assert broker.take_pushes() == {b"q": 4, b"r": 1}
+    second.receive([Push(b"q", b"f", b"", 0, 1)])
+    assert broker.take_pushes() == {b"q": 1}
+    assert broker.take_pushes() == {}
+
+
 def test_a_delayed_push_is_a_push_on_any_connection(clock: FakeClock) -> None:
     # Decision 21: for decisions 18 and 20 a 71 is a push.
     broker = broker_with(clock)

@@ -22,8 +22,8 @@ import trio.testing
 from pinpriq.reactor import Reactor
 from pinpriq.server import RECEIVE_SIZE, PinpriqServer
 from tests.conftest import LiveServer, StartServer
-from tests.rawpeer import SYNC, Peer, pop, push
-from tests.test_limits import capped, pushes, server_side, settle, timing_out
+from tests.rawpeer import READY, SYNC, Peer, leased_subscribe, pop, push, subscribe
+from tests.test_limits import PAYLOAD, capped, pushes, server_side, settle, timing_out
 
 
 def reactor_of(live: LiveServer) -> Reactor:
@@ -61,6 +61,43 @@ async def test_a_request_at_a_time_is_served_while_another_waits_for_the_memory_
     await settle()
     assert reactor_of(live).parked == 2  # and it is back in the reactor
     assert len(live.store) == 10
+
+
+async def test_lone_frames_served_by_the_reactor_keep_every_rule(
+    start_server: StartServer,
+) -> None:
+    # At pipeline 1 every request is a batch of one frame, which takes the shortest way through
+    # ``Session.receive`` (no prefetch, the store's methods bound once, push runs counted
+    # across batches): each rule still holds for it.
+    live = await start_server(capped(3))
+    producer, subscriber, leased = [await live.connect() for _ in range(3)]
+    live.server.broker.take_pushes()  # start counting pushes per queue
+    # A lone push wakes a waiting subscriber before the pusher's next frame is read.
+    await subscriber.send(subscribe(b"w") + READY)
+    await settle()
+    await producer.send(push(b"w", b"k0", b"v"))
+    assert await subscriber.reply() == [(b"k0", b"v")]
+    # Lone pushes fill the cap; the next lone push waits, losing nothing, until a pop makes room.
+    for i in (1, 2, 3):
+        await producer.send(push(b"q", b"k%02d" % i, PAYLOAD))
+    assert await producer.request(SYNC) == []
+    assert live.server.broker.memory_full
+    await producer.send(push(b"q", b"k04", PAYLOAD))
+    await settle()  # served alone, not with the sync
+    assert len(live.store) == 3
+    await producer.send(SYNC)
+    await producer.expect_silence()
+    assert await subscriber.request(pop(b"q")) == [(b"k03", PAYLOAD)]
+    assert await producer.reply() == []  # the sync, once the push found room
+    assert len(live.store) == 3
+    # A lone pop on a leased connection breaks decision 18: the connection is closed.
+    await leased.send(leased_subscribe(b"elsewhere"))
+    await settle()
+    await leased.send(pop(b"q"))
+    await leased.expect_closed()
+    assert len(live.store) == 3  # the pop took nothing
+    # Every lone push was counted for its queue.
+    assert live.server.broker.take_pushes() == {b"w": 1, b"q": 4}
 
 
 async def test_an_incomplete_frame_is_read_by_its_task_within_the_frame_timeout(

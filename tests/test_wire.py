@@ -818,6 +818,27 @@ def test_frames_naming_one_queue_share_one_name_object() -> None:
     assert other == Pop(b"other")
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_a_push_queue_and_a_pop_queue_used_in_turn_keep_their_shared_objects(
+    native: bool,
+) -> None:
+    # A worker pushing to one queue and popping another (or a client sending a pop after each
+    # push, as pinpriq-bench's barrier at pipeline 1) keeps one name object for its pushes and
+    # one frame for its pops, request after request, rather than a new name and pop frame for
+    # every frame as when the two names took turns in one slot.
+    if native and wire._codec is None:
+        pytest.skip("the C decoder (pinpriq/_codec.c) is not built")
+    decoder = FrameDecoder(native=native)
+    frames = []
+    for key in (b"a", b"b", b"c"):
+        decoder.feed(encode(Push(b"results", key, b"p")) + encode(Pop(b"barrier")))
+        frames += decoder.decode()
+    pushes, pops = frames[0::2], frames[1::2]
+    assert [push.key for push in pushes] == [b"a", b"b", b"c"]
+    assert pushes[0].queue is pushes[1].queue is pushes[2].queue
+    assert pops[0] is pops[1] is pops[2] == Pop(b"barrier")
+
+
 def test_a_long_queue_name_is_not_kept_by_the_decoder() -> None:
     # Names are shared only up to a bound, so an idle connection never holds a 64 KiB name.
     long_name = b"q" * 0xFFFF
