@@ -28,6 +28,7 @@ COMPILED = [
     "pinpriq/persistence/records.py",
     "pinpriq/persistence/store.py",
     "pinpriq/persistence/journal.py",
+    "pinpriq/persistence/segments.py",
 ]
 PURE_VARIABLE = "PINPRIQ_PURE_PYTHON"
 

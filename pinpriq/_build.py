@@ -42,6 +42,7 @@ COMPILED = (
     "pinpriq.persistence.records",
     "pinpriq.persistence.store",
     "pinpriq.persistence.journal",
+    "pinpriq.persistence.segments",
 )
 #: The packed store's C core (``pinpriq/_packed.c``), built beside the mypyc modules; with
 #: ``PURE_VARIABLE`` set it is not loaded (``pinpriq/packed.py``), and the server uses

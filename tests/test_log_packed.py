@@ -5,6 +5,7 @@ for byte, and recover the same queues."""
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -179,14 +180,15 @@ async def test_a_data_dir_server_runs_on_the_packed_store_and_counts_its_overhea
 
 def test_the_c_core_frames_a_block_as_encode_block_does(tmp_path: Path) -> None:
     """``frame_block`` makes ``records.encode_block``'s bytes (its own CRC-32 against zlib's,
-    its own ``base_ms`` against ``block_base_ms``), for blocks of every length modulo 8 and
-    of several kilobytes, and clears the open block."""
+    its own ``base_ms`` against ``block_base_ms``), for blocks of every length modulo 64 (the
+    CRC folds 64 bytes a step, then 16, then takes the rest a byte at a time) and of several
+    kilobytes, and clears the open block."""
     clock = FakeClock()
     store = open_store(tmp_path, clock, store_class=LoggedPackedStore)
     journal = store.journal
     try:
         for pushes in [1, 2, 3, 5, 8, 13, 64, 200]:
-            for payload in range(8):
+            for payload in range(64 if pushes < 8 else 8):
                 for i in range(pushes):
                     store.push(b"q", b"k%d" % i, bytes([i % 256]) * (payload + i), i % 2000, 1)
                 clock.now += 0.0015
@@ -201,6 +203,35 @@ def test_the_c_core_frames_a_block_as_encode_block_does(tmp_path: Path) -> None:
         expected = encode_block(0, 0, journal.removals)  # no push: base_ms 0
         assert store.frame_block(0) == expected
         assert store.frame_block(0) is None  # an empty block
+    finally:
+        store.close()
+
+
+def test_the_open_block_keeps_its_room_only_up_to_a_mebibyte(tmp_path: Path) -> None:
+    """The C core appends entries into room the open block keeps from block to block, but a
+    block of more than a mebibyte gives its room back once framed: one huge batch does not
+    pin its size for the server's life."""
+    clock = FakeClock()
+    store = open_store(tmp_path, clock, store_class=LoggedPackedStore)
+    journal = store.journal
+    try:
+        store.push(b"q", b"small", b"v" * 100, 0, 1)
+        store.flush()
+        assert not journal.pushes
+        for i in range(20):  # 1.3 MB of push entries in one block
+            store.push(b"q", b"big%d" % i, b"x" * 65_000, 0, 1)
+        assert len(journal.pushes) > 1 << 20
+        store.flush()
+        assert not journal.pushes
+        assert sys.getsizeof(journal.pushes) < sys.getsizeof(bytearray()) + 1024
+        store.pop(b"q")
+        store.flush()
+        store.check_invariants()
+    finally:
+        store.close()
+    store = open_store(tmp_path, clock, store_class=LoggedPackedStore)
+    try:
+        assert len(store) == 20  # the small packet and the big ones, less the one popped
     finally:
         store.close()
 

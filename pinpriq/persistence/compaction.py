@@ -37,7 +37,7 @@ from pinpriq.persistence.records import (
 )
 from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, Segment
 
-__all__ = ["MIN_STEP", "STEP_FACTOR", "CompactedLog", "Compactor", "Locate"]
+__all__ = ["MIN_SEGMENTS", "MIN_STEP", "STEP_FACTOR", "CompactedLog", "Compactor", "Locate"]
 
 #: ``locate(queue, key, seq)``: the queue a packet lives in now if it is live, else ``None``
 #: (``queue`` is the one its latest entry names: a moved packet's latest entry is the copy a
@@ -45,6 +45,8 @@ __all__ = ["MIN_STEP", "STEP_FACTOR", "CompactedLog", "Compactor", "Locate"]
 #: answer for leased packets, which are live in the log.
 Locate = Callable[[bytes, bytes, int], bytes | None]
 
+#: Fewest segments (the active one included) of a log worth compacting.
+MIN_SEGMENTS = 3
 #: Least bytes of the oldest segment one seal reads while compaction is due.
 MIN_STEP = 64 * 1024
 #: Bytes read per byte sealed, while compaction is due: above 2, so that reading the old
@@ -89,7 +91,9 @@ class Compactor:
     def __init__(self, journal: CompactedLog, locate: Locate) -> None:
         self._journal = journal
         self._locate = locate
-        self._segment: Segment | None = None  # being read
+        #: The segment being read, if any: a plain attribute, which the compiled journal reads
+        #: at every seal for what ``idle`` says, without a call into this interpreted class.
+        self.reading: Segment | None = None
         self._fd: int | None = None
         self._offset = 0  # of the next block to read in it
         self._read_through = 0  # the number of the last segment read to its end
@@ -101,7 +105,7 @@ class Compactor:
         couple of segments: a small log is not worth copying)."""
         journal = self._journal
         used = journal.used_bytes
-        if used <= 2 * journal.segment_size or len(journal.segments) < 3:
+        if used <= 2 * journal.segment_size or len(journal.segments) < MIN_SEGMENTS:
             return False
         live = journal.live_bytes()
         return used - live > live
@@ -110,13 +114,13 @@ class Compactor:
     def idle(self) -> bool:
         """Whether ``step`` would do nothing now: nothing under way, in a log too small to
         be due."""
-        return self._segment is None and len(self._journal.segments) < 3
+        return self.reading is None and len(self._journal.segments) < MIN_SEGMENTS
 
     def step(self, sealed: int) -> None:
         """Read the next slice of the segment under way, copying its live packets into the
         block being sealed (``sealed`` bytes so far), if compaction is due or under way."""
         journal = self._journal
-        segment = self._segment
+        segment = self.reading
         if self.idle:
             return  # the common case
         if journal.disk_full:
@@ -151,7 +155,7 @@ class Compactor:
         return segment
 
     def _open(self, segment: Segment) -> None:
-        self._segment = segment
+        self.reading = segment
         self._fd = os.open(segment.path, os.O_RDONLY | os.O_CLOEXEC)
         self._offset = SEGMENT_HEADER_SIZE
 
@@ -159,12 +163,12 @@ class Compactor:
         """Stop reading the segment under way, if any."""
         if self._fd is not None:
             os.close(self._fd)
-        self._segment = None
+        self.reading = None
         self._fd = None
 
     def forget(self, segment: Segment) -> None:
         """The journal deletes ``segment``: stop reading it."""
-        if self._segment is segment:
+        if self.reading is segment:
             self.close()
 
     def _read_block(self, segment: Segment) -> bytes:

@@ -19,6 +19,11 @@ created whole, with ``posix_fallocate``, before it is needed, so that writing in
 run out of disk space (``journal.py`` keeps one in reserve for that reason). A segment that has
 its header and nothing else is a spare no block was ever written to.
 
+Compiled with mypyc where it can be (``setup.py``'s list), else run as plain Python: the
+compiled journal updates the active ``Segment``'s counts at every block written, which on a
+native class are plain fields (~3,000 instructions a block fewer than generic attribute
+operations on an interpreted one).
+
 What this module must not know: what blocks contain, the store, trio.
 """
 
