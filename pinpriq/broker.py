@@ -239,7 +239,8 @@ class Broker:
         #: The earliest TTL deadline, lease deadline or end of a release delay known, on the
         #: store's clock: when to call ``expire``.
         self.timer = math.inf
-        #: Sessions given deliveries since the driver last took them (see ``take_dirty``).
+        #: Sessions given deliveries since the driver last took them (see ``take_dirty``);
+        #: the same list for the broker's life, so that the driver may hold it.
         self.dirty: list[Session] = []
         #: Open sessions.
         self.sessions = 0
@@ -317,7 +318,8 @@ class Broker:
 
     def take_dirty(self) -> list[Session]:
         """The sessions given deliveries since the last call, whose output is to be written."""
-        dirty, self.dirty = self.dirty, []
+        dirty = self.dirty.copy()
+        self.dirty.clear()
         for session in dirty:
             session.dirty = False
         return dirty

@@ -290,19 +290,31 @@ class _Connection:
             return False  # rejected, nothing applied: ``_serve_rest`` closes it
         decoder.feed(data)
         frames = decoder.decode()
+        # Read once (nothing below feeds the decoder): from interpreted code each read of a
+        # compiled object's attribute is a generic ``getattr``, ~150 instructions a request.
+        pending = decoder.pending
         if frames:
             self.frame_budget = server.frame_timeout  # any incomplete frame is a new one
-        if decoder.pending != self.held_input:
-            server.hold_input(self, decoder.pending)
+        if pending != self.held_input:
+            server.hold_input(self, pending)
         done = self._apply_now(frames)
-        server.after_batch()  # before any await: no socket can close in between
+        # ``after_batch`` only if it has something to do (what it checks, read cheaply): a
+        # delivery to write, the expiry timer to bring forward, a log block to write outside
+        # a reactor turn. Before any await: no socket can close in between.
+        if (
+            server.dirty
+            or server.broker.timer < server.expiry_at
+            or (server.journal is not None and not server.in_turn)
+        ):
+            server.after_batch()
         self.frames += len(frames)
-        if done < len(frames) or self.sending or decoder.pending:
+        # A frame ``receive`` refused or rejected is one it did not apply (``done`` says so),
+        # and an unknown opcode stays in the decoder (``pending``): either way, and for any
+        # wait, ``_serve_rest`` has the rest.
+        if done < len(frames) or self.sending or pending:
             self._rest, self._done = frames, done
             return False
-        if session.output and not self._wrote_all():
-            return False
-        return session.error is None and decoder.error is None
+        return not session.output or self._wrote_all()
 
     async def _serve_rest(self) -> bool:
         """Do what ``_serve_now`` left of the last chunk (nothing, if it served it all);
@@ -796,6 +808,9 @@ class PinpriqServer:
             max_deliveries=max_deliveries,
         )
         self.broker.on_room = self._room_freed
+        #: ``broker.dirty``, the same list for the broker's life: read here, a plain list's
+        #: truth, where the compiled broker's attribute is a ``getattr``.
+        self.dirty = self.broker.dirty
         #: A store that runs operations in another process (Redis), and the subscriptions that
         #: deliver from it; ``None`` for the built-in store, whose path pays one test a batch.
         self.batched = store if isinstance(store, BatchedStore) else None
@@ -834,8 +849,8 @@ class PinpriqServer:
         self._all_closed = trio.Event()  # set when the last connection closes after shutdown
         self._expiry_scope = trio.CancelScope()
         #: The expiry scope's deadline, as a plain float: trio's ``CancelScope.deadline`` is a
-        #: property, a Python call that ``after_batch`` would pay every batch to read it.
-        self._expiry_at = math.inf
+        #: property, a Python call that ``_serve_now`` would pay every batch to read it.
+        self.expiry_at = math.inf
         self._accepting = trio.CancelScope()
         self._listening = False
         #: Where plain-TCP connections on the built-in store wait for their next request
@@ -880,15 +895,16 @@ class PinpriqServer:
         between: moves the expiry timer forward if a push needs it, and writes the deliveries
         the batch made to their connections' sockets, so a delivery reaches its subscriber
         before the pusher's next frame is read and no connection in the list can have closed
-        meanwhile."""
+        meanwhile. Outside a reactor turn, writes what the batch logged first. ``_serve_now``
+        calls it only when one of these has something to do."""
         broker = self.broker
         # In a reactor turn nothing is written yet: the turn's end seals its block.
         logged = None if self.in_turn else self._logged
         if logged is not None:
             logged.flush()
-        if broker.timer < self._expiry_at:
-            self._expiry_at = self._expiry_scope.deadline = broker.timer
-        while broker.dirty:
+        if broker.timer < self.expiry_at:
+            self.expiry_at = self._expiry_scope.deadline = broker.timer
+        while self.dirty:
             for session in broker.take_dirty():
                 # Writing may resume a paused subscriber, which may deliver again.
                 self._connections[session].write_pending()
@@ -911,7 +927,7 @@ class PinpriqServer:
         for conn in owed:
             conn.write_pending()
         owed.clear()
-        if self.broker.dirty:
+        if self.dirty:
             self.after_batch()  # the writes resumed a paused subscriber, which delivered
 
     def hold_input(self, conn: _Connection, size: int) -> None:
@@ -1139,8 +1155,8 @@ class PinpriqServer:
         deadline, and only then (decisions 1, 15 and 21); write the deliveries of packets that
         came back or fell due."""
         while True:
-            self._expiry_at = self.broker.timer
-            with trio.CancelScope(deadline=self._expiry_at) as self._expiry_scope:
+            self.expiry_at = self.broker.timer
+            with trio.CancelScope(deadline=self.expiry_at) as self._expiry_scope:
                 await trio.sleep_forever()
             self.broker.expire()
             self.after_batch()

@@ -23,7 +23,7 @@ from pinpriq.persistence import keeper as keeper_module
 from pinpriq.persistence.compaction import Compactor
 from pinpriq.persistence.journal import MIN_SEGMENT_SIZE, FsyncPolicy, Hold, Journal
 from pinpriq.persistence.keeper import Keeper, LogFailure
-from pinpriq.persistence.records import decode_entries, read_block
+from pinpriq.persistence.records import Entries, decode_entries, read_block
 from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, DataDir, Segment
 from pinpriq.persistence.store import LoggedStore
 from pinpriq.server import PinpriqServer
@@ -31,6 +31,7 @@ from tests.conftest import LiveServer
 from tests.logtools import FakeClock, commit, open_store
 from tests.rawpeer import READY, Peer, pop, push, subscribe
 from tests.test_admin import ACTION, Admin
+from tests.test_limits import server_side
 
 SYNC = b"\x21"
 
@@ -137,16 +138,21 @@ def wait_readable(fds: list[int]) -> None:
     raise AssertionError("the peers' requests did not arrive")
 
 
-def logged_removals(path: Path) -> list[int]:
-    """The seqs of every remove entry in the segment files: what the log holds now."""
-    seqs = []
+def logged_entries(path: Path) -> list[Entries]:
+    """The entries of every block in the segment files: what the log holds now."""
+    blocks = []
     for segment in sorted(path.glob("*.log")):
         data = segment.read_bytes()
         offset = SEGMENT_HEADER_SIZE
         while (block := read_block(data, offset)) is not None:
-            seqs += decode_entries(data, block).removed
+            blocks.append(decode_entries(data, block))
             offset = block.end
-    return seqs
+    return blocks
+
+
+def logged_removals(path: Path) -> list[int]:
+    """The seqs of every remove entry in the segment files."""
+    return [seq for entries in logged_entries(path) for seq in entries.removed]
 
 
 async def test_confirmed_pushes_survive_a_restart(running: Running) -> None:
@@ -251,6 +257,34 @@ async def test_everysec_replies_go_straight_to_the_socket_once_written(
             await peer.send(push(b"q", b"%d" % i, b"v"))
             assert await peer.request(SYNC) == []
             assert await peer.request(pop(b"q")) == [(b"%d" % i, b"v")]
+    assert sends == []
+
+
+async def test_a_batch_served_by_its_own_task_is_written_right_after_it(
+    running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frame split across reads is finished by the connection's own task, outside any
+    reactor turn: ``_serve_now`` must still have ``after_batch`` write the batch's block
+    before the sync reply confirms the push, and the reply then goes straight to the
+    socket."""
+    sends: list[object] = []
+    real = server_module._Connection._send_output
+
+    async def counted(self: object) -> None:
+        sends.append(self)
+        await real(self)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(server_module._Connection, "_send_output", counted)
+    await running.start(FsyncPolicy.EVERYSEC)
+    peer = await running.connect()
+    request = push(b"q", b"k", b"v") + SYNC
+    await peer.send(request[:5])
+    conn = server_side(running.server, peer)
+    await eventually(lambda: conn.decoder.pending == 5)
+    await peer.send(request[5:])
+    with trio.fail_after(5):
+        assert await peer.reply() == []
+    assert [len(entries.pushes) for entries in logged_entries(running.path)] == [1]
     assert sends == []
 
 
