@@ -175,9 +175,12 @@ static inline int key_is(const Packet *p, const char *key, size_t n) {
  * A slot is the packet's pointer with the low 21 bits of its key's hash in the bits a record's
  * address leaves unused (x86-64 Linux: user addresses are below 2^47, records 16-byte
  * aligned: 17 bits on top, 4 below). A probe passes a slot of another key, and a deletion's
- * backward shift or a growth finds an entry's home (for tables up to 2^21 slots, 1.5M keys),
- * without reading its record: at depth 1M, a record read is a cache miss. Elsewhere slots are
- * plain pointers and those reads happen. */
+ * backward shift or a growth finds an entry's home without reading its record: at depth 1M,
+ * a record read is a cache miss. A table of up to 2^21 slots (1.5M keys) homes a key at its
+ * hash's low bits; a larger one at those 21 bits times cap / 2^21, in buckets of that many
+ * slots (bucketed linear probing, as full as the table: 3/4 at most), so a queue of 3M keys
+ * reads no record either (it read one per entry a backward shift passed, 25% of a pop's time
+ * at 3M). Elsewhere slots are plain pointers and those reads happen. */
 
 typedef uintptr_t Slot;
 #if defined(__x86_64__) && defined(__linux__)
@@ -198,18 +201,25 @@ typedef uintptr_t Slot;
 /* The smallest table a queue has. */
 #define MIN_SLOTS 8
 
+/* The home slot of a key of this hash in a table of cap slots (a power of two). */
+static inline uint32_t hash_home(uint64_t hash, uint32_t cap) {
+    if (!HASH_BITS || cap <= ((uint64_t)1 << HASH_BITS))
+        return (uint32_t)hash & (cap - 1);
+    return (uint32_t)(hash & HASH_MASK) << (__builtin_ctz(cap) - HASH_BITS);
+}
+
 /* Where a slot's entry hashes to in a table of cap slots. */
 static inline uint32_t slot_home(Slot slot, uint32_t cap) {
-    if (HASH_BITS && cap <= ((uint64_t)1 << HASH_BITS))
-        return (uint32_t)SLOT_HASH(slot) & (cap - 1);
+    if (HASH_BITS)
+        return hash_home(SLOT_HASH(slot), cap);
     Packet *p = SLOT_PACKET(slot);
-    return (uint32_t)hash_key(KEY(p), p->klen) & (cap - 1);
+    return hash_home(hash_key(KEY(p), p->klen), cap);
 }
 
 /* The slot holding key's group, or the empty slot where it would go. */
 static inline uint32_t group_slot_hashed(QueueObject *q, const char *key, size_t n,
                                          uint64_t hash) {
-    uint32_t mask = q->slot_cap - 1, i = (uint32_t)hash & mask;
+    uint32_t mask = q->slot_cap - 1, i = hash_home(hash, q->slot_cap);
     for (;;) {
         Slot slot = q->slots[i];
         if (slot == 0 ||
@@ -227,7 +237,7 @@ static inline uint32_t group_slot(QueueObject *q, const char *key, size_t n) {
  * other record. */
 static inline uint32_t head_slot_hashed(QueueObject *q, Packet *head, uint64_t hash) {
     uint32_t mask = q->slot_cap - 1;
-    uint32_t i = (uint32_t)hash & mask;
+    uint32_t i = hash_home(hash, q->slot_cap);
     while (SLOT_PACKET(q->slots[i]) != head)
         i = (i + 1) & mask;
     return i;
@@ -1460,7 +1470,7 @@ static inline void prefetch_next_pops(QueueObject *q, Level *level) {
     if (len > 1 && !IS_TOMB(level->a[level->end - 2])) {
         Packet *next = (Packet *)level->a[level->end - 2];
         uint64_t hash = hash_key(KEY(next), next->klen);
-        __builtin_prefetch(&q->slots[hash & (q->slot_cap - 1)]);
+        __builtin_prefetch(&q->slots[hash_home(hash, q->slot_cap)]);
     }
 }
 
@@ -1891,13 +1901,13 @@ static PyObject *Store_prefetch_pushes(StoreObject *s, PyObject *const *args,
         if (q == NULL || q->slot_cap < PREFETCH_MIN_SLOTS)
             continue;
         uint64_t hash = hash_key(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
-        __builtin_prefetch(&q->slots[hash & (q->slot_cap - 1)]);
+        __builtin_prefetch(&q->slots[hash_home(hash, q->slot_cap)]);
         homes[n].q = q;
         homes[n++].hash = hash;
     }
     for (int k = 0; k < n; k++) { /* the slots have had time to arrive */
         QueueObject *qk = homes[k].q;
-        uint32_t mask = qk->slot_cap - 1, at = (uint32_t)homes[k].hash & mask;
+        uint32_t mask = qk->slot_cap - 1, at = hash_home(homes[k].hash, qk->slot_cap);
         for (Slot slot; (slot = qk->slots[at]) != 0; at = (at + 1) & mask)
             if (SLOT_HASH(slot) == (homes[k].hash & HASH_MASK))
                 __builtin_prefetch(SLOT_PACKET(slot));
@@ -2951,9 +2961,100 @@ static PyObject *spare_records(PyObject *unused_module, PyObject *unused) {
     return PyLong_FromSsize_t(total);
 }
 
+/* count_removals(removed, firsts, copied_to) -> (counts, moved): for the journal's segment
+ * counts (journal.py's _count_removals, which this does in one C loop). removed: remove
+ * entries (9 bytes each: kind, u64 seq); firsts: the segments' first seqs, ascending;
+ * copied_to: seq -> the segment compaction copied it to. A seq in copied_to is taken out of
+ * it and its segment appended to moved; any other is counted in counts (one per segment)
+ * against the segment whose seqs it falls in. */
+static PyObject *count_removals(PyObject *unused_module, PyObject *const *args,
+                                Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[1]) || !PyDict_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "count_removals(removed, firsts: list, copied_to: dict)");
+        return NULL;
+    }
+    Py_buffer removed;
+    if (PyObject_GetBuffer(args[0], &removed, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *firsts = args[1], *copied_to = args[2], *out = NULL, *moved = NULL;
+    Py_ssize_t nseg = PyList_GET_SIZE(firsts);
+    uint64_t *first = PyMem_Malloc((size_t)(nseg ? nseg : 1) * sizeof(uint64_t));
+    Py_ssize_t *count = PyMem_Calloc((size_t)(nseg ? nseg : 1), sizeof(Py_ssize_t));
+    if (first == NULL || count == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < nseg; i++) {
+        first[i] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(firsts, i));
+        if (first[i] == (uint64_t)-1 && PyErr_Occurred())
+            goto done;
+    }
+    out = PyList_New(nseg);
+    moved = PyList_New(0);
+    if (out == NULL || moved == NULL)
+        goto fail;
+    const unsigned char *b = removed.buf;
+    for (Py_ssize_t at = 0; at + 9 <= removed.len; at += 9) {
+        uint64_t seq = 0;
+        for (int k = 1; k <= 8; k++)
+            seq = seq << 8 | b[at + k];
+        if (PyDict_GET_SIZE(copied_to)) {
+            PyObject *key = PyLong_FromUnsignedLongLong(seq);
+            if (key == NULL)
+                goto fail;
+            PyObject *segment = PyDict_GetItemWithError(copied_to, key); /* borrowed */
+            int failed = segment == NULL && PyErr_Occurred();
+            if (segment != NULL && (PyList_Append(moved, segment) < 0 ||
+                                    PyDict_DelItem(copied_to, key) < 0))
+                failed = 1;
+            Py_DECREF(key);
+            if (failed)
+                goto fail;
+            if (segment != NULL)
+                continue;
+        }
+        /* the last segment whose first seq is at most seq (bisect_right, minus one) */
+        Py_ssize_t lo = 0, hi = nseg;
+        while (lo < hi) {
+            Py_ssize_t mid = (lo + hi) / 2;
+            if (first[mid] <= seq)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo == 0) {
+            PyErr_Format(PyExc_ValueError, "a removed seq %llu before the first segment's",
+                         (unsigned long long)seq);
+            goto fail;
+        }
+        count[lo - 1]++;
+    }
+    for (Py_ssize_t i = 0; i < nseg; i++) {
+        PyObject *n = PyLong_FromSsize_t(count[i]);
+        if (n == NULL)
+            goto fail;
+        PyList_SET_ITEM(out, i, n);
+    }
+    PyMem_Free(first);
+    PyMem_Free(count);
+    PyBuffer_Release(&removed);
+    return Py_BuildValue("(NN)", out, moved);
+fail:
+    Py_XDECREF(out);
+    Py_XDECREF(moved);
+    out = NULL;
+done:
+    PyMem_Free(first);
+    PyMem_Free(count);
+    PyBuffer_Release(&removed);
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
     {"_spare_records", spare_records, METH_NOARGS,
      "_spare_records() -> freed records kept for reuse; for tests"},
+    {"count_removals", (PyCFunction)(void (*)(void))count_removals, METH_FASTCALL,
+     "count_removals(removed, firsts, copied_to) -> (removals per segment, copied ones' segments)"},
     {NULL, NULL, 0, NULL},
 };
 

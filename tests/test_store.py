@@ -1347,6 +1347,38 @@ def test_a_large_group_table_asks_for_huge_pages(clock: FakeClock) -> None:
 
 
 @pytest.mark.skipif(not packed.available, reason="the packed store's C core is not built")
+def test_a_group_table_past_two_million_slots_homes_keys_in_buckets(clock: FakeClock) -> None:
+    """Past 2^21 slots (1,572,864 keys) a slot's 21 hash bits no longer name its home: a key's
+    home is those bits times cap / 2^21, the same whether found from the key or the slot. Keys
+    are found again (a push joins its key's group, a pop takes the group), removals shift
+    entries back to where lookups find them, and the table halves back below 2^21."""
+    store = packed.PackedStore(clock)
+    keys = 1_600_000  # past 3/4 of 2^21 slots: the table doubles to 2^22
+    for i in range(keys):
+        store.push(b"q", b"k%d" % i, b"", 0, 1 + i % 7)
+    assert store.index_bytes(b"q") >= 8 << 22
+    grouped = {b"k%d" % i for i in range(0, keys, 100_003)}
+    for key in grouped:  # a second packet of these keys joins their groups
+        store.push(b"q", key, b"again", 0, 0)
+    store.check_invariants()
+    newest_first = max(i for i in range(keys) if i % 7 == 0)
+    assert store.pop(b"q")[0][KEY] == b"k%d" % newest_first
+    popped, seen = 1, 0
+    while store.depth(b"q") > 200_000:  # every removal a backward shift in the big table
+        group = store.pop(b"q")
+        assert len(group) == (2 if group[0][KEY] in grouped else 1)
+        if group[0][KEY] in grouped:
+            assert [packet[PAYLOAD] for packet in group] == [b"", b"again"]
+            seen += 1
+        popped += 1
+        if popped % 400_000 == 0:
+            store.check_invariants()
+    assert seen >= 10
+    assert store.index_bytes(b"q") < 8 << 21  # halved back to a table the 21 bits name
+    store.check_invariants()
+
+
+@pytest.mark.skipif(not packed.available, reason="the packed store's C core is not built")
 def test_popped_records_are_reused_and_few_are_kept(clock: FakeClock) -> None:
     """A record ``pop_reply`` frees is kept for the next push of its 16-byte size class (the
     block is still in cache), at most 16 a class: a reused record holds its new packet alone
