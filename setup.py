@@ -29,6 +29,7 @@ COMPILED = [
     "pinpriq/persistence/store.py",
     "pinpriq/persistence/journal.py",
     "pinpriq/persistence/segments.py",
+    "pinpriq/persistence/compaction.py",
 ]
 PURE_VARIABLE = "PINPRIQ_PURE_PYTHON"
 

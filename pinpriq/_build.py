@@ -43,6 +43,7 @@ COMPILED = (
     "pinpriq.persistence.store",
     "pinpriq.persistence.journal",
     "pinpriq.persistence.segments",
+    "pinpriq.persistence.compaction",
 )
 #: The packed store's C core (``pinpriq/_packed.c``), built beside the mypyc modules; with
 #: ``PURE_VARIABLE`` set it is not loaded (``pinpriq/packed.py``), and the server uses

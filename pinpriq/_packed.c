@@ -136,6 +136,7 @@ typedef struct {
     /* The log (attach_log; all NULL for a memory-only store): the journal's open block */
     PyObject *log_pushes, *log_removals; /* bytearrays: push-kind entries, remove entries */
     PyObject *wall_clock;                /* seconds since the epoch, for a move's deadlines */
+    PyObject *taken;                     /* dict: leased packets' seq -> the queue they left */
     double block_time;                   /* the store's clock at the open block's first push */
 } StoreObject;
 
@@ -1128,15 +1129,17 @@ static int log_removals(StoreObject *s, Packet **packets, Py_ssize_t n) {
 /* attach_log(pushes, removals, wall_clock): log into the journal's open block from now on
  * (persistence/packed_store.py); the bytearrays are kept by reference. */
 static PyObject *Store_attach_log(StoreObject *s, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyByteArray_Check(args[0]) || !PyByteArray_Check(args[1]) ||
-        !PyCallable_Check(args[2])) {
+    if (nargs != 4 || !PyByteArray_Check(args[0]) || !PyByteArray_Check(args[1]) ||
+        !PyCallable_Check(args[2]) || !PyDict_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError,
-                        "attach_log(pushes: bytearray, removals: bytearray, wall_clock)");
+                        "attach_log(pushes: bytearray, removals: bytearray, wall_clock, "
+                        "taken: dict)");
         return NULL;
     }
     Py_XSETREF(s->log_pushes, Py_NewRef(args[0]));
     Py_XSETREF(s->log_removals, Py_NewRef(args[1]));
     Py_XSETREF(s->wall_clock, Py_NewRef(args[2]));
+    Py_XSETREF(s->taken, Py_NewRef(args[3]));
     Py_RETURN_NONE;
 }
 
@@ -2594,31 +2597,45 @@ static PyObject *Store_load(StoreObject *s, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-/* holds(queue, key, seq): whether packet seq, pushed to queue with key, is still queued, or
- * delayed for queue. O(packets of its key), plus O(delayed packets of queue) if not queued. */
-static PyObject *Store_holds(StoreObject *s, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyBytes_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "holds(queue, key: bytes, seq)");
-        return NULL;
-    }
-    unsigned long long seq = PyLong_AsUnsignedLongLong(args[2]);
+/* Whether packet seq, pushed to queue with key, is still queued, or delayed for queue: 1 or
+ * 0, -1 on error. O(packets of its key), plus O(delayed packets of queue) if not queued. */
+static int store_holds(StoreObject *s, PyObject *queue, PyObject *key, PyObject *seq_) {
+    unsigned long long seq = PyLong_AsUnsignedLongLong(seq_);
     if (seq == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    QueueObject *q = store_queue(s, args[0]);
+        return -1;
+    QueueObject *q = store_queue(s, queue);
     if (q == NULL)
-        return PyErr_Occurred() ? NULL : Py_NewRef(Py_False);
+        return PyErr_Occurred() ? -1 : 0;
     Packet *head = NULL;
     if (q->groups)
-        head = SLOT_PACKET(q->slots[group_slot(q, PyBytes_AS_STRING(args[1]),
-                                               PyBytes_GET_SIZE(args[1]))]);
+        head = SLOT_PACKET(q->slots[group_slot(q, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key))]);
     for (Packet *p = head; p != NULL; p = p->gnext == head ? NULL : p->gnext)
         if (p->seq == seq)
-            Py_RETURN_TRUE;
+            return 1;
     head = q->delayed_head;
     for (Packet *p = head; p != NULL; p = p->gnext == head ? NULL : p->gnext)
         if (p->seq == seq)
-            Py_RETURN_TRUE;
-    Py_RETURN_FALSE;
+            return 1;
+    return 0;
+}
+
+/* locate(queue, key, seq): compaction's question (persistence/compaction.py's Locate) in one
+ * C call: queue if the store holds the packet (store_holds); else the queue it was leased
+ * from if it is leased (attach_log's taken); else None. */
+static PyObject *Store_locate(StoreObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "locate(queue, key: bytes, seq)");
+        return NULL;
+    }
+    int held = store_holds(s, args[0], args[1], args[2]);
+    if (held)
+        return held < 0 ? NULL : Py_NewRef(args[0]);
+    if (s->taken == NULL || !PyDict_GET_SIZE(s->taken))
+        Py_RETURN_NONE;
+    PyObject *taken_from = PyDict_GetItemWithError(s->taken, args[2]); /* borrowed */
+    if (taken_from == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    return Py_NewRef(taken_from);
 }
 
 /* _live_seqs(): the seqs of every packet held, queued or delayed (not leased), in no order;
@@ -2818,6 +2835,7 @@ static int Store_traverse(StoreObject *s, visitproc visit, void *arg) {
     Py_VISIT(s->log_pushes);
     Py_VISIT(s->log_removals);
     Py_VISIT(s->wall_clock);
+    Py_VISIT(s->taken);
     return 0;
 }
 
@@ -2827,6 +2845,7 @@ static int Store_clear(StoreObject *s) {
     Py_CLEAR(s->log_pushes);
     Py_CLEAR(s->log_removals);
     Py_CLEAR(s->wall_clock);
+    Py_CLEAR(s->taken);
     return 0;
 }
 
@@ -2922,8 +2941,8 @@ static PyMethodDef Store_methods[] = {
      "frame_block(seq_base) -> the open block as a whole block (None if empty); clears it"},
     {"_load", (PyCFunction)(void (*)(void))Store_load, METH_FASTCALL,
      "_load(packets, deadlines, delayed, last_seq): recovery's bulk insert"},
-    {"holds", (PyCFunction)(void (*)(void))Store_holds, METH_FASTCALL,
-     "holds(queue, key, seq) -> whether that packet is queued or delayed"},
+    {"locate", (PyCFunction)(void (*)(void))Store_locate, METH_FASTCALL,
+     "locate(queue, key, seq) -> the queue that packet is in, queued, delayed or leased"},
     {"_live_seqs", (PyCFunction)Store_live_seqs, METH_NOARGS,
      "_live_seqs() -> the seqs of every packet held; for tests"},
     {"check_invariants", (PyCFunction)Store_check_invariants, METH_NOARGS,

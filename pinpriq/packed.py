@@ -41,6 +41,9 @@ PACKET_OVERHEAD: int = _core.PACKET_OVERHEAD if available else 0
 #: ``persistence/packed_store.py``).
 DEFAULT_STORE_OVERHEAD: int = PACKET_OVERHEAD if available else store.PACKET_OVERHEAD
 
+#: The C core's count of a log block's removals by segment (``Journal.count_removals``).
+count_removals: Any = _core.count_removals if available else None
+
 _Base: Any = _core.PackedCore if available else object
 
 
@@ -53,7 +56,7 @@ class PackedStore(_Base):  # type: ignore[misc]
     a subscriber's delivery (nothing written when nothing is selectable);
     ``prefetch_pushes(frames, start)``, which asks the memory for what a batch's pushes will
     read. ``index_bytes(queue)``: what a queue's indexes hold (for tests and tools). And the
-    log's hooks (``attach_log``, ``frame_block``, ``_load``, ``holds``), which
+    log's hooks (``attach_log``, ``frame_block``, ``_load``, ``locate``), which
     ``persistence.packed_store.LoggedPackedStore`` uses.
     """
 

@@ -4,12 +4,15 @@ for byte, and recover the same queues."""
 
 from __future__ import annotations
 
+import bisect
 import random
 import sys
 from pathlib import Path
 
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pinpriq import packed
 from pinpriq.cli.server import open_store as open_server_store
@@ -17,7 +20,7 @@ from pinpriq.cli.server import server_parser
 from pinpriq.packed import DEFAULT_STORE_OVERHEAD
 from pinpriq.persistence.journal import MIN_SEGMENT_SIZE
 from pinpriq.persistence.packed_store import LoggedPackedStore
-from pinpriq.persistence.records import encode_block
+from pinpriq.persistence.records import REMOVE, Kind, encode_block
 from pinpriq.persistence.store import LoggedStore, block_base_ms
 from pinpriq.store import QueuedPacket
 from pinpriq.wire import append_reply
@@ -267,3 +270,29 @@ def test_the_c_core_frames_each_request_and_the_journal_counts_it(tmp_path: Path
         assert len(store) == 25
     finally:
         store.close()
+
+
+@given(
+    st.lists(st.integers(1, 2**64 - 1), min_size=1, max_size=5, unique=True).map(sorted),
+    st.lists(st.integers(0, 2**64 - 1), max_size=40, unique=True),
+    st.data(),
+)
+def test_the_c_core_counts_removals_by_segment_as_the_journal_would(
+    firsts: list[int], seqs: list[int], data: st.DataObject
+) -> None:
+    """``count_removals``, which the journal uses for a block's remove entries in a log of
+    several segments: each seq counts against the last segment starting at or before it
+    (bisect), unless compaction copied it forward, when its entry leaves ``copied_to`` and its
+    segment is named instead."""
+    seqs = list(dict.fromkeys(max(seq, firsts[0]) for seq in seqs))  # a packet goes once
+    copied = set(data.draw(st.lists(st.sampled_from(seqs), unique=True))) if seqs else set()
+    copied_to = {seq: f"segment copied to, of {seq}" for seq in copied} | {0: "not removed"}
+    removed = b"".join(REMOVE.pack(Kind.REMOVE, seq) for seq in seqs)
+    counts, moved = packed.count_removals(bytearray(removed), firsts, copied_to)
+    expected = [0] * len(firsts)
+    for seq in seqs:
+        if seq not in copied:
+            expected[bisect.bisect_right(firsts, seq) - 1] += 1
+    assert counts == expected
+    assert sorted(moved) == sorted(f"segment copied to, of {seq}" for seq in copied)
+    assert copied_to == {0: "not removed"}

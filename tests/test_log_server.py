@@ -20,11 +20,10 @@ import trio
 from pinpriq import server as server_module
 from pinpriq.admin import serve_admin
 from pinpriq.persistence import keeper as keeper_module
-from pinpriq.persistence.compaction import Compactor
 from pinpriq.persistence.journal import MIN_SEGMENT_SIZE, FsyncPolicy, Hold, Journal
 from pinpriq.persistence.keeper import Keeper, LogFailure
 from pinpriq.persistence.records import Entries, decode_entries, read_block
-from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, DataDir, Segment
+from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, DataDir
 from pinpriq.persistence.store import LoggedStore
 from pinpriq.server import PinpriqServer
 from tests.conftest import LiveServer
@@ -553,10 +552,10 @@ async def test_a_failed_read_by_compaction_stops_the_server(
         commit(store)
     store.close()
 
-    def read_block(self: Compactor, segment: Segment) -> bytes:
+    def pread(fd: int, length: int, offset: int) -> bytes:  # only compaction reads so
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(Compactor, "_read_block", read_block)
+    monkeypatch.setattr(os, "pread", pread)
     journal = Journal(DataDir.open(tmp_path, write=True), segment_size=MIN_SEGMENT_SIZE)
     await push_and_see_the_server_stop(journal)
     assert journal.failure is not None

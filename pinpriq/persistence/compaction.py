@@ -13,9 +13,19 @@ fsync at once), while the compactor reads on into the next segment.
 While the disk is full, compaction waits: its copies would use up the reserved segment that
 pops' remove entries need, and those pops free whole segments as they empty them.
 
-No full rewrite and no fork: each seal reads a bounded slice of the oldest segment (a few times
-the bytes the seal itself adds, and at least ``MIN_STEP``), so compaction's cost is spread over
-the writes that make it necessary, and the log cannot outgrow it.
+No full rewrite and no fork: each seal reads a bounded slice of the oldest segment,
+``STEP_FACTOR`` times the bytes of new entries the seal adds (its copies not counted, so copying
+does not feed itself), and at least one block, so compaction's cost is spread over the writes
+that make it necessary, and the log cannot outgrow it: reading a segment whose live share is
+``u`` frees its size at the cost of ``u`` of it in copies, so the log shrinks while
+``STEP_FACTOR * (1 - u) > 1``, for any segment up to three quarters live.
+
+Paced by the new writes, compaction lets a draining queue empty the old segments itself: a
+queue drained in priority order leaves every segment half dead halfway through, and the pops'
+remove entries are small, so they pay for reading little, and the drain overtakes compaction
+instead of compaction copying forward packets about to be popped (docs/persistence.md has the
+figures). A block is read whole but its entries are looked at a seal's budget at a time: a
+block of a stream of pushes holds thousands.
 
 What this module must not know: the store (it asks ``Locate`` whether a packet lives, and
 where), the journal's class (it is handed a ``CompactedLog``, which ``journal.Journal`` is: the
@@ -30,14 +40,14 @@ from typing import Protocol
 
 from pinpriq.persistence.records import (
     BLOCK_HEADER,
+    Entries,
     LogFormatError,
-    Packet,
     decode_entries,
     read_block,
 )
 from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, Segment
 
-__all__ = ["MIN_SEGMENTS", "MIN_STEP", "STEP_FACTOR", "CompactedLog", "Compactor", "Locate"]
+__all__ = ["MIN_SEGMENTS", "STEP_FACTOR", "CompactedLog", "Compactor", "Locate"]
 
 #: ``locate(queue, key, seq)``: the queue a packet lives in now if it is live, else ``None``
 #: (``queue`` is the one its latest entry names: a moved packet's latest entry is the copy a
@@ -47,10 +57,8 @@ Locate = Callable[[bytes, bytes, int], bytes | None]
 
 #: Fewest segments (the active one included) of a log worth compacting.
 MIN_SEGMENTS = 3
-#: Least bytes of the oldest segment one seal reads while compaction is due.
-MIN_STEP = 64 * 1024
-#: Bytes read per byte sealed, while compaction is due: above 2, so that reading the old
-#: segments outpaces writing new ones even when the copies are as large as the reads.
+#: Bytes read per byte of new entries sealed, while compaction is due: above 2, so that reading
+#: the old segments outpaces writing new ones even when the copies are half the reads.
 STEP_FACTOR = 4
 
 
@@ -91,11 +99,24 @@ class Compactor:
     def __init__(self, journal: CompactedLog, locate: Locate) -> None:
         self._journal = journal
         self._locate = locate
-        #: The segment being read, if any: a plain attribute, which the compiled journal reads
-        #: at every seal for what ``idle`` says, without a call into this interpreted class.
+        self._where = journal.where  # a bound method: no lookup per packet
+        #: The segment being read, if any: a plain attribute, which the journal reads at every
+        #: seal for what ``idle`` says, without a property call.
         self.reading: Segment | None = None
         self._fd: int | None = None
         self._offset = 0  # of the next block to read in it
+        #: The last block read: its entries, its base_ms and its pushes' deadlines and due
+        #: times by seq; how many of its push and copy entries there are, the next one to look
+        #: at (its pushes first), and what each costs of a seal's budget (its share of the
+        #: block's bytes). Most are of packets gone, so their times are looked up only for
+        #: the live ones, as they are copied.
+        self._entries = Entries()
+        self._base_ms = 0
+        self._deadlines: dict[int, int] = {}
+        self._dues: dict[int, int] = {}
+        self._count = 0
+        self._next = 0
+        self._cost = 0
         self._read_through = 0  # the number of the last segment read to its end
         #: Packets copied forward since the server started.
         self.copied = 0
@@ -117,29 +138,35 @@ class Compactor:
         return self.reading is None and len(self._journal.segments) < MIN_SEGMENTS
 
     def step(self, sealed: int) -> None:
-        """Read the next slice of the segment under way, copying its live packets into the
-        block being sealed (``sealed`` bytes so far), if compaction is due or under way."""
-        journal = self._journal
-        segment = self.reading
+        """Read on in the oldest segments, copying their live packets into the block being
+        sealed (``sealed``: the bytes of its new entries), if compaction is due or under way:
+        ``STEP_FACTOR`` times ``sealed`` bytes, into the next segment when one is read
+        through."""
         if self.idle:
             return  # the common case
-        if journal.disk_full:
+        if self._journal.disk_full:
             return  # copies would eat the reserve the pops' removals need; pops free space
-        if segment is None:
-            segment = self._next_segment()
+        budget = STEP_FACTOR * sealed
+        segment = self.reading
+        while budget > 0:
             if segment is None:
-                return
-            self._open(segment)
-        budget = max(MIN_STEP, STEP_FACTOR * sealed)
-        while budget > 0 and self._offset < segment.end:
-            data = self._read_block(segment)
-            budget -= len(data)
-            self._copy_live(segment, data)
-        if self._offset >= segment.end:
-            # The journal deletes it once its copies are on disk; meanwhile read on into the
-            # next one, so compaction is not held to one segment per fsync.
-            self._read_through = segment.number
-            self.close()
+                segment = self._next_segment()
+                if segment is None:
+                    return
+                self._open(segment)
+            if self._next < self._count:
+                self._look_at(segment, self._next)
+                self._next += 1
+                budget -= self._cost
+            elif self._offset < segment.end:
+                if not self._read(segment):
+                    budget -= self._cost  # a block of remove entries only: its bytes
+            else:
+                # The journal deletes it once its copies are on disk; meanwhile read on into
+                # the next one, so compaction is not held to one segment per fsync.
+                self._read_through = segment.number
+                self.close()
+                segment = None
 
     def _next_segment(self) -> Segment | None:
         """The oldest segment not read through yet, if compaction is due and the segment is
@@ -165,6 +192,8 @@ class Compactor:
             os.close(self._fd)
         self.reading = None
         self._fd = None
+        self._entries = Entries()
+        self._count = self._next = 0
 
     def forget(self, segment: Segment) -> None:
         """The journal deletes ``segment``: stop reading it."""
@@ -183,29 +212,38 @@ class Compactor:
         self._offset += len(data)
         return data
 
-    def _copy_live(self, segment: Segment, data: bytes) -> None:
+    def _read(self, segment: Segment) -> bool:
+        """Read the next block of ``segment``, whose push and copy entries are looked at next:
+        whether it has any."""
+        data = self._read_block(segment)
         block = read_block(data, 0)
         if block is None:
             raise LogFormatError(f"{segment.path}: no block where one was written")
         entries = decode_entries(data, block, old_copies=segment.version == 1)
-        deadlines, dues = dict(entries.push_deadlines), dict(entries.push_dues)
-        for packet in entries.pushes:
-            seq = packet[4]
-            self._copy(segment, packet, deadlines.get(seq, 0), block.base_ms, dues.get(seq, 0))
-        for packet, deadline_ms, pushed_ms, due_ms in entries.copies_with_times():
-            self._copy(segment, packet, deadline_ms, pushed_ms, due_ms)
+        self._entries, self._base_ms = entries, block.base_ms
+        self._deadlines, self._dues = dict(entries.push_deadlines), dict(entries.push_dues)
+        self._count, self._next = len(entries.pushes) + len(entries.copies), 0
+        self._cost = len(data) // max(1, self._count)
+        return self._count > 0
 
-    def _copy(
-        self, segment: Segment, packet: Packet, deadline_ms: int, pushed_ms: int, due_ms: int
-    ) -> None:
-        """Copy a packet forward if its latest entry is in ``segment`` and it is live. One
-        pushed with a delay is copied with its due time, as a delayed copy: whether it has
-        arrived since or not (a due time that has passed is due at once when read back)."""
-        journal = self._journal
+    def _look_at(self, segment: Segment, i: int) -> None:
+        """Copy forward the packet of the block's ``i``-th push or copy entry if it is live
+        and its latest entry is that one. One pushed with a delay is copied with its due
+        time, as a delayed copy: whether it has arrived since or not (a due time that has
+        passed is due at once when read back)."""
+        entries = self._entries
+        pushes = entries.pushes
+        packet = pushes[i] if i < len(pushes) else entries.copies[i - len(pushes)]
         queue, key, payload, prio, seq = packet
-        if journal.where(seq) is not segment:
-            return  # copied forward already, or removed
-        current = self._locate(queue, key, seq)
-        if current is not None:
-            journal.add_copy(seq, deadline_ms, pushed_ms, prio, current, key, payload, due_ms)
-            self.copied += 1
+        current = self._locate(queue, key, seq)  # first: most packets read are gone
+        if current is None or self._where(seq) is not segment:
+            return  # gone, or copied forward already
+        if i < len(pushes):
+            deadline_ms, pushed_ms = self._deadlines.get(seq, 0), self._base_ms
+            due_ms = self._dues.get(seq, 0)
+        else:
+            j = i - len(pushes)
+            deadline_ms, pushed_ms = entries.copy_deadlines[j], entries.copy_times[j]
+            due_ms = entries.copy_dues[j]
+        self._journal.add_copy(seq, deadline_ms, pushed_ms, prio, current, key, payload, due_ms)
+        self.copied += 1

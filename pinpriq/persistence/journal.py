@@ -158,6 +158,16 @@ class BlockFramer(Protocol):
     def __call__(self, seq_base: int, /) -> bytes | None: ...
 
 
+class RemovalCounter(Protocol):
+    """The packed store's C core counting a block's remove entries out of their segments
+    (``_packed.count_removals``): per segment of ``firsts``, the removed seqs it holds, and
+    the segments of those found in ``copied_to``, which it takes out of it."""
+
+    def __call__(
+        self, removed: bytes | bytearray, firsts: list[int], copied_to: dict[int, Segment], /
+    ) -> tuple[list[int], list[Segment]]: ...
+
+
 def _nothing() -> None:
     """The default ``wake``: no keeper yet."""
 
@@ -213,6 +223,9 @@ class Journal:
         self.wake: Callable[[], None] = _nothing
         #: Called with True when pushes must wait for disk space, False when they may go on.
         self.on_disk_full: Callable[[bool], None] = _ignore
+        #: Where the C core is built, what counts each block's removals in one C loop (the
+        #: packed store sets it); else ``_count_removals`` reads them in Python.
+        self.count_removals: RemovalCounter | None = None
         self.disk_full = False
         self.recovering = False
         self.recovery_seconds = 0.0
@@ -311,10 +324,14 @@ class Journal:
         """Close the open block (``seq``: the store's push counter now; ``base_ms``: the
         wall-clock time its first push's TTL counts from), queue it and write what can be
         written. Does nothing if the block is empty."""
-        pushes, removals = self.pushes, self.removals
-        if not pushes and not removals and not self._copies:
+        if not self.pushes and not self.removals and not self._copies:
             return
         self._step_compaction()
+        self.seal_stepped(seq, base_ms)
+
+    def seal_stepped(self, seq: int, base_ms: int) -> None:
+        """``seal``, compaction's step taken already (by ``seal_framed``)."""
+        pushes, removals = self.pushes, self.removals
         copies, copied = self._copies, self._copied
         data = encode_block(self._sealed_seq, base_ms, pushes, copies, removals)
         self._queue(data, seq, len(pushes) + len(copies), removals, copied)
@@ -324,21 +341,20 @@ class Journal:
         self._copied = []
 
     def seal_framed(self, seq: int, frame_block: BlockFramer) -> bool:
-        """``seal`` on the packed store, whose C core frames the block (``frame_block``) when
-        it holds no copies: whether it did (else the caller seals the usual way; nothing has
-        changed then). At -P 1 every block is one of these."""
-        if self._copies:
-            return False
+        """``seal`` on the packed store, whose C core frames the block (``frame_block``)
+        unless it holds copies: whether it did. If not, compaction's step is taken and the
+        caller seals with ``seal_stepped``. At -P 1 every block is framed here."""
+        pushes, removals = self.pushes, self.removals
+        if not pushes and not removals:
+            return not self._copies  # nothing to seal, or a move's copies alone
         compactor = self.compactor
-        # Whether its step may add copies (``Compactor.idle``, read here without calling into
-        # the interpreted compactor: that property call was ~1,000 instructions a block).
+        # ``not Compactor.idle``, read inline: its step may add copies.
         if compactor is not None and (
             compactor.reading is not None or len(self.segments) >= MIN_SEGMENTS
         ):
+            self._step_compaction()
+        if self._copies:
             return False
-        pushes, removals = self.pushes, self.removals
-        if not pushes and not removals:
-            return True  # nothing to seal
         entry_bytes, removed = len(pushes), bytes(removals)  # ``frame_block`` clears them
         data = frame_block(self._sealed_seq)
         assert data is not None
@@ -461,6 +477,13 @@ class Journal:
         segments, firsts, copied_to = self.segments, self._firsts, self._copied_to
         if len(segments) == 1 and not copied_to:  # the common small case: one segment
             segments[0].live -= len(removed) // REMOVE.size
+            return
+        if self.count_removals is not None:  # per packet in a log of several segments
+            counts, moved = self.count_removals(removed, firsts, copied_to)
+            for i, count in enumerate(counts):
+                segments[i].live -= count
+            for segment in moved:
+                segment.live -= 1
             return
         for _, seq in REMOVE.iter_unpack(removed):
             source = copied_to.pop(seq, None) if copied_to else None

@@ -10,7 +10,7 @@ packet is in hand, with no Python frame on the push or pop path; and at the end 
 frames the block (``frame_block``: header, CRC-32) when it holds no copies
 (``Journal.seal_framed``). What is off the hot path is
 here, in Python, as ``LoggedStore`` does it: leases (a take logs nothing; an ack is a removal,
-a dead-letter move a copy entry), ``locate`` for compaction, ``flush``, ``recover``.
+a dead-letter move a copy entry), ``flush``, ``recover``.
 """
 
 from __future__ import annotations
@@ -64,9 +64,11 @@ class LoggedPackedStore(PackedStore):
         self._wall_clock = wall_clock
         #: Cut the log at damage instead of refusing to start (``--truncate-damaged-log``).
         self.truncate_damaged = truncate_damaged
-        self.attach_log(journal.pushes, journal.removals, wall_clock)
-        #: Leased packets: their seq, and the queue they were taken from (``LoggedStore``).
+        #: Leased packets: their seq, and the queue they were taken from (``LoggedStore``);
+        #: the C core's ``locate`` reads it too.
         self._taken: dict[int, bytes] = {}
+        self.attach_log(journal.pushes, journal.removals, wall_clock, self._taken)
+        journal.count_removals = packed.count_removals
         journal.compactor = Compactor(journal, self.locate)
 
     # Leases (decision 19), as LoggedStore: a take is not logged, an ack is a removal, a
@@ -114,11 +116,8 @@ class LoggedPackedStore(PackedStore):
         """As ``LoggedStore.record_removed``."""
         log_removed(self.journal, packets)
 
-    def locate(self, queue: bytes, key: bytes, seq: int) -> bytes | None:
-        """As ``LoggedStore.locate``: the queue a live packet is in, ``None`` if it is gone."""
-        if self.holds(queue, key, seq):
-            return queue
-        return self._taken.get(seq)
+    # ``locate``, as ``LoggedStore.locate``, is the C core's: compaction asks it of every
+    # packet it reads.
 
     def load(
         self,
@@ -137,12 +136,11 @@ class LoggedPackedStore(PackedStore):
 
     def flush(self) -> None:
         """Seal what this batch logged into a block and write it: framed by the C core when
-        the block holds no copies (``Journal.seal_framed``), else by ``Journal.seal``."""
+        the block holds no copies (``Journal.seal_framed``), else by ``Journal.seal_stepped``."""
         journal = self.journal
         if not journal.seal_framed(self._seq, self.frame_block):
-            journal.seal(
-                self._seq, block_base_ms(journal, self._block_time, self._wall_clock, self.now)
-            )
+            base_ms = block_base_ms(journal, self._block_time, self._wall_clock, self.now)
+            journal.seal_stepped(self._seq, base_ms)
 
     def check_invariants(self) -> None:
         """Also the journal's counts (``LoggedStore.check_invariants``). For tests."""
