@@ -5,6 +5,7 @@ depend on what else the machine is doing.
     python benchmarks/server_instructions.py --compare ../baseline  # and another, side by side
     python benchmarks/server_instructions.py -t push -n 64000 --runs 3
     python benchmarks/server_instructions.py --fsync everysec      # with --data-dir (a log)
+    python benchmarks/server_instructions.py -t pop --fsync everysec --log-segment-size 1MiB
     python benchmarks/server_instructions.py -P 1 -n 8000          # a round trip per request
     python benchmarks/server_instructions.py -t push --ttl 65536   # pushes as 71 frames
     python benchmarks/server_instructions.py -P 1 --trio-null      # and the Trio null server
@@ -28,7 +29,10 @@ whole group: an operation is one grouped pop and the G pushes that filled it.
 
 With ``--fsync POLICY`` each server runs with ``--data-dir`` on a fresh temporary directory and
 that policy, so the figure includes logging every push and pop (fsyncs themselves are the
-kernel's, and not counted).
+kernel's, and not counted). ``--log-segment-size`` passes its size to those servers: a log of
+many segments at a depth valgrind can reach, where removals are counted across segments and
+compaction runs (a drain of 64,000 packets in 1 MiB segments goes as one of 2,000,000 in 32 MiB
+ones).
 
 With ``--trio-null`` each checkout's ``benchmarks/trio_null_server.py`` (pinpriq's socket loop
 and codec, no store) is measured the same way after it: the ceiling a request's instructions
@@ -79,6 +83,7 @@ def server_instructions(
     null: bool = False,
     clients: int = 4,
     group: int = 1,
+    segment_size: str | None = None,
 ) -> int:
     """Instructions of one server process serving ``ops`` operations of ``scenario`` at
     ``pipeline`` requests in flight per connection, pushes with TTL ``ttl_ms``, pops of key
@@ -93,6 +98,7 @@ def server_instructions(
         else:
             command = [str(checkout / ".venv" / "bin" / "pinpriq-server"), "--port", "0"]
             command += ["--data-dir", data, "--fsync", fsync] if fsync else []
+            command += ["--log-segment-size", segment_size] if fsync and segment_size else []
             command += _admin_options(command[0])
         server = subprocess.Popen(
             [*valgrind, *command],
@@ -163,9 +169,10 @@ def per_op(
     null: bool = False,
     clients: int = 4,
     group: int = 1,
+    segment_size: str | None = None,
 ) -> float:
     """Instructions per operation: the difference between 2N and N operations, over N."""
-    options = (fsync, pipeline, ttl_ms, null, clients, group)
+    options = (fsync, pipeline, ttl_ms, null, clients, group, segment_size)
     return (
         server_instructions(checkout, scenario, 2 * ops, *options)
         - server_instructions(checkout, scenario, ops, *options)
@@ -195,6 +202,11 @@ def main() -> None:
         "--fsync",
         choices=["always", "everysec", "no"],
         help="run the servers with --data-dir (fresh) and this policy (default: memory only)",
+    )
+    parser.add_argument(
+        "--log-segment-size",
+        metavar="SIZE",
+        help="with --fsync: the servers' --log-segment-size (default: theirs, 32MiB)",
     )
     parser.add_argument(
         "--trio-null",
@@ -231,6 +243,7 @@ def main() -> None:
                         null,
                         args.clients,
                         args.group,
+                        args.log_segment_size,
                     )
                     for _ in range(args.runs)
                 ]
