@@ -296,3 +296,42 @@ def test_the_c_core_counts_removals_by_segment_as_the_journal_would(
     assert counts == expected
     assert sorted(moved) == sorted(f"segment copied to, of {seq}" for seq in copied)
     assert copied_to == {0: "not removed"}
+
+
+def test_locate_answers_as_the_reference_for_queued_delayed_leased_and_gone_packets(
+    tmp_path: Path,
+) -> None:
+    """The C core's ``locate`` (compaction's question of every packet it reads) against
+    ``LoggedStore.locate``: queued, delayed (by seq, from an index that grows to thousands and
+    shrinks as they arrive), arrived, leased and popped packets, and a queue never seen."""
+    twins = Twins(tmp_path)
+    seqs = {}  # key -> seq, as both stores numbered the pushes
+    for i in range(3000):
+        twins.both("push_delayed", b"a", b"d%d" % i, b"", 0, 1, 1000 + i)
+        seqs[b"d%d" % i] = i + 1
+    for i in range(5):
+        twins.both("push", b"a", b"k%d" % i, b"", 0, 2)
+        seqs[b"k%d" % i] = 3001 + i
+    twins.both("pop", b"a")  # k4, the newest: gone
+    taken = [store.take(b"a") for store in twins.stores]  # k3, leased
+    assert taken[0] == taken[1]
+    for clock in twins.clocks:
+        clock.now += 2.5  # d0..d1500 arrive, the rest stay delayed
+    twins.both("expire")
+
+    def located() -> list[object]:
+        asks = [(b"a", key, seq) for key, seq in seqs.items()]
+        asks += [(b"a", b"d7", 10**9), (b"none", b"k0", seqs[b"k0"])]
+        return [twins.both("locate", *ask) for ask in asks]
+
+    answers = located()
+    assert answers.count(b"a") == len(seqs) - 1  # all but the popped k4 (leased k3 included)
+    assert answers[-3:] == [None, None, None]
+    for clock in twins.clocks:
+        clock.now += 10  # every delayed packet has arrived: the index shrinks
+    twins.both("expire")
+    assert located() == answers
+    twins.commit()
+    for store in twins.stores:
+        store.check_invariants()
+    twins.close()
