@@ -9,6 +9,8 @@ and disk use under churn. Figures are printed; nothing is asserted.
                                                   # several segments, compaction under way
     python benchmarks/persistence.py throughput --modes memory,no,everysec
                                                   # "no": the log written, never fsynced
+    python benchmarks/persistence.py cpu          # the server's user and system CPU per
+                                                  # operation: memory, --fsync no, everysec
     python benchmarks/persistence.py recovery     # 1,000,000 packets (8 B keys, 16 B payloads)
     python benchmarks/persistence.py disk         # 10 GB of 1 KiB payloads through a queue that
                                                   # never holds more than 100 MB (long: minutes)
@@ -245,6 +247,61 @@ def _fsyncs(result: dict[str, Any]) -> str:
     )
 
 
+# -- cpu ----------------------------------------------------------------------------------------
+
+TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
+CPU_MODES = ("memory", "no", "everysec")
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """Process ``pid``'s user and system time so far, all its threads (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / TICKS_PER_SECOND, int(fields[12]) / TICKS_PER_SECOND
+
+
+def cpu_per_op(mode: str, scenario: str, ops: int, base: Path | None) -> tuple[float, float]:
+    """Microseconds of the server's user and system time per logged operation (a pop
+    scenario's prefill pushes count: the log writes them too)."""
+    with data_dir(base) as path:
+        args = MODES[mode] + (["--data-dir", str(path)] if mode != "memory" else [])
+        server = Server(args, path.with_suffix(".log"))
+        try:
+            user, system = cpu_seconds(server.process.pid)
+            workload = ["-t", scenario, "-n", str(ops), "-P", "64", *WORKLOAD]
+            bench(server.port, server.process.pid, workload)
+            user_after, system_after = cpu_seconds(server.process.pid)
+        finally:
+            server.stop()
+            path.with_suffix(".log").unlink()
+    logged = ops * (2 if scenario == "pop" else 1)
+    return (user_after - user) / logged * 1e6, (system_after - system) / logged * 1e6
+
+
+def cpu(args: argparse.Namespace) -> None:
+    """What the log costs the server's own CPU at -P 64: memory-only, ``--fsync no`` (the log
+    written, never fsynced) and everysec, alternated, user and system time apart."""
+    runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for _ in range(args.rounds):
+        for scenario, ops in (("push", args.ops), ("pop", args.ops // 2)):
+            for mode in CPU_MODES:
+                runs.setdefault((scenario, mode), []).append(
+                    cpu_per_op(mode, scenario, ops, args.dir)
+                )
+    print(f"medians over {args.rounds} rounds, -P 64, 4 connections, us per logged operation:")
+    for scenario in ("push", "pop"):
+        totals = {}
+        for mode in CPU_MODES:
+            values = runs[(scenario, mode)]
+            user = statistics.median(value[0] for value in values)
+            system = statistics.median(value[1] for value in values)
+            totals[mode] = user + system
+            ratio = totals[mode] / totals["memory"]
+            print(
+                f"  {scenario:4} {mode:8} user {user:.3f} + system {system:.3f} = "
+                f"{user + system:.3f}  ({ratio:.2f}x memory)"
+            )
+
+
 # -- recovery ---------------------------------------------------------------------------------
 
 
@@ -399,6 +456,9 @@ def main() -> None:
         help=f"which to measure, comma-separated, of {','.join(MODES)} (default: "
         f"{','.join(DEFAULT_MODES)})",
     )
+    cpu_command = commands.add_parser("cpu", help="the server's CPU per operation, with a log")
+    cpu_command.add_argument("--rounds", type=int, default=5)
+    cpu_command.add_argument("-n", dest="ops", type=int, default=600_000, help="pushes")
     two = commands.add_parser("recovery", help="time to recover a log of N packets")
     two.add_argument("--packets", type=int, default=1_000_000)
     two.add_argument("--runs", type=int, default=3)
@@ -413,7 +473,8 @@ def main() -> None:
         parser.error(f"--modes: no such mode {', '.join(sorted(unknown))}")
     if args.dir is not None:
         os.makedirs(args.dir, exist_ok=True)
-    {"throughput": throughput, "recovery": recovery, "disk": disk}[args.command](args)
+    commands_run = {"throughput": throughput, "cpu": cpu, "recovery": recovery, "disk": disk}
+    commands_run[args.command](args)
 
 
 if __name__ == "__main__":
