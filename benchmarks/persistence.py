@@ -9,9 +9,12 @@ and disk use under churn. Figures are printed; nothing is asserted.
                                                   # several segments, compaction under way
     python benchmarks/persistence.py throughput --modes memory,no,everysec
                                                   # "no": the log written, never fsynced
-    python benchmarks/persistence.py cpu          # the server's user and system CPU per
-                                                  # operation: memory, --fsync no, everysec
+    python benchmarks/persistence.py cpu          # CPU per operation, memory, --fsync no and
+                                                  # everysec: the server's, the load
+                                                  # generator's, the kernel's, idle, steal
     python benchmarks/persistence.py recovery     # 1,000,000 packets (8 B keys, 16 B payloads)
+    python benchmarks/persistence.py appends      # a block's pwrite against a copy into a
+                                                  # mapping of the segment, by block size
     python benchmarks/persistence.py disk         # 10 GB of 1 KiB payloads through a queue that
                                                   # never holds more than 100 MB (long: minutes)
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import random
 import re
@@ -249,56 +253,64 @@ def _fsyncs(result: dict[str, Any]) -> str:
 
 # -- cpu ----------------------------------------------------------------------------------------
 
-TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 CPU_MODES = ("memory", "no", "everysec")
 
 
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """Process ``pid``'s user and system time so far, all its threads (``/proc/PID/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) / TICKS_PER_SECOND, int(fields[12]) / TICKS_PER_SECOND
-
-
-def cpu_per_op(mode: str, scenario: str, ops: int, base: Path | None) -> tuple[float, float]:
-    """Microseconds of the server's user and system time per logged operation (a pop
-    scenario's prefill pushes count: the log writes them too)."""
+def cpu_per_op(mode: str, scenario: str, ops: int, base: Path | None) -> dict[str, float]:
+    """Microseconds per operation in the load generator's window (a pop scenario's prefill
+    is outside it): the server's CPU, the load generator's, the rest of the machine's busy time
+    (the kernel's threads: writeback, softirqs), its idle and steal time, all cores; and wall
+    time."""
     with data_dir(base) as path:
         args = MODES[mode] + (["--data-dir", str(path)] if mode != "memory" else [])
         server = Server(args, path.with_suffix(".log"))
         try:
-            user, system = cpu_seconds(server.process.pid)
             workload = ["-t", scenario, "-n", str(ops), "-P", "64", *WORKLOAD]
-            bench(server.port, server.process.pid, workload)
-            user_after, system_after = cpu_seconds(server.process.pid)
+            result = bench(server.port, server.process.pid, workload)
         finally:
             server.stop()
             path.with_suffix(".log").unlink()
-    logged = ops * (2 if scenario == "pop" else 1)
-    return (user_after - user) / logged * 1e6, (system_after - system) / logged * 1e6
+    server_cpu, clients = result["server_cpu_us_per_op"], result["generator_cpu_us_per_op"]
+    return {
+        "server": server_cpu,
+        "clients": clients,
+        "rest": result["machine_busy_us_per_op"] - server_cpu - clients,
+        "idle": result["machine_idle_us_per_op"],
+        "steal": result["machine_steal_us_per_op"],
+        "wall": result["seconds"] / ops * 1e6,
+    }
 
 
 def cpu(args: argparse.Namespace) -> None:
-    """What the log costs the server's own CPU at -P 64: memory-only, ``--fsync no`` (the log
-    written, never fsynced) and everysec, alternated, user and system time apart."""
-    runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    """What the log costs at -P 64, memory-only, ``--fsync no`` (the log written, never
+    fsynced) and everysec alternated: the server's CPU, and where the rest of the machine's
+    time went, so that a loss of throughput the server's CPU does not account for can be
+    placed (the load generator, the kernel's threads, idle waits, steal)."""
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for scenario, ops in (("push", args.ops), ("pop", args.ops // 2)):
             for mode in CPU_MODES:
                 runs.setdefault((scenario, mode), []).append(
                     cpu_per_op(mode, scenario, ops, args.dir)
                 )
-    print(f"medians over {args.rounds} rounds, -P 64, 4 connections, us per logged operation:")
+    print(
+        f"medians over {args.rounds} rounds, -P 64, 4 connections, us per operation, CPU "
+        f"summed over {os.cpu_count()} cores:"
+    )
     for scenario in ("push", "pop"):
-        totals = {}
+        memory = {
+            kind: statistics.median(v[kind] for v in runs[(scenario, "memory")])
+            for kind in ("server", "wall")
+        }
         for mode in CPU_MODES:
             values = runs[(scenario, mode)]
-            user = statistics.median(value[0] for value in values)
-            system = statistics.median(value[1] for value in values)
-            totals[mode] = user + system
-            ratio = totals[mode] / totals["memory"]
+            median = {kind: statistics.median(v[kind] for v in values) for kind in values[0]}
             print(
-                f"  {scenario:4} {mode:8} user {user:.3f} + system {system:.3f} = "
-                f"{user + system:.3f}  ({ratio:.2f}x memory)"
+                f"  {scenario:4} {mode:8} server {median['server']:.3f} "
+                f"({median['server'] / memory['server']:.2f}x memory), load generator "
+                f"{median['clients']:.3f}, kernel and rest {median['rest']:.3f}, idle "
+                f"{median['idle']:.3f}, steal {median['steal']:.3f}; wall {median['wall']:.3f} "
+                f"({median['wall'] / memory['wall']:.2f}x memory)"
             )
 
 
@@ -437,6 +449,56 @@ def disk(args: argparse.Namespace) -> None:
         )
 
 
+# -- appends ----------------------------------------------------------------------------------
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a mapping's pages in, writable, ahead of use
+
+
+def append_us(how: str, block: int, base: Path | None) -> float:
+    """Microseconds per append of ``block`` bytes through one 32 MiB file reserved with
+    ``posix_fallocate`` (as the log's segments are), by ``pwrite`` or by a copy into a shared
+    mapping of the file, faulted in on first write or populated ahead (``MADV_POPULATE_WRITE``,
+    which a segment's creator thread could do). Either way the bytes are in the page cache when
+    the call returns: what ``--fsync everysec`` needs of a write before its reply goes out."""
+    size = 32 << 20
+    data, count = os.urandom(block), size // block - 1
+    with data_dir(base) as path:
+        fd = os.open(path / "segment", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            os.fsync(fd)
+            if how == "pwrite":
+                started = time.perf_counter()
+                for i in range(count):
+                    os.pwrite(fd, data, i * block)
+                return (time.perf_counter() - started) / count * 1e6
+            with mmap.mmap(fd, size) as mapped:
+                if how == "mmap, populated ahead":
+                    mapped.madvise(MADV_POPULATE_WRITE)
+                started = time.perf_counter()
+                for i in range(count):
+                    mapped[i * block : (i + 1) * block] = data
+                return (time.perf_counter() - started) / count * 1e6
+        finally:
+            os.close(fd)
+
+
+def appends(args: argparse.Namespace) -> None:
+    """What a block's write costs the server, by size (a -P 1 request's block is about 160
+    bytes, a turn of 64 pushes about 2.5 KiB): ``pwrite``, against a copy into a mapping."""
+    hows = ("pwrite", "mmap, faulted on write", "mmap, populated ahead")
+    print(f"us per append into a 32 MiB fallocated file, median of {args.rounds} runs:")
+    for block in args.blocks:
+        figures = [
+            statistics.median(append_us(how, block, args.dir) for _ in range(args.rounds))
+            for how in hows
+        ]
+        print(
+            f"  {block:>6} B: "
+            + ", ".join(f"{how} {us:.2f}" for how, us in zip(hows, figures, strict=True))
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, help="where data directories go (a real disk)")
@@ -466,6 +528,11 @@ def main() -> None:
     three.add_argument("--gigabytes", type=float, default=10.0)
     three.add_argument("--live-mb", type=int, default=100)
     three.add_argument("--fsync", default="everysec", choices=["always", "everysec", "no"])
+    four = commands.add_parser("appends", help="a block's pwrite against a copy into a mapping")
+    four.add_argument("--rounds", type=int, default=3)
+    four.add_argument(
+        "--blocks", type=lambda text: [int(v) for v in text.split(",")], default=[160, 2560, 10240]
+    )
     args = parser.parse_args()
     if args.command == "throughput" and not args.pipelines:
         args.pipelines = [64, 1]
@@ -473,7 +540,13 @@ def main() -> None:
         parser.error(f"--modes: no such mode {', '.join(sorted(unknown))}")
     if args.dir is not None:
         os.makedirs(args.dir, exist_ok=True)
-    commands_run = {"throughput": throughput, "cpu": cpu, "recovery": recovery, "disk": disk}
+    commands_run = {
+        "throughput": throughput,
+        "cpu": cpu,
+        "recovery": recovery,
+        "disk": disk,
+        "appends": appends,
+    }
     commands_run[args.command](args)
 
 

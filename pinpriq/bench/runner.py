@@ -178,9 +178,10 @@ def run_scenario(
         with contextlib.suppress(threading.BrokenBarrierError):  # _collect reports why
             sync.barrier.wait(SETUP_SECONDS)
         progress.restart()
-        server_cpu = _cpu_seconds(server_pid)
+        server_cpu, machine = _cpu_seconds(server_pid), _machine_seconds()
         results = _collect(w, pipes, sync, progress)
         server_cpu = _cpu_seconds(server_pid) - server_cpu
+        machine = {kind: value - machine[kind] for kind, value in _machine_seconds().items()}
     finally:
         progress.clear()
         _stop(processes)
@@ -190,6 +191,8 @@ def run_scenario(
         summary = _throughput_summary(w, results)
     if server_pid is not None:
         summary["server_cpu_us_per_op"] = round(server_cpu * 1e6 / max(w.ops, 1), 3)
+    for kind, seconds in machine.items():
+        summary[f"machine_{kind}_us_per_op"] = round(seconds * 1e6 / max(w.ops, 1), 3)
     return summary
 
 
@@ -211,6 +214,25 @@ def _cpu_seconds(pid: int | None) -> float:
     except OSError as error:
         raise BenchError(f"cannot read the CPU time of process {pid}: {error}") from None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_seconds() -> dict[str, float]:
+    """The whole machine's CPU time so far, all cores, by kind (``/proc/stat``; zeros where
+    there is none): busy (user, nice, system, irq, softirq), idle (idle and I/O wait) and steal
+    (time the hypervisor gave to other guests). Beside the server's and the generator's CPU it
+    tells whether a run saturated the machine, and what the kernel's own threads took."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return {"busy": 0.0, "idle": 0.0, "steal": 0.0}
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    tick = os.sysconf("SC_CLK_TCK")
+    return {
+        "busy": (user + nice + system + irq + softirq) / tick,
+        "idle": (idle + iowait) / tick,
+        "steal": steal / tick,
+    }
 
 
 def percentiles(times_ns: Sequence[int]) -> dict[str, float] | None:
