@@ -139,7 +139,7 @@ typedef struct {
     PyObject *log_pushes, *log_removals; /* bytearrays: push-kind entries, remove entries */
     PyObject *wall_clock;                /* seconds since the epoch, for a move's deadlines */
     PyObject *taken;                     /* dict: leased packets' seq -> the queue they left */
-    double block_time;                   /* the store's clock at the open block's first push */
+    double block_wall;                   /* the wall clock at the open block's first push */
 } StoreObject;
 
 static PyTypeObject QueueType;
@@ -1136,24 +1136,28 @@ static inline int log_queue_fits(StoreObject *s, PyObject *queue) {
     return 0;
 }
 
-/* Note the store's clock at the open block's first push (``now``: read already, or NAN). */
-static inline int log_block_start(StoreObject *s, double now) {
+/* Note the wall clock at the open block's first push: its base_ms. The wall clock, not the
+ * store's: under trio the store's clock is interpreted (trio.current_time), a call several
+ * times the cost of time.time, and converting it at the block's seal took a second call. */
+static inline int log_block_start(StoreObject *s) {
     if (PyByteArray_GET_SIZE(s->log_pushes))
         return 0;
-    if (now != now) {
-        now = store_now(s);
-        if (now != now)
-            return -1;
-    }
-    s->block_time = now;
+    PyObject *value = PyObject_CallNoArgs(s->wall_clock);
+    if (value == NULL)
+        return -1;
+    double wall = PyFloat_AsDouble(value);
+    Py_DECREF(value);
+    if (wall == -1.0 && PyErr_Occurred())
+        return -1;
+    s->block_wall = wall;
     return 0;
 }
 
 /* Append p's push-kind entry: kind LOG_PUSH (field: the TTL), LOG_OPTIONS (field: the TTL,
  * delay: the delay) or LOG_MOVED (field: the wall-clock deadline in ms, 0: none). */
 static int log_push(StoreObject *s, int kind, PyObject *queue, const Packet *p, uint64_t field,
-                    uint32_t delay, double now) {
-    if (log_block_start(s, now) < 0)
+                    uint32_t delay) {
+    if (log_block_start(s) < 0)
         return -1;
     Py_ssize_t qlen = PyBytes_GET_SIZE(queue);
     Py_ssize_t header = kind == LOG_PUSH ? 10 : 16;
@@ -1219,8 +1223,8 @@ static PyObject *Store_attach_log(StoreObject *s, PyObject *const *args, Py_ssiz
     Py_RETURN_NONE;
 }
 
-static PyObject *Store_get_block_time(StoreObject *s, void *unused) {
-    return PyFloat_FromDouble(s->block_time);
+static PyObject *Store_get_block_wall(StoreObject *s, void *unused) {
+    return PyFloat_FromDouble(s->block_wall);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -1358,22 +1362,12 @@ static uint32_t crc32_of(uint32_t crc, const unsigned char *p, size_t n) {
 }
 
 /* The open block's base_ms, as persistence/store.py's block_base_ms computes it (the same
- * floating-point operations in the same order, so the same integer): its first push on the
- * wall clock, rounded down; 0 without pushes. -1 with an exception set on error. */
+ * floating-point operation, so the same integer): its first push on the wall clock, rounded
+ * down; 0 without pushes. */
 static int64_t log_base_ms(StoreObject *s) {
     if (!PyByteArray_GET_SIZE(s->log_pushes))
         return 0;
-    PyObject *value = PyObject_CallNoArgs(s->wall_clock);
-    if (value == NULL)
-        return -1;
-    double wall = PyFloat_AsDouble(value);
-    Py_DECREF(value);
-    if (wall == -1.0 && PyErr_Occurred())
-        return -1;
-    double now = store_now(s);
-    if (now != now)
-        return -1;
-    return (int64_t)((s->block_time + wall - now) * 1000);
+    return (int64_t)(s->block_wall * 1000);
 }
 
 /* frame_block(seq_base) -> bytes | None: the open block (seq_base: the store's seq before
@@ -1857,7 +1851,7 @@ static PyObject *Store_push(StoreObject *s, PyObject *const *args, Py_ssize_t na
     }
     if (s->log_pushes != NULL) {
         int options = ttl_ms > LOG_MAX_PUSH_TTL;
-        if (log_push(s, options ? LOG_OPTIONS : LOG_PUSH, args[0], p, ttl_ms, 0, now) < 0) {
+        if (log_push(s, options ? LOG_OPTIONS : LOG_PUSH, args[0], p, ttl_ms, 0) < 0) {
             PyMem_Free(p);
             s->seq--;
             return NULL;
@@ -1915,7 +1909,7 @@ static PyObject *Store_push_delayed(StoreObject *s, PyObject *const *args, Py_ss
     Packet *p = parse_push(s, args, &ttl_ms);
     if (p == NULL)
         return NULL;
-    if (s->log_pushes != NULL && log_push(s, LOG_OPTIONS, args[0], p, ttl_ms, delay_ms, now) < 0) {
+    if (s->log_pushes != NULL && log_push(s, LOG_OPTIONS, args[0], p, ttl_ms, delay_ms) < 0) {
         PyMem_Free(p);
         s->seq--;
         return NULL;
@@ -2437,7 +2431,7 @@ static int log_purge(StoreObject *s, QueueObject *q) {
 static int log_move_start(StoreObject *s, Packet **moving, Py_ssize_t n, double *to_wall) {
     if (s->log_pushes == NULL)
         return 0;
-    if (log_removals(s, moving, n) < 0 || log_block_start(s, NAN) < 0)
+    if (log_removals(s, moving, n) < 0 || log_block_start(s) < 0)
         return -1;
     PyObject *wall = PyObject_CallNoArgs(s->wall_clock);
     if (wall == NULL)
@@ -2456,7 +2450,7 @@ static int log_move_start(StoreObject *s, Packet **moving, Py_ssize_t n, double 
 /* A moved entry for p (its new seq given): a push made now, keeping its wall-clock deadline. */
 static int log_moved(StoreObject *s, PyObject *target, const Packet *p, double to_wall) {
     uint64_t deadline_ms = p->deadline == INFINITY ? 0 : (uint64_t)((p->deadline + to_wall) * 1000);
-    return log_push(s, LOG_MOVED, target, p, deadline_ms, 0, NAN);
+    return log_push(s, LOG_MOVED, target, p, deadline_ms, 0);
 }
 
 /* move(source, target, limit) (decision 22): queued packets of source enter target as pushes
@@ -2976,8 +2970,8 @@ static PyGetSetDef Store_getset[] = {
     {"queue_count", (getter)Store_get_queue_count, NULL, "Queues holding packets.", NULL},
     {"_seq", (getter)Store_get_seq, NULL, "The last seq given.", NULL},
     {"_max_pop", (getter)Store_get_max_pop, NULL, "Most packets one pop returns.", NULL},
-    {"_block_time", (getter)Store_get_block_time, NULL,
-     "The store's clock at the log's open block's first push.", NULL},
+    {"_block_wall", (getter)Store_get_block_wall, NULL,
+     "The wall clock at the log's open block's first push.", NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
 };

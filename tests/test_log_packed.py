@@ -197,7 +197,7 @@ def test_the_c_core_frames_a_block_as_encode_block_does(tmp_path: Path) -> None:
                 clock.now += 0.0015
                 store.pop(b"q")
                 seq_base = store._seq - pushes
-                base_ms = block_base_ms(journal, store._block_time, clock.wall, clock)
+                base_ms = block_base_ms(journal, store._block_wall)
                 expected = encode_block(seq_base, base_ms, journal.pushes, journal.removals)
                 assert store.frame_block(seq_base) == expected
                 assert not journal.pushes

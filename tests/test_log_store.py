@@ -618,6 +618,28 @@ def test_recovered_packets_keep_their_ages(tmp_path: Path, clock: FakeClock) -> 
 
 
 @each_log_store
+def test_a_block_counts_from_its_first_push_however_late_it_is_sealed(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A block's ``base_ms`` is its first push's time on the wall clock, not its seal's: a
+    TTL logged in a block sealed late still ends when it would have, and an age is not
+    younger than it is."""
+    store = open_store(tmp_path, clock)
+    store.push(b"q", b"first", b"", 10_000, 1)
+    clock.now += 4  # a long batch: the block is sealed 4 s after its first push
+    store.push(b"q", b"later", b"", 0, 1)
+    commit(store)
+    store.close()
+    clock.now += 5  # 9 s after the first push
+    store = open_store(tmp_path, clock)
+    age = store.queue_info(b"q").oldest_age
+    assert age is not None
+    assert 9 <= age < 10
+    assert store.next_deadline() == pytest.approx(clock.now + 1, abs=0.002)
+    store.close()
+
+
+@each_log_store
 def test_packets_keep_their_ages_through_compaction(tmp_path: Path, clock: FakeClock) -> None:
     """A packet copied forward, its push's segment deleted: its copy entry carries its push
     time, so after a restart its age is still known."""

@@ -139,7 +139,7 @@ class LoggedPackedStore(PackedStore):
         the block holds no copies (``Journal.seal_framed``), else by ``Journal.seal_stepped``."""
         journal = self.journal
         if not journal.seal_framed(self._seq, self.frame_block):
-            base_ms = block_base_ms(journal, self._block_time, self._wall_clock, self.now)
+            base_ms = block_base_ms(journal, self._block_wall)
             journal.seal_stepped(self._seq, base_ms)
 
     def check_invariants(self) -> None:

@@ -105,7 +105,7 @@ class LoggedStore(QueueStore):
         # The journal's open block, kept by reference: the hot path appends to it directly.
         self._pushes = journal.pushes
         self._removals = journal.removals
-        self._block_time = 0.0  # the store's clock at the open block's first push
+        self._block_wall = 0.0  # the wall clock at the open block's first push: its base_ms
         #: Leased packets (``take``n, not yet acked or restored): their seq, and the queue
         #: they were taken from. Compaction must keep them (``locate``), and a restore into
         #: another queue is a dead-letter move, logged as one.
@@ -116,7 +116,7 @@ class LoggedStore(QueueStore):
         """Log, then queue a packet; returns its deadline on the store's clock."""
         pushes = self._pushes
         if not pushes:
-            self._block_time = self._clock()
+            self._block_wall = self._wall_clock()
         if ttl_ms <= _MAX_PUSH_TTL:
             pushes += _pack_push(_PUSH, ttl_ms, prio, len(queue), len(key), len(payload))
         else:  # protocol 1.2's u32 TTL
@@ -134,7 +134,7 @@ class LoggedStore(QueueStore):
         so it survives a restart still delayed. Returns its due time on the store's clock."""
         pushes = self._pushes
         if not pushes:
-            self._block_time = self._clock()
+            self._block_wall = self._wall_clock()
         pushes += _pack_options(
             _OPTIONS, ttl_ms, delay_ms, prio, len(queue), len(key), len(payload)
         )
@@ -150,7 +150,7 @@ class LoggedStore(QueueStore):
         self.record_removed(old)
         pushes = self._pushes
         if not pushes:
-            self._block_time = self._clock()
+            self._block_wall = self._wall_clock()
         to_wall = self._wall_clock() - self._clock()
         for packet in new:
             key, payload = packet[KEY], packet[PAYLOAD]
@@ -257,9 +257,7 @@ class LoggedStore(QueueStore):
 
     def flush(self) -> None:
         """Seal what this batch logged into a block and write it (see ``Journal.seal``)."""
-        self.journal.seal(
-            self._seq, block_base_ms(self.journal, self._block_time, self._wall_clock, self._clock)
-        )
+        self.journal.seal(self._seq, block_base_ms(self.journal, self._block_wall))
 
     def check_invariants(self) -> None:
         """Also check the journal's counts: each segment's ``live`` is the number of queued
@@ -386,13 +384,14 @@ def log_copy(
     journal.add_copy(seq, deadline_ms, pushed_ms, prio, queue, key, payload)
 
 
-def block_base_ms(journal: Journal, block_time: float, wall_clock: Clock, clock: Clock) -> int:
-    """The open block's ``base_ms``: its first push (``block_time``, on the store's clock) on
-    the wall clock, rounded down, so a logged deadline is never later than the real one; 0
-    for a block without pushes."""
+def block_base_ms(journal: Journal, block_wall: float) -> int:
+    """The open block's ``base_ms``: its first push's time on the wall clock (``block_wall``)
+    in ms, rounded down, so a logged deadline is never later than the real one; 0 for a block
+    without pushes. (Read at the first push, not converted from the store's clock at the
+    seal: under trio that clock is interpreted, and each call costs several of ``time.time``.)"""
     if not journal.pushes:
         return 0
-    return int((block_time + wall_clock() - clock()) * 1000)
+    return int(block_wall * 1000)
 
 
 def check_live_counts(journal: Journal, live: Iterable[int]) -> None:
