@@ -905,6 +905,17 @@ static double store_now(StoreObject *s) {
     return now;
 }
 
+/* The wall clock's seconds since the epoch (``attach_log``'s wall_clock); NAN with an
+ * exception set on error. */
+static double store_wall(StoreObject *s) {
+    PyObject *value = PyObject_CallNoArgs(s->wall_clock);
+    if (value == NULL)
+        return NAN;
+    double wall = PyFloat_AsDouble(value);
+    Py_DECREF(value);
+    return wall == -1.0 && PyErr_Occurred() ? NAN : wall;
+}
+
 /* Spare records: a popped record's memory, kept for the next push of the same size class.
  * At depth, the record a pop frees lies in a cold pymalloc pool, and pymalloc's free reads
  * and relinks that pool's header (a cache miss more per pop, besides the record's own); kept
@@ -1142,12 +1153,8 @@ static inline int log_queue_fits(StoreObject *s, PyObject *queue) {
 static inline int log_block_start(StoreObject *s) {
     if (PyByteArray_GET_SIZE(s->log_pushes))
         return 0;
-    PyObject *value = PyObject_CallNoArgs(s->wall_clock);
-    if (value == NULL)
-        return -1;
-    double wall = PyFloat_AsDouble(value);
-    Py_DECREF(value);
-    if (wall == -1.0 && PyErr_Occurred())
+    double wall = store_wall(s);
+    if (wall != wall)
         return -1;
     s->block_wall = wall;
     return 0;
@@ -2433,17 +2440,13 @@ static int log_move_start(StoreObject *s, Packet **moving, Py_ssize_t n, double 
         return 0;
     if (log_removals(s, moving, n) < 0 || log_block_start(s) < 0)
         return -1;
-    PyObject *wall = PyObject_CallNoArgs(s->wall_clock);
-    if (wall == NULL)
+    double wall = store_wall(s);
+    if (wall != wall)
         return -1;
-    double wall_now = PyFloat_AsDouble(wall);
-    Py_DECREF(wall);
     double now = store_now(s);
-    if (wall_now == -1.0 && PyErr_Occurred())
-        return -1;
     if (now != now)
         return -1;
-    *to_wall = wall_now - now;
+    *to_wall = wall - now;
     return 0;
 }
 
