@@ -289,7 +289,7 @@ def cpu(args: argparse.Namespace) -> None:
     runs: dict[tuple[str, str], list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for scenario, ops in (("push", args.ops), ("pop", args.ops // 2)):
-            for mode in CPU_MODES:
+            for mode in args.modes:
                 runs.setdefault((scenario, mode), []).append(
                     cpu_per_op(mode, scenario, ops, args.dir)
                 )
@@ -302,11 +302,11 @@ def cpu(args: argparse.Namespace) -> None:
             kind: statistics.median(v[kind] for v in runs[(scenario, "memory")])
             for kind in ("server", "wall")
         }
-        for mode in CPU_MODES:
+        for mode in args.modes:
             values = runs[(scenario, mode)]
             median = {kind: statistics.median(v[kind] for v in values) for kind in values[0]}
             print(
-                f"  {scenario:4} {mode:8} server {median['server']:.3f} "
+                f"  {scenario:4} {mode:14} server {median['server']:.3f} "
                 f"({median['server'] / memory['server']:.2f}x memory), load generator "
                 f"{median['clients']:.3f}, kernel and rest {median['rest']:.3f}, idle "
                 f"{median['idle']:.3f}, steal {median['steal']:.3f}; wall {median['wall']:.3f} "
@@ -521,6 +521,12 @@ def main() -> None:
     cpu_command = commands.add_parser("cpu", help="the server's CPU per operation, with a log")
     cpu_command.add_argument("--rounds", type=int, default=5)
     cpu_command.add_argument("-n", dest="ops", type=int, default=600_000, help="pushes")
+    cpu_command.add_argument(
+        "--modes",
+        type=lambda text: text.split(","),
+        default=list(CPU_MODES),
+        help=f"which to measure, comma-separated, memory first (default: {','.join(CPU_MODES)})",
+    )
     two = commands.add_parser("recovery", help="time to recover a log of N packets")
     two.add_argument("--packets", type=int, default=1_000_000)
     two.add_argument("--runs", type=int, default=3)
@@ -536,8 +542,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "throughput" and not args.pipelines:
         args.pipelines = [64, 1]
-    if args.command == "throughput" and (unknown := set(args.modes) - set(MODES)):
+    if args.command in ("throughput", "cpu") and (unknown := set(args.modes) - set(MODES)):
         parser.error(f"--modes: no such mode {', '.join(sorted(unknown))}")
+    if args.command == "cpu" and "memory" not in args.modes:
+        parser.error("--modes: memory is the baseline, and must be among them")
     if args.dir is not None:
         os.makedirs(args.dir, exist_ok=True)
     commands_run = {
