@@ -6,6 +6,8 @@ deletion."""
 from __future__ import annotations
 
 import ast
+import ctypes
+import mmap
 import os
 import random
 import shutil
@@ -20,6 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from pinpriq import packed, persistence
 from pinpriq.persistence.journal import MIN_SEGMENT_SIZE, FsyncPolicy
 from pinpriq.persistence.packed_store import LoggedPackedStore
+from pinpriq.persistence.segments import create_segment
 from pinpriq.persistence.store import LoggedStore
 from pinpriq.store import QueuedPacket, QueueStore
 from tests.logtools import FakeClock, commit, open_store, settle
@@ -811,3 +814,36 @@ def test_compaction_keeps_delayed_packets(tmp_path: Path, clock: FakeClock) -> N
     store.expire()
     assert drain(store, b"keep") == [[(b"waiting", b"x" * 100)]]
     store.close()
+
+
+def cached_pages(path: Path) -> list[bool]:
+    """Which of the file's pages are in the page cache (``mincore`` on a mapping of it, which
+    reads nothing in: only the file's existing pages are reported)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = path.stat().st_size
+    resident = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    with open(path, "r+b") as file, mmap.mmap(file.fileno(), size) as mapped:
+        first = ctypes.c_char.from_buffer(mapped)
+        try:
+            assert libc.mincore(ctypes.addressof(first), size, resident) == 0, ctypes.get_errno()
+        finally:
+            del first  # no buffer exported: the mapping may close
+    return [bool(page & 1) for page in resident]
+
+
+def test_a_new_segment_is_read_through_so_its_first_writes_find_its_pages(
+    tmp_path: Path,
+) -> None:
+    """A pwrite into a reserved page nothing has touched allocates and zeroes it, in the
+    event loop; a segment is made by the keeper's worker thread ahead of need, which reads it
+    whole, so its pages are in the page cache before its first block (docs/performance.md).
+    Dropping them first shows the read is what put them there."""
+    path = tmp_path / "0000000000000001.log"
+    fd = create_segment(path, MIN_SEGMENT_SIZE)
+    try:
+        assert all(cached_pages(path))
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: dropped at once
+        assert not any(cached_pages(path)[1:])
+    finally:
+        os.close(fd)
