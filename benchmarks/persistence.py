@@ -56,6 +56,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pinpriq.persistence.segments import create_segment
+
 BIN = Path(sys.executable).parent
 SERVER = str(BIN / "pinpriq-server")
 BENCH = str(BIN / "pinpriq-bench")
@@ -452,28 +454,38 @@ def disk(args: argparse.Namespace) -> None:
 # -- appends ----------------------------------------------------------------------------------
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a mapping's pages in, writable, ahead of use
+APPEND_HOWS = (
+    "pwrite",
+    "pwrite, read through",
+    "mapped",
+    "mapped, read through",
+    "mapped, populated",
+)
 
 
 def append_us(how: str, block: int, base: Path | None) -> float:
-    """Microseconds per append of ``block`` bytes through one 32 MiB file reserved with
-    ``posix_fallocate`` (as the log's segments are), by ``pwrite`` or by a copy into a shared
-    mapping of the file, faulted in on first write or populated ahead (``MADV_POPULATE_WRITE``,
-    which a segment's creator thread could do). Either way the bytes are in the page cache when
-    the call returns: what ``--fsync everysec`` needs of a write before its reply goes out."""
+    """Microseconds per append of ``block`` bytes through one 32 MiB segment made as the log
+    makes one (``create_segment``: its space reserved with ``posix_fallocate``, then read
+    through, so its pages are cached), by ``pwrite`` or by a copy into a shared mapping of the
+    file; without "read through" its pages are dropped from the cache first, as before the
+    log read its segments through; "populated": faulted in writable ahead
+    (``MADV_POPULATE_WRITE``), which dirties them all. Either way the bytes are in the page
+    cache when the call returns: what ``--fsync everysec`` needs of a write before its reply
+    goes out."""
     size = 32 << 20
     data, count = os.urandom(block), size // block - 1
     with data_dir(base) as path:
-        fd = os.open(path / "segment", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = create_segment(path / "segment", size)
         try:
-            os.posix_fallocate(fd, 0, size)
-            os.fsync(fd)
-            if how == "pwrite":
+            if "read through" not in how:
+                os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)  # clean: dropped
+            if how.startswith("pwrite"):
                 started = time.perf_counter()
                 for i in range(count):
                     os.pwrite(fd, data, i * block)
                 return (time.perf_counter() - started) / count * 1e6
             with mmap.mmap(fd, size) as mapped:
-                if how == "mmap, populated ahead":
+                if how == "mapped, populated":
                     mapped.madvise(MADV_POPULATE_WRITE)
                 started = time.perf_counter()
                 for i in range(count):
@@ -485,17 +497,16 @@ def append_us(how: str, block: int, base: Path | None) -> float:
 
 def appends(args: argparse.Namespace) -> None:
     """What a block's write costs the server, by size (a -P 1 request's block is about 160
-    bytes, a turn of 64 pushes about 2.5 KiB): ``pwrite``, against a copy into a mapping."""
-    hows = ("pwrite", "mmap, faulted on write", "mmap, populated ahead")
-    print(f"us per append into a 32 MiB fallocated file, median of {args.rounds} runs:")
+    bytes, a turn of 64 pushes about 2.5 KiB, of two connections' 6.9 KiB)."""
+    print(f"us per append into a 32 MiB segment, median of {args.rounds} runs:")
     for block in args.blocks:
         figures = [
             statistics.median(append_us(how, block, args.dir) for _ in range(args.rounds))
-            for how in hows
+            for how in APPEND_HOWS
         ]
         print(
             f"  {block:>6} B: "
-            + ", ".join(f"{how} {us:.2f}" for how, us in zip(hows, figures, strict=True))
+            + ", ".join(f"{how} {us:.2f}" for how, us in zip(APPEND_HOWS, figures, strict=True))
         )
 
 
@@ -537,7 +548,9 @@ def main() -> None:
     four = commands.add_parser("appends", help="a block's pwrite against a copy into a mapping")
     four.add_argument("--rounds", type=int, default=3)
     four.add_argument(
-        "--blocks", type=lambda text: [int(v) for v in text.split(",")], default=[160, 2560, 10240]
+        "--blocks",
+        type=lambda text: [int(v) for v in text.split(",")],
+        default=[160, 2560, 6900, 10240],
     )
     args = parser.parse_args()
     if args.command == "throughput" and not args.pipelines:

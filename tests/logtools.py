@@ -72,10 +72,12 @@ def open_store(
     policy: FsyncPolicy = FsyncPolicy.EVERYSEC,
     truncate_damaged: bool = False,
     store_class: type[LoggedStore] | None = None,
+    mapped: bool | None = None,
 ) -> LoggedStore:
     """A log-backed store on ``path`` (a ``store_class``), recovered and settled, as a server
-    has it at start."""
-    journal = Journal(DataDir.open(path, write=True), policy=policy, segment_size=segment_size)
+    has it at start (``mapped``: as ``Journal``'s)."""
+    data_dir = DataDir.open(path, write=True)
+    journal = Journal(data_dir, policy=policy, segment_size=segment_size, mapped=mapped)
     store_class = store_class or default_store_class
     store = store_class(clock, journal, truncate_damaged=truncate_damaged, wall_clock=clock.wall)
     try:

@@ -82,11 +82,14 @@ def drain(client: BlockingPinpriqClient, queue: str) -> list[list[tuple[bytes, b
     return replies
 
 
+@pytest.mark.parametrize("writes", ["mapped", "pwrite"])
 def test_packets_survive_a_restart_with_ttls_groups_across_segments_and_riders(
-    tmp_path: Path,
+    tmp_path: Path, writes: str
 ) -> None:
+    """Either way of writing blocks (``--log-writes``): the default copies into mapped
+    segments, rotating through several of them here."""
     data = str(tmp_path / "data")
-    server = Server("--data-dir", data, "--log-segment-size", "64KiB")
+    server = Server("--data-dir", data, "--log-segment-size", "64KiB", "--log-writes", writes)
     with server.client() as client:
         client.push("q", "group", "first", prio=3)
         client.push("q", "group", "rider", prio=0)
@@ -128,6 +131,8 @@ def test_one_line_errors(tmp_path: Path) -> None:
     for args, expected in [
         (["--fsync", "always"], "--fsync needs --data-dir"),
         (["--check-log"], "--check-log needs --data-dir"),
+        (["--log-writes", "pwrite"], "--log-writes needs --data-dir"),
+        (["--data-dir", "d", "--log-writes", "mmap"], "invalid choice: 'mmap'"),
         (["--data-dir", "d", "--fsync", "sometimes"], "invalid choice: 'sometimes'"),
         (["--data-dir", "d", "--log-segment-size", "1KiB"], "1024 bytes is below 65536"),
         (["--data-dir", str(tmp_path / "file")], "is not a directory"),

@@ -51,10 +51,10 @@ class Running:
         policy: FsyncPolicy = FsyncPolicy.EVERYSEC,
         segment_size: int = MIN_SEGMENT_SIZE,
         store_class: type[LoggedStore] = LoggedStore,
+        mapped: bool | None = None,
     ) -> None:
-        journal = Journal(
-            DataDir.open(self.path, write=True), policy=policy, segment_size=segment_size
-        )
+        data_dir = DataDir.open(self.path, write=True)
+        journal = Journal(data_dir, policy=policy, segment_size=segment_size, mapped=mapped)
         self.server = PinpriqServer(store_class(trio.current_time, journal))
         self._done = trio.Event()
         done = self._done
@@ -367,8 +367,9 @@ async def test_a_move_answers_503_while_the_disk_is_full(
 async def test_when_even_the_reserve_is_full_pops_wait_too(
     running: Running, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A write meets ENOSPC (a file system without space reservation): nothing goes out,
-    pops' replies included, until the write succeeds; then in order, nothing lost."""
+    """A write meets ENOSPC (a file system without space reservation, whose segments are
+    written with pwrite, not mapped): nothing goes out, pops' replies included, until the
+    write succeeds; then in order, nothing lost."""
     full = threading.Event()
     real_pwrite = os.pwrite
 
@@ -378,7 +379,7 @@ async def test_when_even_the_reserve_is_full_pops_wait_too(
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", pwrite)
-    await running.start()
+    await running.start(mapped=False)
     peer = await running.connect()
     await peer.send(push(b"q", b"a", b"1") + push(b"q", b"b", b"2"))
     assert await peer.request(SYNC) == []
@@ -452,7 +453,7 @@ async def test_a_failed_write_stops_the_server(
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", pwrite)
-    journal = Journal(DataDir.open(tmp_path, write=True))
+    journal = Journal(DataDir.open(tmp_path, write=True), mapped=False)
     await push_and_see_the_server_stop(journal, lambda server: failing.set())
     assert "Input/output error" in str(journal.failure)
     DataDir.open(tmp_path, write=True).close()  # the directory was released
@@ -674,8 +675,9 @@ async def test_a_reactor_turn_writes_one_block_then_its_replies_with_no_task_swi
     """The connections the reactor serves in one turn log into one block, sealed and written
     once at the turn's end; under always (fsyncs inline: a fast disk) it is fsynced there too;
     only then are the turn's replies and deliveries written, by the reactor's task itself
-    (issue 21). Order is observed through the log's system calls, not timed."""
-    await running.start(policy)
+    (issue 21). Order is observed through the log's system calls, not timed: so with
+    ``pwrite``, not a mapped segment (whose copies the next test watches)."""
+    await running.start(policy, mapped=False)
     subscriber = await running.connect()
     await subscriber.send(subscribe(b"d") + READY)
     peers = [await running.connect() for _ in range(5)]
@@ -729,3 +731,44 @@ async def test_a_reactor_turn_writes_one_block_then_its_replies_with_no_task_swi
     assert journal.blocks_written == blocks + 2
     if policy is FsyncPolicy.ALWAYS:
         assert journal.fsyncs == fsyncs + 2
+
+
+async def test_a_mapped_segment_holds_each_block_before_its_replies_go_out(
+    running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under everysec blocks are copied into a shared mapping of the active segment, no
+    ``pwrite``: each reply is written to its socket only once the block it confirms is in
+    the segment file, as a reader of the file (recovery after a kill -9) sees it."""
+    await running.start(FsyncPolicy.EVERYSEC, segment_size=1 << 20)
+    journal = running.journal
+    active = journal.active
+    assert active.mapping is not None
+    peer = await running.connect()
+    assert await peer.request(SYNC) == []
+    server_fds = {conn.fileno for conn in running.server._connections.values()}
+    real_write = os.write
+    pushed: list[bytes] = []
+    in_file_at_reply: list[bool] = []
+
+    def write(fd: int, data: bytes | bytearray) -> int:
+        if fd in server_fds:
+            with open(active.path, "rb") as segment_file:  # not the mapping: the file
+                in_file_at_reply.append(pushed[-1] in segment_file.read())
+        return real_write(fd, data)
+
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        raise AssertionError("a mapped segment is written with pwrite")
+
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with trio.fail_after(10):
+        for i in range(20):
+            pushed.append(b"key-%04d" % i)
+            assert await peer.request(push(b"q", pushed[-1], b"v") + SYNC) == []
+    monkeypatch.undo()
+    assert in_file_at_reply == [True] * 20
+    await running.stop()
+    await running.start(FsyncPolicy.EVERYSEC, segment_size=1 << 20)
+    peer = await running.connect()
+    popped = [await peer.request(pop(b"q")) for _ in range(20)]
+    assert sorted(key for ((key, _),) in popped) == pushed

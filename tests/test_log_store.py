@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from pinpriq import packed, persistence
 from pinpriq.persistence.journal import MIN_SEGMENT_SIZE, FsyncPolicy
 from pinpriq.persistence.packed_store import LoggedPackedStore
-from pinpriq.persistence.segments import create_segment
+from pinpriq.persistence.segments import SEGMENT_HEADER_SIZE, Segment, create_segment
 from pinpriq.persistence.store import LoggedStore
 from pinpriq.store import QueuedPacket, QueueStore
 from tests.logtools import FakeClock, commit, open_store, settle
@@ -402,8 +402,9 @@ def test_a_block_written_in_part_is_written_again_whole(
     tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A short ``pwrite`` (a signal, a nearly full disk) of a block ``seal`` writes at once:
-    the block queues and is written whole, and not released before."""
-    store = open_store(tmp_path, clock)
+    the block queues and is written whole, and not released before. (A mapped segment is
+    written by a copy, which is never short.)"""
+    store = open_store(tmp_path, clock, mapped=False)
     journal = store.journal
     real = os.pwrite
     shorts: list[int] = []
@@ -847,3 +848,24 @@ def test_a_new_segment_is_read_through_so_its_first_writes_find_its_pages(
         assert not any(cached_pages(path)[1:])
     finally:
         os.close(fd)
+
+
+def test_a_segment_whose_space_is_not_reserved_is_not_mapped(tmp_path: Path) -> None:
+    """A write into a mapped page with no disk block behind it raises SIGBUS on a full disk,
+    where ``pwrite`` says ENOSPC: a sparse segment (a file system that cannot reserve space)
+    is written with pwrite; a reserved one is mapped."""
+    sparse = Segment(1, tmp_path / "sparse.log", MIN_SEGMENT_SIZE)
+    sparse.fd = os.open(sparse.path, os.O_RDWR | os.O_CREAT, 0o644)
+    os.ftruncate(sparse.fd, MIN_SEGMENT_SIZE)  # the size, and no block
+    assert not sparse.map()
+    sparse.close()
+    reserved = Segment(2, tmp_path / "reserved.log", MIN_SEGMENT_SIZE)
+    reserved.fd = create_segment(reserved.path, MIN_SEGMENT_SIZE)
+    assert reserved.map()
+    assert reserved.mapping is not None
+    reserved.mapping[SEGMENT_HEADER_SIZE : SEGMENT_HEADER_SIZE + 5] = b"block"
+    reserved.close()
+    assert reserved.mapping is None
+    assert reserved.fd is None
+    with open(reserved.path, "rb") as written:  # the copy is the file's, once unmapped
+        assert written.read()[SEGMENT_HEADER_SIZE:][:6] == b"block\0"

@@ -8,6 +8,7 @@ user. ``python -m pinpriq.cli.server`` runs it too.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import logging
 import resource
@@ -173,6 +174,15 @@ def server_parser() -> argparse.ArgumentParser:
         help="size of each log segment file, its space reserved when it is created "
         f"(default: {DEFAULT_SEGMENT_SIZE // 1024**2}MiB; at least "
         f"{MIN_SEGMENT_SIZE // 1024}KiB)",
+    )
+    durability.add_argument(
+        "--log-writes",
+        choices=["mapped", "pwrite"],
+        help="how blocks reach the log's files: 'mapped' copies them into a shared mapping of "
+        "the segment where its space is reserved on disk, 'pwrite' writes each with a system "
+        "call; either way a block is in the kernel's page cache before its replies go out "
+        "(default: mapped, but pwrite under --fsync always, whose fsync of every batch makes "
+        "the next write into the same page fault again)",
     )
     durability.add_argument(
         "--check-log",
@@ -412,6 +422,7 @@ def open_store(args: argparse.Namespace) -> LogBacked | None:
         data_dir,
         policy=FsyncPolicy(args.fsync or FsyncPolicy.EVERYSEC.value),
         segment_size=args.log_segment_size or DEFAULT_SEGMENT_SIZE,
+        mapped=None if args.log_writes is None else args.log_writes == "mapped",
     )
     return logged_store(trio.current_time, journal, truncate_damaged=args.truncate_damaged_log)
 
@@ -421,6 +432,7 @@ def _check_durability_args(parser: argparse.ArgumentParser, args: argparse.Names
         for option, value in (
             ("--fsync", args.fsync),
             ("--log-segment-size", args.log_segment_size),
+            ("--log-writes", args.log_writes),
             ("--check-log", args.check_log),
             ("--truncate-damaged-log", args.truncate_damaged_log),
         ):
@@ -456,6 +468,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.check_log:
         sys.exit(check_log(args.data_dir))
     configure_logging(args.log_level, args.log_format)
+    # A fatal signal says where it struck on stderr before the process dies: SIGBUS is what a
+    # log page the disk cannot read back gives a write into a mapped segment (journal.py).
+    faulthandler.enable()
     try:
         token = load_token(args.auth_token_file)
     except TokenError as error:

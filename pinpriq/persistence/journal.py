@@ -14,6 +14,19 @@ Theory of operation.
   from the remove entries when the counts need them, so a removal makes no Python object. On
   the packed store a block without copies (all but compaction's and a dead-letter move's) is
   framed by its C core instead of ``encode_block`` (``seal_framed``).
+* **Writing.** Under ``everysec`` and ``no`` a block is copied into a shared mapping of the
+  active segment (``Segment.map``), not written with ``pwrite``: either way its bytes are in
+  the kernel's page cache when the call returns, which is all a kill -9 needs, but a copy
+  costs a ``memcpy`` and a minor fault per new page where ``pwrite`` costs a system call and
+  the file system's write path per block (docs/performance.md has the figures). A new
+  segment is read through by the thread that makes it (``create_segment``), so the first
+  write into each page finds it cached. Only a segment whose whole size is allocated is
+  mapped: a write into a mapped page with no disk block behind it raises SIGBUS on a full
+  disk, where ``pwrite`` says ENOSPC. Under ``always`` blocks are written with ``pwrite``:
+  each batch's fsync cleans its pages, so the next batch's copy into the same page would
+  fault again. A mapped page the disk cannot read back (evicted, then EIO) raises SIGBUS,
+  which stops the server as a kill -9 would, the log as after a crash; an error writing
+  pages back is reported by the next fsync, mapped or not, and fails the journal.
 * **Positions.** ``sealed_pos``, ``written_pos`` and ``synced_pos`` count bytes of blocks since
   the server started: sealed, handed to the kernel, known to be on disk. ``released`` is true
   when output may be written: every sealed block is written and, under ``always``, synced. A
@@ -185,13 +198,18 @@ class Journal:
         *,
         policy: FsyncPolicy = FsyncPolicy.EVERYSEC,
         segment_size: int = DEFAULT_SEGMENT_SIZE,
+        mapped: bool | None = None,
     ) -> None:
+        """``mapped``: whether blocks are copied into a shared mapping of the active segment
+        rather than written with ``pwrite`` (see the module's docstring); by default under
+        ``everysec`` and ``no``, where a block is not fsynced at once."""
         if segment_size < MIN_SEGMENT_SIZE:
             raise ValueError(f"segment size {segment_size} is below {MIN_SEGMENT_SIZE}")
         self.data_dir = data_dir
         self.policy = policy
         self.segment_size = segment_size
         self._always = policy is FsyncPolicy.ALWAYS
+        self.mapped = not self._always if mapped is None else mapped
         #: The open block's entries, appended to by the store on its hot path (in place:
         #: ``seal`` clears them, so the store may keep references).
         self.pushes = bytearray()
@@ -281,6 +299,7 @@ class Journal:
         except OSError as error:
             log.warning("cannot reserve space in %s: %s", segment.path, error.strerror)
             segment.size = max(segment.end, os.fstat(segment.fd).st_size)
+        self._map(segment)
 
     def _new_segment(self) -> Segment:
         number = self._next_number
@@ -288,7 +307,14 @@ class Journal:
         segment = Segment(number, path, self.segment_size)
         segment.fd = create_segment(path, self.segment_size)
         self._next_number += 1
+        self._map(segment)
         return segment
+
+    def _map(self, segment: Segment) -> None:
+        """Map a segment about to be written to, if the journal writes through mappings and
+        the segment's space is reserved (``Segment.map``)."""
+        if self.mapped and not segment.map():
+            log.info("%s: space not reserved on disk, written with pwrite", segment.path.name)
 
     def _add(self, segment: Segment) -> None:
         assert segment.first_seq is not None
@@ -390,10 +416,15 @@ class Journal:
         segment = self.segments[-1]
         fd, at = segment.fd, segment.end
         if fd is not None and at + size <= segment.size and not self._pending and not self.hold:
-            try:
-                done = os.pwrite(fd, data, at)
-            except OSError:
-                done = 0  # ``write`` tries again, and meets the error itself
+            mapping = segment.mapping
+            if mapping is not None:
+                mapping[at : at + size] = data
+                done = size
+            else:
+                try:
+                    done = os.pwrite(fd, data, at)
+                except OSError:
+                    done = 0  # ``write`` tries again, and meets the error itself
             if done == size:
                 entries = pushed + len(copied)
                 self._written(size, seq, pushed, entries, entry_bytes, removed, copied, segment)
@@ -419,11 +450,19 @@ class Journal:
                 self._rotate()
                 continue
             assert segment.fd is not None
-            try:
-                block.done += os.pwrite(segment.fd, memoryview(block.data)[block.done :], at)
-            except OSError as error:
-                self._write_failed(error)
-                break
+            mapping = segment.mapping
+            if mapping is not None and at + size - block.done > segment.size:
+                segment.unmap()  # a block larger than a segment: the file grows to take it
+                mapping = None
+            if mapping is not None:
+                mapping[at : at + size - block.done] = memoryview(block.data)[block.done :]
+                block.done = size
+            else:
+                try:
+                    block.done += os.pwrite(segment.fd, memoryview(block.data)[block.done :], at)
+                except OSError as error:
+                    self._write_failed(error)
+                    break
             if block.done == size:
                 pending.popleft()
                 self._written(
@@ -572,6 +611,7 @@ class Journal:
         assert full is not None
         assert self.hold is Hold.ROTATION
         assert full.fd is not None
+        full.unmap()  # no page of the mapping may lie past the end of the file
         try:  # give back the reserved space the last block did not fit in
             os.ftruncate(full.fd, full.end)
             full.size = full.end
@@ -595,6 +635,7 @@ class Journal:
         self._next_number += 1
         spare = Segment(number, self.data_dir.segment_path(number), self.segment_size)
         spare.fd = fd
+        self._map(spare)
         self.spare = spare
         if self.hold is Hold.SPARE:
             self.hold = None

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import mmap
 import os
 import struct
 import zlib
@@ -147,6 +148,7 @@ class Segment:
         "fd",
         "first_seq",
         "live",
+        "mapping",
         "number",
         "path",
         "size",
@@ -176,12 +178,38 @@ class Segment:
         self.copies_at = 0
         #: The log format its blocks are in (its header says so).
         self.version: int = FORMAT_VERSION
+        #: The file mapped whole, shared, while the journal writes blocks into it by copying
+        #: them there (``map``); else ``None`` (written with ``pwrite``).
+        self.mapping: mmap.mmap | None = None
 
     def live_bytes(self) -> float:
         """An estimate of the bytes of live packet entries in this segment."""
         return self.live * self.entry_bytes / self.entries if self.entries else 0.0
 
+    def map(self) -> bool:
+        """Map the open file whole for writing, if all of its ``size`` is allocated on disk;
+        whether it did. A write into a mapped page the file system has no block for (a
+        sparse file, a file system that cannot reserve space) raises SIGBUS when the disk is
+        full, where ``pwrite`` would say ENOSPC: such a segment is written with ``pwrite``."""
+        assert self.fd is not None
+        status = os.fstat(self.fd)
+        if status.st_size < self.size or status.st_blocks * 512 < self.size:
+            return False
+        try:
+            mapping = mmap.mmap(self.fd, self.size)
+        except OSError:
+            return False
+        self.mapping = mapping
+        return True
+
+    def unmap(self) -> None:
+        """Stop writing through the mapping (if any): blocks are written with ``pwrite``."""
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
+
     def close(self) -> None:
+        self.unmap()
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
