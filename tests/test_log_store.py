@@ -869,3 +869,24 @@ def test_a_segment_whose_space_is_not_reserved_is_not_mapped(tmp_path: Path) -> 
     assert reserved.fd is None
     with open(reserved.path, "rb") as written:  # the copy is the file's, once unmapped
         assert written.read()[SEGMENT_HEADER_SIZE:][:6] == b"block\0"
+
+
+@each_log_store
+def test_a_reopened_segment_is_read_through_past_its_last_block(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """After a restart the active segment's unwritten pages are in the cache too, as a new
+    segment's are, so its next writes find them: recovery reads each segment whole (in its
+    worker thread), its reserved zeros included."""
+    store = open_store(tmp_path, clock)
+    store.push(b"q", b"k", b"v", 0, 1)
+    commit(store)
+    path = store.journal.active.path
+    store.close()
+    with open(path, "rb") as file:
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    assert not any(cached_pages(path))
+    store = open_store(tmp_path, clock)
+    assert store.journal.active.path == path
+    assert all(cached_pages(path))
+    store.close()
