@@ -896,25 +896,22 @@ static int store_forget_if_empty(StoreObject *s, QueueObject *q) {
 /* ---------------------------------------------------------------------------------------- */
 /* Filing and unfiling packets */
 
-static double store_now(StoreObject *s) {
-    PyObject *value = PyObject_CallNoArgs(s->clock);
+/* The seconds a clock (a callable returning a float) reads; NAN with an exception set on
+ * error. */
+static double clock_seconds(PyObject *clock) {
+    PyObject *value = PyObject_CallNoArgs(clock);
     if (value == NULL)
         return NAN;
-    double now = PyFloat_AsDouble(value);
+    double seconds = PyFloat_AsDouble(value);
     Py_DECREF(value);
-    return now;
+    return seconds == -1.0 && PyErr_Occurred() ? NAN : seconds;
 }
 
-/* The wall clock's seconds since the epoch (``attach_log``'s wall_clock); NAN with an
- * exception set on error. */
-static double store_wall(StoreObject *s) {
-    PyObject *value = PyObject_CallNoArgs(s->wall_clock);
-    if (value == NULL)
-        return NAN;
-    double wall = PyFloat_AsDouble(value);
-    Py_DECREF(value);
-    return wall == -1.0 && PyErr_Occurred() ? NAN : wall;
-}
+/* The store's clock (monotonic seconds). */
+static inline double store_now(StoreObject *s) { return clock_seconds(s->clock); }
+
+/* The wall clock's seconds since the epoch (``attach_log``'s wall_clock). */
+static inline double store_wall(StoreObject *s) { return clock_seconds(s->wall_clock); }
 
 /* Spare records: a popped record's memory, kept for the next push of the same size class.
  * At depth, the record a pop frees lies in a cold pymalloc pool, and pymalloc's free reads

@@ -407,24 +407,24 @@ class Journal:
         its push and copy entries' bytes; ``removed``: its remove entries; ``copied``: the
         seqs it copied) and write what can be written.
 
-        The common case, every request at -P 1, is written here with one ``pwrite`` and no
+        The common case, every request at -P 1, is written here (``Segment.write``) with no
         ``_Sealed``: nothing is queued or held and the block fits the active segment."""
         pushed = seq - self._sealed_seq
         size = len(data)
         self.sealed_pos += size
         self._sealed_seq = seq
         segment = self.segments[-1]
-        fd, at = segment.fd, segment.end
-        if fd is not None and at + size <= segment.size and not self._pending and not self.hold:
-            mapping = segment.mapping
-            if mapping is not None:
-                mapping[at : at + size] = data
-                done = size
-            else:
-                try:
-                    done = os.pwrite(fd, data, at)
-                except OSError:
-                    done = 0  # ``write`` tries again, and meets the error itself
+        at = segment.end
+        if (
+            segment.fd is not None
+            and at + size <= segment.size
+            and not self._pending
+            and not self.hold
+        ):
+            try:
+                done = segment.write(data, at)
+            except OSError:
+                done = 0  # ``write`` tries again, and meets the error itself
             if done == size:
                 entries = pushed + len(copied)
                 self._written(size, seq, pushed, entries, entry_bytes, removed, copied, segment)
@@ -449,20 +449,11 @@ class Journal:
             if not block.done and at + size > segment.size and at > SEGMENT_HEADER_SIZE:
                 self._rotate()
                 continue
-            assert segment.fd is not None
-            mapping = segment.mapping
-            if mapping is not None and at + size - block.done > segment.size:
-                segment.unmap()  # a block larger than a segment: the file grows to take it
-                mapping = None
-            if mapping is not None:
-                mapping[at : at + size - block.done] = memoryview(block.data)[block.done :]
-                block.done = size
-            else:
-                try:
-                    block.done += os.pwrite(segment.fd, memoryview(block.data)[block.done :], at)
-                except OSError as error:
-                    self._write_failed(error)
-                    break
+            try:
+                block.done += segment.write(memoryview(block.data)[block.done :], at)
+            except OSError as error:
+                self._write_failed(error)
+                break
             if block.done == size:
                 pending.popleft()
                 self._written(

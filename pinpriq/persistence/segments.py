@@ -202,6 +202,21 @@ class Segment:
         self.mapping = mapping
         return True
 
+    def write(self, data: bytes | memoryview, at: int) -> int:
+        """Write ``data`` at offset ``at`` of the open file: copied into the mapping if there
+        is one and ``data`` ends within it, else with ``pwrite``, which may write less. A
+        block running past the mapping (larger than a segment) unmaps the segment first: the
+        file grows to take it. Returns the bytes written; raises ``OSError`` as ``pwrite``."""
+        mapping = self.mapping
+        if mapping is not None:
+            end = at + len(data)
+            if end <= self.size:
+                mapping[at:end] = data
+                return len(data)
+            self.unmap()
+        assert self.fd is not None
+        return os.pwrite(self.fd, data, at)
+
     def unmap(self) -> None:
         """Stop writing through the mapping (if any): blocks are written with ``pwrite``."""
         if self.mapping is not None:
