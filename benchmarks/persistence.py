@@ -138,6 +138,8 @@ MODES = {
     # Not measured unless named in --modes: the log written, never fsynced (what everysec
     # costs beyond its fsyncs).
     "no": ["--fsync", "no"],
+    "everysec-512": ["--fsync", "everysec", "--log-segment-size", "512MiB"],
+    "everysec-pwrite": ["--fsync", "everysec", "--log-writes", "pwrite"],
 }
 DEFAULT_MODES = ["memory", "everysec", "always", "redis-everysec", "redis-always"]
 #: What each mode's ratio is taken against, measured in the same round.

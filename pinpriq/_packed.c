@@ -1374,50 +1374,95 @@ static int64_t log_base_ms(StoreObject *s) {
     return (int64_t)(s->block_wall * 1000);
 }
 
-/* frame_block(seq_base) -> bytes | None: the open block (seq_base: the store's seq before
- * its first push) framed as a whole block, and the open block's entries cleared; None for an
- * empty block. */
-static PyObject *Store_frame_block(StoreObject *s, PyObject *arg) {
+/* The open block's body size (its entries and body header), checked to fit a block; 0 if it
+ * is empty; -1 with an exception set if it is too large or its base_ms is before 1970. */
+static Py_ssize_t open_block_body(StoreObject *s) {
     if (s->log_pushes == NULL) {
-        PyErr_SetString(PyExc_TypeError, "frame_block: no log attached");
-        return NULL;
+        PyErr_SetString(PyExc_TypeError, "framing a block: no log attached");
+        return -1;
     }
-    unsigned long long seq_base = PyLong_AsUnsignedLongLong(arg);
-    if (seq_base == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t pushed = PyByteArray_GET_SIZE(s->log_pushes);
-    Py_ssize_t removed = PyByteArray_GET_SIZE(s->log_removals);
-    if (!pushed && !removed)
-        Py_RETURN_NONE;
-    Py_ssize_t body = BODY_HEADER_SIZE + pushed + removed;
+    Py_ssize_t entries = PyByteArray_GET_SIZE(s->log_pushes) + PyByteArray_GET_SIZE(s->log_removals);
+    if (!entries)
+        return 0;
+    Py_ssize_t body = BODY_HEADER_SIZE + entries;
     if ((uint64_t)body > 0xFFFFFFFFu) {
         PyErr_SetString(PyExc_OverflowError, "a block of more than 4 GiB");
-        return NULL;
+        return -1;
     }
-    int64_t base_ms = log_base_ms(s);
-    if (base_ms < 0) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "a block's wall-clock time before 1970");
-        return NULL;
+    if (log_base_ms(s) < 0) {
+        PyErr_SetString(PyExc_ValueError, "a block's wall-clock time before 1970");
+        return -1;
     }
-    PyObject *block = PyBytes_FromStringAndSize(NULL, BLOCK_HEADER_SIZE + body);
-    if (block == NULL)
-        return NULL;
-    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(block);
+    return body;
+}
+
+/* Frame the open block (body: open_block_body's) at start, which has room for
+ * BLOCK_HEADER_SIZE + body bytes, and clear it. */
+static int frame_open_block(StoreObject *s, uint64_t seq_base, unsigned char *start,
+                            Py_ssize_t body) {
+    Py_ssize_t pushed = PyByteArray_GET_SIZE(s->log_pushes);
+    Py_ssize_t removed = PyByteArray_GET_SIZE(s->log_removals);
     memcpy(start, "PQLB", 4);
     put_be(start + 4, (uint64_t)body, 4);
     unsigned char *b = start + BLOCK_HEADER_SIZE;
     b = put_be(b, seq_base, 8);
-    b = put_be(b, (uint64_t)base_ms, 8);
+    b = put_be(b, (uint64_t)log_base_ms(s), 8);
     memcpy(b, PyByteArray_AS_STRING(s->log_pushes), pushed);
     memcpy(b + pushed, PyByteArray_AS_STRING(s->log_removals), removed);
     uint32_t crc = crc32_of(crc32_of(0, start + 4, 4), start + BLOCK_HEADER_SIZE, body);
     put_be(start + 8, crc, 4);
-    if (log_clear(s->log_pushes) < 0 || log_clear(s->log_removals) < 0) {
+    return log_clear(s->log_pushes) < 0 || log_clear(s->log_removals) < 0 ? -1 : 0;
+}
+
+/* frame_block(seq_base) -> bytes | None: the open block (seq_base: the store's seq before
+ * its first push) framed as a whole block, and the open block's entries cleared; None for an
+ * empty block. */
+static PyObject *Store_frame_block(StoreObject *s, PyObject *arg) {
+    unsigned long long seq_base = PyLong_AsUnsignedLongLong(arg);
+    if (seq_base == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t body = open_block_body(s);
+    if (body <= 0)
+        return body < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *block = PyBytes_FromStringAndSize(NULL, BLOCK_HEADER_SIZE + body);
+    if (block == NULL)
+        return NULL;
+    if (frame_open_block(s, seq_base, (unsigned char *)PyBytes_AS_STRING(block), body) < 0) {
         Py_DECREF(block);
         return NULL;
     }
     return block;
+}
+
+/* frame_into(seq_base, buffer, at) -> int: frame_block's block framed straight into the
+ * writable buffer (the journal's mapping of its active segment) at offset at, with no bytes
+ * object made and no copy of it: the bytes framed; 0 for an empty block; -1 if the block
+ * would end past the buffer's end, in which case nothing is framed or cleared. */
+static PyObject *Store_frame_into(StoreObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "frame_into(seq_base, buffer, at)");
+        return NULL;
+    }
+    unsigned long long seq_base = PyLong_AsUnsignedLongLong(args[0]);
+    if (seq_base == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t at = PyLong_AsSsize_t(args[2]);
+    if (at == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t body = open_block_body(s);
+    if (body <= 0)
+        return body < 0 ? NULL : PyLong_FromLong(0);
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    Py_ssize_t size = BLOCK_HEADER_SIZE + body;
+    int result = at < 0 || at > view.len || size > view.len - at
+                     ? 1
+                     : frame_open_block(s, seq_base, (unsigned char *)view.buf + at, body);
+    PyBuffer_Release(&view);  /* at once: a mapping with a buffer exported cannot be closed */
+    if (result < 0)
+        return NULL;
+    return PyLong_FromSsize_t(result ? -1 : size);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -3024,6 +3069,9 @@ static PyMethodDef Store_methods[] = {
      "attach_log(pushes, removals, wall_clock): log into a journal's open block"},
     {"frame_block", (PyCFunction)Store_frame_block, METH_O,
      "frame_block(seq_base) -> the open block as a whole block (None if empty); clears it"},
+    {"frame_into", (PyCFunction)(void (*)(void))Store_frame_into, METH_FASTCALL,
+     "frame_into(seq_base, buffer, at) -> bytes framed into buffer at at (0: empty block; "
+     "-1: it would not fit, nothing framed)"},
     {"_load", (PyCFunction)(void (*)(void))Store_load, METH_FASTCALL,
      "_load(packets, deadlines, delayed, last_seq): recovery's bulk insert"},
     {"locate", (PyCFunction)(void (*)(void))Store_locate, METH_FASTCALL,

@@ -56,7 +56,7 @@ class PackedStore(_Base):  # type: ignore[misc]
     a subscriber's delivery (nothing written when nothing is selectable);
     ``prefetch_pushes(frames, start)``, which asks the memory for what a batch's pushes will
     read. ``index_bytes(queue)``: what a queue's indexes hold (for tests and tools). And the
-    log's hooks (``attach_log``, ``frame_block``, ``_load``, ``locate``), which
+    log's hooks (``attach_log``, ``frame_block``, ``frame_into``, ``_load``, ``locate``), which
     ``persistence.packed_store.LoggedPackedStore`` uses.
     """
 

@@ -210,6 +210,71 @@ def test_the_c_core_frames_a_block_as_encode_block_does(tmp_path: Path) -> None:
         store.close()
 
 
+def test_frame_into_frames_the_block_frame_block_would_make_in_place(tmp_path: Path) -> None:
+    """``frame_into`` writes ``frame_block``'s bytes into a writable buffer at an offset,
+    touching nothing else, and clears the open block; an empty block is 0 bytes; a block
+    that would end past the buffer is -1, with nothing written and the open block kept."""
+    clock = FakeClock()
+    store = open_store(tmp_path, clock, store_class=LoggedPackedStore)
+    journal = store.journal
+    try:
+        for i in range(5):
+            store.push(b"q", b"k%d" % i, b"v" * i, 0, 1)
+        store.pop(b"q")
+        seq_base = store._seq - 5
+        expected = encode_block(
+            seq_base, block_base_ms(journal, store._block_wall), journal.pushes, journal.removals
+        )
+        buffer = bytearray(b"\xee" * (len(expected) + 10))
+        assert store.frame_into(seq_base, buffer, 11) == -1  # one byte short of room
+        assert buffer == b"\xee" * len(buffer)
+        assert journal.pushes and journal.removals  # kept for the next try
+        assert store.frame_into(seq_base, buffer, 7) == len(expected)
+        assert buffer == b"\xee" * 7 + expected + b"\xee" * 3
+        assert not journal.pushes
+        assert not journal.removals
+        assert store.frame_into(seq_base, buffer, 0) == 0  # nothing left to frame
+        store.push(b"q", b"later", b"v", 0, 1)
+        with pytest.raises(BufferError):
+            store.frame_into(store._seq - 1, bytes(100), 0)  # read-only
+        assert journal.pushes
+    finally:
+        store.close()
+
+
+def test_a_mapped_segment_gets_framed_blocks_without_a_bytes_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a mapped segment with nothing queued, ``seal_framed`` frames each block into the
+    mapping (``frame_into``) and never asks for its ``bytes``; the log reads back whole."""
+    clock = FakeClock()
+    store = open_store(tmp_path, clock, store_class=LoggedPackedStore, mapped=True)
+    assert store.journal.active.mapping is not None
+    asked: list[int] = []
+
+    def frame_block(seq_base: int) -> bytes | None:
+        asked.append(seq_base)
+        raise AssertionError("framed as bytes")
+
+    monkeypatch.setattr(store, "frame_block", frame_block, raising=False)
+    for i in range(30):
+        store.push(b"q", b"%d" % i, b"v" * i, 0, 1)
+        store.flush()
+        if i % 3 == 0:
+            store.pop(b"q")
+            store.flush()
+    assert not asked
+    assert store.journal.blocks_written == 40
+    store.check_invariants()
+    left = len(store)
+    store.close()
+    store = open_store(tmp_path, clock, store_class=LoggedPackedStore)
+    try:
+        assert len(store) == left == 20
+    finally:
+        store.close()
+
+
 def test_the_open_block_keeps_its_room_only_up_to_a_mebibyte(tmp_path: Path) -> None:
     """The C core appends entries into room the open block keeps from block to block, but a
     block of more than a mebibyte gives its room back once framed: one huge batch does not
@@ -247,7 +312,7 @@ def test_the_c_core_frames_each_request_and_the_journal_counts_it(tmp_path: Path
 
     class Watched(LoggedPackedStore):
         def flush(self) -> None:
-            framed.append(self.journal.seal_framed(self._seq, self.frame_block))
+            framed.append(self.journal.seal_framed(self._seq, self))
             super().flush()  # nothing left to seal if it framed the block
 
     clock = FakeClock()

@@ -58,6 +58,7 @@ import bisect
 import enum
 import errno
 import logging
+import mmap
 import os
 import time
 from collections import deque
@@ -163,12 +164,18 @@ class _Sealed:
 
 
 class BlockFramer(Protocol):
-    """The packed store's C core framing the open block (``PackedCore.frame_block``): the
-    whole block ``encode_block`` would make of ``pushes`` and ``removals`` (``seq_base``: the
-    store's seq before its first push; its ``base_ms`` the core's own), or ``None`` if they
-    are empty; it clears them."""
+    """The packed store's C core framing the open block (``PackedCore``): the whole block
+    ``encode_block`` would make of ``pushes`` and ``removals`` (``seq_base``: the store's seq
+    before its first push; its ``base_ms`` the core's own). Framing clears them."""
 
-    def __call__(self, seq_base: int, /) -> bytes | None: ...
+    def frame_block(self, seq_base: int, /) -> bytes | None:
+        """The block as ``bytes``; ``None`` if the open block is empty."""
+        ...
+
+    def frame_into(self, seq_base: int, buffer: mmap.mmap, at: int, /) -> int:
+        """The block framed straight into ``buffer`` at ``at``: its size; 0 if the open block
+        is empty; -1 if it would end past the buffer, in which case nothing is framed."""
+        ...
 
 
 class RemovalCounter(Protocol):
@@ -366,10 +373,11 @@ class Journal:
         copies.clear()
         self._copied = []
 
-    def seal_framed(self, seq: int, frame_block: BlockFramer) -> bool:
-        """``seal`` on the packed store, whose C core frames the block (``frame_block``)
-        unless it holds copies: whether it did. If not, compaction's step is taken and the
-        caller seals with ``seal_stepped``. At -P 1 every block is framed here."""
+    def seal_framed(self, seq: int, framer: BlockFramer) -> bool:
+        """``seal`` on the packed store, whose C core frames the block (``framer``) unless it
+        holds copies: whether it did. If not, compaction's step is taken and the caller seals
+        with ``seal_stepped``. At -P 1 every block is framed here; into the active segment's
+        mapping, with no ``bytes`` made, when nothing is queued or held and it fits."""
         pushes, removals = self.pushes, self.removals
         if not pushes and not removals:
             return not self._copies  # nothing to seal, or a move's copies alone
@@ -381,8 +389,15 @@ class Journal:
             self._step_compaction()
         if self._copies:
             return False
-        entry_bytes, removed = len(pushes), bytes(removals)  # ``frame_block`` clears them
-        data = frame_block(self._sealed_seq)
+        entry_bytes, removed = len(pushes), bytes(removals)  # framing clears them
+        segment = self.segments[-1]
+        mapping = segment.mapping
+        if mapping is not None and not self._pending and not self.hold:
+            size = framer.frame_into(self._sealed_seq, mapping, segment.end)
+            if size > 0:
+                self._sealed_written(size, seq, entry_bytes, removed, [], segment)
+                return True
+        data = framer.frame_block(self._sealed_seq)
         assert data is not None
         self._queue(data, seq, entry_bytes, removed, [])
         return True
@@ -407,12 +422,10 @@ class Journal:
         its push and copy entries' bytes; ``removed``: its remove entries; ``copied``: the
         seqs it copied) and write what can be written.
 
-        The common case, every request at -P 1, is written here (``Segment.write``) with no
-        ``_Sealed``: nothing is queued or held and the block fits the active segment."""
-        pushed = seq - self._sealed_seq
+        The common case, every request at -P 1 on a segment written with ``pwrite``, is
+        written here (``Segment.write``) with no ``_Sealed``: nothing is queued or held and
+        the block fits the active segment."""
         size = len(data)
-        self.sealed_pos += size
-        self._sealed_seq = seq
         segment = self.segments[-1]
         at = segment.end
         if (
@@ -426,15 +439,34 @@ class Journal:
             except OSError:
                 done = 0  # ``write`` tries again, and meets the error itself
             if done == size:
-                entries = pushed + len(copied)
-                self._written(size, seq, pushed, entries, entry_bytes, removed, copied, segment)
-                self.released = not self._always  # nothing queued; under always, not synced
+                self._sealed_written(size, seq, entry_bytes, removed, copied, segment)
                 return
             # A short write counts nothing: ``write`` writes the block again, whole.
+        pushed = seq - self._sealed_seq
+        self.sealed_pos += size
+        self._sealed_seq = seq
         entries = pushed + len(copied)
         block = _Sealed(data, seq, pushed, entries, entry_bytes, bytes(removed), copied)
         self._pending.append(block)
         self.write()
+
+    def _sealed_written(
+        self,
+        size: int,
+        seq: int,
+        entry_bytes: int,
+        removed: bytes | bytearray,
+        copied: list[int],
+        segment: Segment,
+    ) -> None:
+        """A block just sealed (its fields as ``_queue``'s) is in ``segment`` already, whole,
+        with nothing queued before it: count it sealed and written."""
+        pushed = seq - self._sealed_seq
+        self.sealed_pos += size
+        self._sealed_seq = seq
+        entries = pushed + len(copied)
+        self._written(size, seq, pushed, entries, entry_bytes, removed, copied, segment)
+        self.released = not self._always  # nothing queued; under always, not synced
 
     # -- writing --------------------------------------------------------------------------
 

@@ -7,8 +7,8 @@ C core writes the entries itself (``_packed.c``'s "Log hooks"): ``attach_log`` h
 journal's open block, and each push appends its entry (the layout of ``records.py``), each
 packet that leaves for good (pop, ``pop_reply``, expiry, purge, a move) a remove entry, as the
 packet is in hand, with no Python frame on the push or pop path; and at the end of a batch it
-frames the block (``frame_block``: header, CRC-32) when it holds no copies
-(``Journal.seal_framed``). What is off the hot path is
+frames the block (header, CRC-32: ``frame_into`` the active segment's mapping, or
+``frame_block``) when it holds no copies (``Journal.seal_framed``). What is off the hot path is
 here, in Python, as ``LoggedStore`` does it: leases (a take logs nothing; an ack is a removal,
 a dead-letter move a copy entry), ``flush``, ``recover``.
 """
@@ -138,7 +138,7 @@ class LoggedPackedStore(PackedStore):
         """Seal what this batch logged into a block and write it: framed by the C core when
         the block holds no copies (``Journal.seal_framed``), else by ``Journal.seal_stepped``."""
         journal = self.journal
-        if not journal.seal_framed(self._seq, self.frame_block):
+        if not journal.seal_framed(self._seq, self):
             base_ms = block_base_ms(journal, self._block_wall)
             journal.seal_stepped(self._seq, base_ms)
 
