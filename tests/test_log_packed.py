@@ -228,7 +228,8 @@ def test_frame_into_frames_the_block_frame_block_would_make_in_place(tmp_path: P
         buffer = bytearray(b"\xee" * (len(expected) + 10))
         assert store.frame_into(seq_base, buffer, 11) == -1  # one byte short of room
         assert buffer == b"\xee" * len(buffer)
-        assert journal.pushes and journal.removals  # kept for the next try
+        assert journal.pushes  # kept for the next try
+        assert journal.removals
         assert store.frame_into(seq_base, buffer, 7) == len(expected)
         assert buffer == b"\xee" * 7 + expected + b"\xee" * 3
         assert not journal.pushes
