@@ -442,9 +442,7 @@ class Journal:
                 self._sealed_written(size, seq, entry_bytes, removed, copied, segment)
                 return
             # A short write counts nothing: ``write`` writes the block again, whole.
-        pushed = seq - self._sealed_seq
-        self.sealed_pos += size
-        self._sealed_seq = seq
+        pushed = self._count_sealed(size, seq)
         entries = pushed + len(copied)
         block = _Sealed(data, seq, pushed, entries, entry_bytes, bytes(removed), copied)
         self._pending.append(block)
@@ -461,12 +459,18 @@ class Journal:
     ) -> None:
         """A block just sealed (its fields as ``_queue``'s) is in ``segment`` already, whole,
         with nothing queued before it: count it sealed and written."""
-        pushed = seq - self._sealed_seq
-        self.sealed_pos += size
-        self._sealed_seq = seq
+        pushed = self._count_sealed(size, seq)
         entries = pushed + len(copied)
         self._written(size, seq, pushed, entries, entry_bytes, removed, copied, segment)
         self.released = not self._always  # nothing queued; under always, not synced
+
+    def _count_sealed(self, size: int, seq: int) -> int:
+        """Count a block of ``size`` bytes sealed, the store's seq ``seq`` after it; returns
+        how many pushes it holds."""
+        pushed = seq - self._sealed_seq
+        self.sealed_pos += size
+        self._sealed_seq = seq
+        return pushed
 
     # -- writing --------------------------------------------------------------------------
 
