@@ -437,6 +437,41 @@ def test_released_means_written_and_under_always_synced(
     store.close()
 
 
+@pytest.mark.parametrize("policy", [FsyncPolicy.EVERYSEC, FsyncPolicy.NO])
+@each_log_store
+def test_everysec_fsyncs_early_once_a_quarter_segment_is_unsynced(
+    tmp_path: Path, clock: FakeClock, policy: FsyncPolicy
+) -> None:
+    """Under everysec a quarter of a segment written and not synced is due for an fsync at
+    once, not at its second: the fsync at a rotation, which holds all output, then has at most
+    that much to write back. The keeper is woken when that quarter is crossed, not at every
+    block. ``no`` never fsyncs for it."""
+    store = open_store(tmp_path, clock, segment_size=MIN_SEGMENT_SIZE, policy=policy)
+    journal = store.journal
+    wakes: list[int] = []
+    journal.wake = lambda: wakes.append(journal.written_pos - journal.synced_pos)
+    journal.last_sync = 100.0
+    quarter = MIN_SEGMENT_SIZE // 4
+    for i in range(1000):
+        if journal.written_pos - journal.synced_pos >= quarter:
+            break
+        assert not journal.sync_due(100.5), f"due after {i} blocks, before a quarter segment"
+        store.push(b"q", b"k%d" % i, b"v" * 100, 0, 1)
+        store.flush()
+    assert len(journal.segments) == 1, "no rotation on the way"
+    everysec = policy is FsyncPolicy.EVERYSEC
+    assert journal.sync_due(100.5) is everysec
+    if everysec:  # its first unsynced block (the second's timer), then the quarter crossed
+        assert len(wakes) == 2, wakes
+        assert wakes[1] >= quarter
+    else:
+        assert all(unsynced < quarter for unsynced in wakes), wakes
+    settle(journal)
+    assert journal.written_pos == journal.synced_pos or not everysec
+    assert not journal.sync_due(100.5)
+    store.close()
+
+
 @each_log_store
 def test_a_block_written_in_part_is_written_again_whole(
     tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch

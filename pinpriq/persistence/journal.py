@@ -95,6 +95,11 @@ log = logging.getLogger("pinpriq.persistence")
 DEFAULT_SEGMENT_SIZE = 32 * 1024 * 1024
 #: Smallest segment size allowed: tests use small segments to exercise rotation and deletion.
 MIN_SEGMENT_SIZE = 64 * 1024
+#: Under everysec the active segment is also fsynced as soon as this share of a segment
+#: (a quarter) is written and not synced, as Redis fsyncs its AOF rewrite every 4 MB: the fsync
+#: at a rotation holds all output (only the newest segment may be torn), and at -P 64 a whole
+#: segment's writeback held it ~40 ms; so it has at most a quarter segment to write back.
+EARLY_SYNC_SHARE = 4
 
 
 class FsyncPolicy(enum.Enum):
@@ -216,6 +221,10 @@ class Journal:
         self.policy = policy
         self.segment_size = segment_size
         self._always = policy is FsyncPolicy.ALWAYS
+        #: Unsynced bytes past which everysec fsyncs without waiting for its second.
+        self._early_sync_bytes = (
+            segment_size // EARLY_SYNC_SHARE if policy is FsyncPolicy.EVERYSEC else -1
+        )
         self.mapped = not self._always if mapped is None else mapped
         #: The open block's entries, appended to by the store on its hot path (in place:
         #: ``seal`` clears them, so the store may keep references).
@@ -533,8 +542,9 @@ class Journal:
             segment.live += 1
             copied_to[copy] = segment
         self._count_removals(removed)
-        if self._always or self.written_pos - size == self.synced_pos:
-            self.wake()  # a sync is due now (always), or in a second (everysec)
+        unsynced, early = self.written_pos - self.synced_pos, self._early_sync_bytes
+        if self._always or unsynced == size or unsynced - size < early <= unsynced:
+            self.wake()  # a sync is due now (always, or everysec's early one), or in a second
         if len(self.segments) > 1 and not self.segments[0].live:
             self._collect()
 
@@ -613,10 +623,13 @@ class Journal:
 
     def sync_due(self, now: float) -> bool:
         """Whether the keeper should fsync the active segment now (``now``: monotonic)."""
-        if self.written_pos > self.synced_pos:
+        unsynced = self.written_pos - self.synced_pos
+        if unsynced > 0:
             if self._always:
                 return True
-            if self.policy is FsyncPolicy.EVERYSEC and now - self.last_sync >= 1.0:
+            if self.policy is FsyncPolicy.EVERYSEC and (
+                now - self.last_sync >= 1.0 or unsynced >= self._early_sync_bytes
+            ):
                 return True
         oldest = self.segments[0]
         return len(self.segments) > 1 and not oldest.live and self.synced_pos < oldest.copies_at
