@@ -98,8 +98,10 @@ MIN_SEGMENT_SIZE = 64 * 1024
 #: Under everysec the active segment is also fsynced as soon as this share of a segment
 #: (a quarter) is written and not synced, as Redis fsyncs its AOF rewrite every 4 MB: the fsync
 #: at a rotation holds all output (only the newest segment may be torn), and at -P 64 a whole
-#: segment's writeback held it ~40 ms; so it has at most a quarter segment to write back.
+#: segment's writeback held it 22-88 ms; so it has at most a quarter segment to write back.
 EARLY_SYNC_SHARE = 4
+#: ``Journal._early_sync_bytes`` under the other policies: no amount of writes is early due.
+_NEVER = 1 << 60  # within a mypyc short int
 
 
 class FsyncPolicy(enum.Enum):
@@ -223,7 +225,7 @@ class Journal:
         self._always = policy is FsyncPolicy.ALWAYS
         #: Unsynced bytes past which everysec fsyncs without waiting for its second.
         self._early_sync_bytes = (
-            segment_size // EARLY_SYNC_SHARE if policy is FsyncPolicy.EVERYSEC else -1
+            segment_size // EARLY_SYNC_SHARE if policy is FsyncPolicy.EVERYSEC else _NEVER
         )
         self.mapped = not self._always if mapped is None else mapped
         #: The open block's entries, appended to by the store on its hot path (in place:
@@ -627,9 +629,9 @@ class Journal:
         if unsynced > 0:
             if self._always:
                 return True
-            if self.policy is FsyncPolicy.EVERYSEC and (
-                now - self.last_sync >= 1.0 or unsynced >= self._early_sync_bytes
-            ):
+            if unsynced >= self._early_sync_bytes:
+                return True
+            if self.policy is FsyncPolicy.EVERYSEC and now - self.last_sync >= 1.0:
                 return True
         oldest = self.segments[0]
         return len(self.segments) > 1 and not oldest.live and self.synced_pos < oldest.copies_at
